@@ -1,0 +1,35 @@
+"""The exception tree of the storage tier.
+
+::
+
+    ShmError                     anything the store raises on purpose
+    ├── StoreFull                no free slot and nothing evictable (all pinned or reserved)
+    ├── ChunkNotFound            no committed object under that key (never stored, or evicted)
+    ├── LayoutMismatch           existing segments or a chunk disagree with the requested layout/version
+    ├── CapacityError            a fixed-size table (layout classes, pins, index entries) is full
+    └── Busy                     a timed wait for the cross-process lock ran out
+"""
+
+
+class ShmError(Exception):
+    """Base class of every error raised on purpose by ``shm``."""
+
+
+class StoreFull(ShmError):
+    """No free slot, and every candidate for eviction is pinned or reserved."""
+
+
+class ChunkNotFound(ShmError, KeyError):
+    """No committed object under that key."""
+
+
+class LayoutMismatch(ShmError):
+    """Segments or a request disagree with the expected layout or format version."""
+
+
+class CapacityError(ShmError):
+    """A fixed-size table is full."""
+
+
+class Busy(ShmError):
+    """A timed wait for the cross-process lock ran out."""

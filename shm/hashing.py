@@ -1,0 +1,99 @@
+"""Chunk keys: prefix-chained cryptographic hashes of token chunks, rooted in a namespace.
+
+This module owns how a stored chunk is named. It does not own where chunks live (``shm.store``)
+or how they are found inside a prompt (``shm.fingerprint``).
+
+Key of chunk i of a token sequence::
+
+    root   = blake2b("kvblend-ns\\0" + model_name + "\\0" + world_size + "\\0" + cache_salt)
+    key[0] = blake2b(root     || tokens[0:C]   as little-endian uint32)
+    key[i] = blake2b(key[i-1] || tokens[iC:(i+1)C] as little-endian uint32)
+
+All digests are 16 bytes (128 bits). Only full chunks get keys; a partial last chunk is ignored.
+Nothing depends on PYTHONHASHSEED: the same tokens give the same keys in every process, forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Chunks of different namespaces never see each other.
+
+    Attributes:
+        model_name: the engine's model name.
+        world_size: tensor-parallel degree; each rank stores its own shard under the same key.
+        cache_salt: an optional tenant salt; requests with different salts share nothing.
+    """
+
+    model_name: str
+    world_size: int = 1
+    cache_salt: str = ""
+    root: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must be a non-empty string")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        text = f"kvblend-ns\0{self.model_name}\0{self.world_size}\0{self.cache_salt}"
+        digest = hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
+        object.__setattr__(self, "root", digest)
+
+    @property
+    def id(self) -> int:
+        """64-bit id of the namespace (the first 8 bytes of its root, little-endian)."""
+        return int.from_bytes(self.root[:8], "little")
+
+
+def as_tokens(token_ids: object) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array.
+
+    Raises:
+        ValueError: an id outside [0, 2^32) or a non-1-D input.
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
+        arr = token_ids
+    else:
+        raw = np.asarray(token_ids)
+        if raw.size and raw.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {raw.dtype}")
+        if raw.size and (int(raw.min()) < 0 or int(raw.max()) >= 2**32):
+            raise ValueError("token ids must lie in [0, 2^32)")
+        arr = raw.astype(np.uint32)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def chunk_hashes(namespace: Namespace, token_ids: object, chunk_size: int) -> list[bytes]:
+    """Keys of every full chunk of ``token_ids``, in order.
+
+    Args:
+        namespace: the chain's root.
+        token_ids: 1-D integers in [0, 2^32).
+        chunk_size: tokens per chunk (> 0).
+
+    Returns:
+        One 16-byte key per full chunk; the partial tail gets none.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    tokens = as_tokens(token_ids)
+    raw = tokens.tobytes()
+    step = chunk_size * 4
+    prev = namespace.root
+    keys = []
+    for i in range(len(tokens) // chunk_size):
+        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
+        h.update(raw[i * step : (i + 1) * step])
+        prev = h.digest()
+        keys.append(prev)
+    return keys

@@ -1,0 +1,121 @@
+"""The cross-process lock of a store: ``flock`` on a file in /dev/shm, plus a thread lock.
+
+This module owns mutual exclusion and the repair-on-acquire protocol; it knows nothing of what the
+lock protects.
+
+- The kernel drops an ``flock`` when its holder dies, so a SIGKILLed process never wedges others.
+- ``flock`` excludes open file descriptions, not threads: threads of one process share the fd, so a
+  ``threading.Lock`` serializes them first.
+- A holder can still die *inside* a critical section and leave shared structures half-updated.
+  ``Guarded`` therefore keeps a dirty word in shared memory: set on entry, cleared on a clean exit.
+  The next holder that finds it set calls ``repair()`` (rebuild derived state from the source of
+  truth) before doing anything else.
+
+Timeouts follow posix_ipc: ``None`` waits forever, ``0`` fails at once, ``> 0`` waits that long
+(raising ``Busy``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from shm.errors import Busy, ShmError
+
+SHM_DIR = "/dev/shm"
+
+
+class FileLock:
+    """Exclusive lock shared by every process that opens the same path."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._thread_lock = threading.Lock()
+
+    def acquire(self, timeout: float | None = None) -> None:
+        if not self._thread_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise Busy(f"lock {self.path} busy (in this process)")
+        try:
+            self._flock(timeout)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def _flock(self, timeout: float | None) -> None:
+        if timeout is None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            return
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise Busy(f"lock {self.path} busy for {timeout} s") from None
+                time.sleep(delay)  # backoff while polling a non-blocking flock
+                delay = min(delay * 2, 1e-3)
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Guarded:
+    """A ``FileLock`` plus the dirty word that triggers ``repair`` after a holder died mid-update.
+
+    Args:
+        lock: the cross-process lock.
+        dirty: a 1-element int64 array in shared memory.
+        repair: rebuilds derived state; called with the lock held.
+    """
+
+    def __init__(self, lock: FileLock, dirty: np.ndarray, repair: Callable[[], None]) -> None:
+        self.lock = lock
+        self._dirty = dirty
+        self._repair = repair
+
+    @contextmanager
+    def __call__(self, timeout: float | None = None) -> Iterator[None]:
+        self.lock.acquire(timeout)
+        try:
+            if self._dirty[0]:
+                self._repair()
+            self._dirty[0] = 1
+            try:
+                yield
+            except ShmError:
+                self._dirty[0] = 0  # typed errors are raised before any shared state changes
+                raise
+            self._dirty[0] = 0
+        finally:
+            self.lock.release()
+
+
+def lock_path(prefix: str, what: str) -> str:
+    return os.path.join(SHM_DIR, f"{prefix}_{what}.lock")
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists (zombies count as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")

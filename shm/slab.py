@@ -1,0 +1,343 @@
+"""The slab allocator: pages, fixed-size slots per layout class, eviction, and the rebuild.
+
+This module owns the ``pages`` and ``classes`` tables and the kernels that hand out and take back
+slots. It does not own keys or the recency order (``shm.index``) nor the bytes themselves.
+
+The slab is ``num_pages`` pages of ``page_bytes``. A page is free or belongs to one layout class and
+is cut into ``classes[c, NSLOTS]`` slots of ``classes[c, SLOT_BYTES]``. Slot id ``s`` lives in page
+``s // spp`` at index ``s % spp`` (``spp`` = page_bytes // min_slot_bytes bounds slots per page), at
+byte offset ``page * page_bytes + index * slot_bytes`` of the slab.
+
+``pages[p]`` (2 int64 words): CLASS (-1 = free), USED (slots not FREE).
+``classes[c]`` (16 int64 words): see the ``C_*`` constants; the class row is written before any of
+its pages exists and never changes afterwards (only its counters and free-list head do).
+
+Allocation for class c, in order:
+  1. a FREE slot from c's free list (doubly linked through obj PREV/NEXT);
+  2. a free page, cut into c's slots;
+  3. eviction, walking the recency list from the least recently used object, skipping pinned ones:
+     an object of class c gives up its own slot; an object of another class is evicted together with
+     the other objects of its page (when none of them is pinned or reserved) and the page moves to c.
+
+NOTE: every kernel here runs with the store lock held. ``rebuild`` restores all derived state
+(hash table, recency list, free lists, counters, pin counts) from the obj STATE words, the page and
+class rows, and the pin table; it is what runs after a holder died inside a critical section.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K0, NEXT, NIL, PID,
+                       PINS, PREV, RANK, RESERVED, STATE, TICK, delete, find, insert, lru_push,
+                       lru_unlink, touch)
+from shm.index import K1, NS
+
+# pages columns
+G_CLASS, G_USED = 0, 1
+PAGE_COLS = 2
+# classes columns
+(C_USED, C_SLOT_BYTES, C_KV_BYTES, C_HEADER_BYTES, C_CHUNK, C_LAYERS, C_HIDDEN, C_DTYPE, C_WS,
+ C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH) = range(15)
+CLASS_COLS = 16
+# pins columns
+P_SLOT, P_PID, P_COUNT = 0, 1, 2
+PIN_COLS = 3
+# header words owned here (see shm.store for the whole header)
+H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 5, 10, 13, 14
+
+EXISTS, FULL = -1, -2
+
+
+@numba.njit(cache=True)
+def _free_push(classes, obj, c, s):
+    head = classes[c, C_FREE_HEAD]
+    obj[s, PREV] = NIL
+    obj[s, NEXT] = head
+    if head != NIL:
+        obj[head, PREV] = s
+    classes[c, C_FREE_HEAD] = s
+
+
+@numba.njit(cache=True)
+def _free_unlink(classes, obj, c, s):
+    p, n = obj[s, PREV], obj[s, NEXT]
+    if p == NIL:
+        classes[c, C_FREE_HEAD] = n
+    else:
+        obj[p, NEXT] = n
+    if n != NIL:
+        obj[n, PREV] = p
+    obj[s, PREV] = NIL
+    obj[s, NEXT] = NIL
+
+
+@numba.njit(cache=True)
+def _assign_page(h, classes, pages, obj, p, c):
+    spp = h[H_SPP]
+    pages[p, G_CLASS] = c
+    pages[p, G_USED] = 0
+    classes[c, C_PAGES] += 1
+    for i in range(classes[c, C_NSLOTS] - 1, -1, -1):
+        s = p * spp + i
+        obj[s, STATE] = FREE
+        obj[s, CLASS] = c
+        _free_push(classes, obj, c, s)
+
+
+@numba.njit(cache=True)
+def _page_evictable(h, classes, pages, obj, p):
+    spp = h[H_SPP]
+    c = pages[p, G_CLASS]
+    for i in range(classes[c, C_NSLOTS]):
+        s = p * spp + i
+        if obj[s, STATE] == RESERVED or obj[s, PINS] > 0:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def evict(h, classes, pages, obj, table, s):
+    """Drop the COMMITTED, unpinned object in slot ``s``; the slot returns to its class free list."""
+    c = obj[s, CLASS]
+    obj[s, STATE] = FREE
+    delete(table, obj, s)
+    lru_unlink(h, obj, s)
+    _free_push(classes, obj, c, s)
+    pages[s // h[H_SPP], G_USED] -= 1
+    classes[c, C_COMMITTED] -= 1
+    classes[c, C_EVICTIONS] += 1
+    h[H_COMMITTED] -= 1
+    h[H_EVICTIONS] += 1
+
+
+@numba.njit(cache=True)
+def _steal_page(h, classes, pages, obj, table, p, c):
+    spp = h[H_SPP]
+    old = pages[p, G_CLASS]
+    for i in range(classes[old, C_NSLOTS]):
+        s = p * spp + i
+        if obj[s, STATE] == COMMITTED:
+            evict(h, classes, pages, obj, table, s)
+        _free_unlink(classes, obj, old, s)
+        obj[s, CLASS] = NIL
+    classes[old, C_PAGES] -= 1
+    _assign_page(h, classes, pages, obj, p, c)
+
+
+@numba.njit(cache=True)
+def _alloc(h, classes, pages, obj, table, c):
+    if classes[c, C_FREE_HEAD] == NIL:
+        for p in range(len(pages)):
+            if pages[p, G_CLASS] == NIL:
+                _assign_page(h, classes, pages, obj, p, c)
+                break
+    if classes[c, C_FREE_HEAD] == NIL:
+        v = h[H_LRU_HEAD]
+        while v != NIL:
+            nxt = obj[v, NEXT]
+            if obj[v, PINS] == 0:
+                if obj[v, CLASS] == c:
+                    evict(h, classes, pages, obj, table, v)
+                    break
+                p = v // h[H_SPP]
+                if _page_evictable(h, classes, pages, obj, p):
+                    _steal_page(h, classes, pages, obj, table, p, c)
+                    break
+            v = nxt
+    s = classes[c, C_FREE_HEAD]
+    if s != NIL:
+        _free_unlink(classes, obj, c, s)
+    return s
+
+
+@numba.njit(cache=True)
+def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid):
+    """Reserve a slot of class ``c`` for a key: the slot id, EXISTS when the key is already
+    reserved or committed, FULL when nothing is free or evictable."""
+    if find(table, obj, k0, k1, ns, rank) != NIL:
+        return EXISTS
+    s = _alloc(h, classes, pages, obj, table, c)
+    if s == NIL:
+        return FULL
+    obj[s, K0] = k0
+    obj[s, K1] = k1
+    obj[s, NS] = ns
+    obj[s, RANK] = rank
+    obj[s, PID] = pid
+    obj[s, PINS] = 0
+    obj[s, STATE] = RESERVED
+    insert(table, obj, s)
+    pages[s // h[H_SPP], G_USED] += 1
+    h[H_RESERVED] += 1
+    return s
+
+
+@numba.njit(cache=True)
+def commit(h, classes, obj, s):
+    obj[s, STATE] = COMMITTED
+    obj[s, PID] = 0
+    lru_push(h, obj, s)
+    classes[obj[s, CLASS], C_COMMITTED] += 1
+    h[H_RESERVED] -= 1
+    h[H_COMMITTED] += 1
+
+
+@numba.njit(cache=True)
+def abort(h, classes, pages, obj, table, s):
+    obj[s, STATE] = FREE
+    delete(table, obj, s)
+    _free_push(classes, obj, obj[s, CLASS], s)
+    pages[s // h[H_SPP], G_USED] -= 1
+    h[H_RESERVED] -= 1
+
+
+@numba.njit(cache=True)
+def pin(h, obj, table, pins, keys, pid):
+    """Pin each COMMITTED key for ``pid``: its slot id, or -1 when absent. -2 in slot 0 of the
+    result means the pin table is full (nothing was pinned)."""
+    out = np.full(len(keys), NIL, np.int64)
+    free_rows = 0
+    for r in range(len(pins)):
+        if pins[r, P_SLOT] == NIL:
+            free_rows += 1
+    if free_rows < len(keys):
+        out[0] = FULL
+        return out
+    for k in range(len(keys)):
+        s = find(table, obj, keys[k, 0], keys[k, 1], keys[k, 2], keys[k, 3])
+        if s == NIL or obj[s, STATE] != COMMITTED:
+            continue
+        row = NIL
+        empty = NIL
+        for r in range(len(pins)):
+            if pins[r, P_SLOT] == s and pins[r, P_PID] == pid:
+                row = r
+                break
+            if empty == NIL and pins[r, P_SLOT] == NIL:
+                empty = r
+        if row == NIL:
+            row = empty
+            pins[row, P_COUNT] = 0
+            pins[row, P_PID] = pid
+            pins[row, P_SLOT] = s
+        pins[row, P_COUNT] += 1
+        obj[s, PINS] += 1
+        touch(h, obj, s)
+        out[k] = s
+    return out
+
+
+@numba.njit(cache=True)
+def unpin(obj, pins, slots, pid):
+    """Drop one pin of ``pid`` on each slot (ids < 0 are skipped); returns how many were dropped."""
+    n = 0
+    for k in range(len(slots)):
+        s = slots[k]
+        if s < 0:
+            continue
+        for r in range(len(pins)):
+            if pins[r, P_SLOT] == s and pins[r, P_PID] == pid:
+                pins[r, P_COUNT] -= 1
+                obj[s, PINS] -= 1
+                if pins[r, P_COUNT] <= 0:
+                    pins[r, P_SLOT] = NIL
+                n += 1
+                break
+    return n
+
+
+@numba.njit(cache=True)
+def reclaim(h, classes, pages, obj, table, pins, dead):
+    """Release pins and reservations held by the pids in the sorted array ``dead``.
+    Returns (reservations freed, pins dropped)."""
+    pins_dropped = 0
+    for r in range(len(pins)):
+        s = pins[r, P_SLOT]
+        if s != NIL:
+            i = np.searchsorted(dead, pins[r, P_PID])
+            if i < len(dead) and dead[i] == pins[r, P_PID]:
+                obj[s, PINS] -= pins[r, P_COUNT]
+                pins_dropped += pins[r, P_COUNT]
+                pins[r, P_SLOT] = NIL
+    freed = 0
+    for s in range(len(obj)):
+        if obj[s, STATE] == RESERVED:
+            i = np.searchsorted(dead, obj[s, PID])
+            if i < len(dead) and dead[i] == obj[s, PID]:
+                abort(h, classes, pages, obj, table, s)
+                freed += 1
+    return freed, pins_dropped
+
+
+@numba.njit(cache=True)
+def clear(h, classes, pages, obj, table):
+    """Evict every COMMITTED unpinned object; returns how many."""
+    n = 0
+    v = h[H_LRU_HEAD]
+    while v != NIL:
+        nxt = obj[v, NEXT]
+        if obj[v, PINS] == 0:
+            evict(h, classes, pages, obj, table, v)
+            n += 1
+        v = nxt
+    return n
+
+
+@numba.njit(cache=True)
+def rebuild(h, classes, pages, obj, table, pins):
+    """Recompute every derived structure from obj STATE/keys/ticks, pages, classes and pins."""
+    spp = h[H_SPP]
+    table[:] = NIL
+    h[H_LRU_HEAD] = NIL
+    h[H_LRU_TAIL] = NIL
+    h[H_COMMITTED] = 0
+    h[H_RESERVED] = 0
+    for c in range(len(classes)):
+        classes[c, C_FREE_HEAD] = NIL
+        classes[c, C_COMMITTED] = 0
+        classes[c, C_PAGES] = 0
+    obj[:, PINS] = 0
+    for p in range(len(pages)):
+        c = pages[p, G_CLASS]
+        nslots = classes[c, C_NSLOTS] if c != NIL else 0
+        pages[p, G_USED] = 0
+        if c != NIL:
+            classes[c, C_PAGES] += 1
+        for i in range(spp - 1, -1, -1):
+            s = p * spp + i
+            obj[s, PREV] = NIL
+            obj[s, NEXT] = NIL
+            obj[s, CLASS] = c if i < nslots else NIL
+            if i >= nslots:
+                obj[s, STATE] = FREE
+                continue
+            if obj[s, STATE] != FREE and find(table, obj, obj[s, K0], obj[s, K1], obj[s, NS],
+                                              obj[s, RANK]) != NIL:
+                obj[s, STATE] = FREE  # a duplicate key only comes from an interrupted update
+            if obj[s, STATE] == FREE:
+                _free_push(classes, obj, c, s)
+                continue
+            insert(table, obj, s)
+            pages[p, G_USED] += 1
+            if obj[s, STATE] == RESERVED:
+                h[H_RESERVED] += 1
+    live = np.nonzero(obj[:, STATE] == COMMITTED)[0]
+    order = live[np.argsort(obj[live, TICK], kind="mergesort")]
+    h[H_TICK] = 0
+    for s in order:
+        t = obj[s, TICK]
+        lru_push(h, obj, s)
+        obj[s, TICK] = t
+        h[H_TICK] = max(h[H_TICK], t)
+        classes[obj[s, CLASS], C_COMMITTED] += 1
+        h[H_COMMITTED] += 1
+    for r in range(len(pins)):
+        s = pins[r, P_SLOT]
+        if s == NIL:
+            continue
+        if s < 0 or s >= len(obj) or obj[s, STATE] != COMMITTED or pins[r, P_COUNT] <= 0:
+            pins[r, P_SLOT] = NIL
+            continue
+        obj[s, PINS] += pins[r, P_COUNT]

@@ -1,0 +1,601 @@
+"""The shared-memory chunk store: create-or-attach, reserve/commit, pin/unpin, eviction, recovery.
+
+This module owns the store's two segments and their lock, and the public surface over them. The
+tables' kernels live in ``shm.index`` (keys, states, recency) and ``shm.slab`` (pages, slots).
+
+Segments (prefix ``P``; all mode 0600)::
+
+    /dev/shm/P_meta     header + tables, int64 words unless noted
+    /dev/shm/P_slab     num_pages * page_bytes of slots (pre-faulted)
+    /dev/shm/P_store.lock   flock target (the kernel drops it when the holder dies)
+
+``P_meta`` layout, each part 64-byte aligned, in this order::
+
+    offset  part                  shape                     notes
+    0       header                int64[64]                 words below
+    512     classes               int64[max_classes, 16]    shm.slab C_* columns
+    ...     class names           uint8[max_classes, 128]   model name, UTF-8, NUL padded
+    ...     pages                 int64[num_pages, 2]       CLASS, USED
+    ...     pins                  int64[max_pins, 3]        SLOT (-1 free), PID, COUNT
+    ...     obj                   int64[num_pages*spp, 12]  one row per slot id (shm.index)
+    ...     hash table            int64[hash_slots]         slot id or -1, power of two
+
+    header word: 0 MAGIC  1 VERSION  2 DIRTY  3 PAGE_BYTES  4 NUM_PAGES  5 SPP  6 HASH_SLOTS
+                 7 MAX_CLASSES  8 MAX_PINS  9 TICK  10 EVICTIONS  11 LRU_HEAD  12 LRU_TAIL
+                 13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES
+
+A slot: a 4 KiB-aligned header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
+NUM_TOKENS, then the chunk's token ids as uint32 from byte 128), followed by the chunk's KV bytes
+``[2, L, C, D]``, 4 KiB aligned.
+
+Object states, and who may move them (full table in ``shm.index``)::
+
+    FREE -> RESERVED (writer pid)   reserve(): invisible to readers; the writer fills the slot
+    RESERVED -> COMMITTED           commit(): only after the copy completed
+    RESERVED -> FREE                abort(), or reclaim() when the writer pid is dead
+    COMMITTED -> pinned             pin(): readers (count per pid in the pin table)
+    COMMITTED, unpinned -> FREE     eviction (least recently used first) or clear()
+
+NOTE: every mutation runs under the lock, inside a numba kernel. MAGIC is written last at creation,
+so a half-initialized store (creator killed) is detected and recreated. A holder killed inside a
+critical section leaves DIRTY set; the next holder rebuilds all derived state from the obj STATE
+words (written last on insert, first on removal), so committed chunks survive byte for byte.
+Reservations and pins of dead pids are reclaimed on attach and whenever ``reclaim()`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm import index, slab
+from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
+from shm.hashing import as_tokens
+from shm.layout import MODEL_NAME_BYTES, ChunkClass, DType
+from shm.lock import FileLock, Guarded, lock_path, pid_alive
+from shm.segment import Progress, Segment
+from shm.segment import exists as segment_exists
+from shm.segment import unlink as segment_unlink
+
+MAGIC = 0x6B76626C656E6421  # "kvblend!"
+VERSION = 1
+SLOT_MAGIC = 0x736C6F74
+H_MAGIC, H_VERSION, H_DIRTY, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS = range(7)
+H_MAX_CLASSES, H_MAX_PINS = 7, 8
+H_MIN_SLOT_BYTES = 15
+HEADER_WORDS = 64
+NAME_BYTES = 128
+SLOT_HDR_WORDS = 16
+
+DEFAULT_PAGE_BYTES = 256 << 20
+DEFAULT_MIN_SLOT_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Key of one stored object: namespace id, 16-byte chunk hash, tensor-parallel rank."""
+
+    namespace_id: int
+    chunk_hash: bytes
+    rank: int = 0
+
+    def words(self) -> tuple[int, int, int, int]:
+        return (int.from_bytes(self.chunk_hash[:8], "little", signed=True),
+                int.from_bytes(self.chunk_hash[8:16], "little", signed=True),
+                _signed(self.namespace_id), self.rank)
+
+
+def key_words(keys: Sequence[ChunkKey]) -> np.ndarray:
+    """Keys as an int64 ``[n, 4]`` array for the kernels."""
+    return np.array([k.words() for k in keys], dtype=np.int64).reshape(len(keys), 4)
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Geometry of a store; fixed at creation, checked at attach.
+
+    Attributes:
+        capacity_bytes: slab budget shared by all layout classes (rounded down to whole pages).
+        page_bytes: unit in which memory moves between layout classes; a slot must fit in a page.
+        min_slot_bytes: smallest slot the store plans rows for (bounds slots per page).
+        max_classes: layout classes (models x chunk sizes) the store can hold.
+        max_pins: concurrent (object, pid) read pins.
+    """
+
+    capacity_bytes: int
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    min_slot_bytes: int = DEFAULT_MIN_SLOT_BYTES
+    max_classes: int = 32
+    max_pins: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        page = min(self.page_bytes, self.capacity_bytes)
+        page -= page % 4096
+        if page < self.min_slot_bytes or self.min_slot_bytes < 4096:
+            raise ValueError("need 4096 <= min_slot_bytes <= page_bytes <= capacity_bytes")
+        object.__setattr__(self, "page_bytes", page)
+
+    @property
+    def num_pages(self) -> int:
+        return self.capacity_bytes // self.page_bytes
+
+    @property
+    def slots_per_page(self) -> int:
+        return self.page_bytes // self.min_slot_bytes
+
+    @property
+    def hash_slots(self) -> int:
+        return 1 << max(4, (2 * self.num_pages * self.slots_per_page - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    chunk_class: ChunkClass
+    slot_bytes: int
+    pages: int
+    objects: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    capacity_bytes: int
+    used_bytes: int
+    num_objects: int
+    num_reserved: int
+    num_pinned: int
+    evictions: int
+    num_pages: int
+    free_pages: int
+    meta_bytes: int
+    classes: list[ClassStats]
+
+
+class Reservation:
+    """A reserved slot: fill ``kv`` (and nothing else), then ``commit()``; or ``abort()``."""
+
+    def __init__(self, store: "Store", slot: int, class_id: int, key: ChunkKey) -> None:
+        self.store, self.slot, self.class_id, self.key = store, slot, class_id, key
+        self.kv = store.slot_kv(slot)
+
+    def commit(self) -> None:
+        self.store.commit(self)
+
+    def abort(self) -> None:
+        self.store.abort(self)
+
+
+class PinnedChunk:
+    """A committed object pinned for reading: ``kv`` stays valid until ``release()``."""
+
+    def __init__(self, store: "Store", slot: int, key: ChunkKey) -> None:
+        self.store, self.slot, self.key = store, slot, key
+        self.kv = store.slot_kv(slot)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self.store.slot_tokens(self.slot)
+
+    def release(self) -> None:
+        self.store.unpin([self])
+
+
+def _parts(cfg: StoreConfig) -> list[tuple[str, tuple[int, ...], type]]:
+    return [
+        ("header", (HEADER_WORDS,), np.int64),
+        ("classes", (cfg.max_classes, slab.CLASS_COLS), np.int64),
+        ("names", (cfg.max_classes, NAME_BYTES), np.uint8),
+        ("pages", (cfg.num_pages, slab.PAGE_COLS), np.int64),
+        ("pins", (cfg.max_pins, slab.PIN_COLS), np.int64),
+        ("obj", (cfg.num_pages * cfg.slots_per_page, index.OBJ_COLS), np.int64),
+        ("table", (cfg.hash_slots,), np.int64),
+    ]
+
+
+def _meta_size(cfg: StoreConfig) -> int:
+    off = 0
+    for _, shape, dt in _parts(cfg):
+        off += -off % 64 + int(np.prod(shape)) * np.dtype(dt).itemsize
+    return off
+
+
+class Store:
+    """The chunk store of one prefix, attached in this process. Build it with ``Store.open``.
+
+    Attributes:
+        name: the segment prefix.
+        size: slab bytes.
+    """
+
+    def __init__(self, prefix: str, meta: Segment, slab_seg: Segment, lock: FileLock) -> None:
+        self.name = prefix
+        self._meta, self._slab_seg, self._lock = meta, slab_seg, lock
+        h = np.frombuffer(meta.buf, np.int64, HEADER_WORDS)
+        self.config = StoreConfig(
+            capacity_bytes=int(h[H_NUM_PAGES] * h[H_PAGE_BYTES]), page_bytes=int(h[H_PAGE_BYTES]),
+            min_slot_bytes=int(h[H_MIN_SLOT_BYTES]), max_classes=int(h[H_MAX_CLASSES]),
+            max_pins=int(h[H_MAX_PINS]))
+        off = 0
+        for part, shape, dt in _parts(self.config):
+            off += -off % 64
+            count = int(np.prod(shape))
+            setattr(self, "_" + part, np.frombuffer(meta.buf, dt, count, off).reshape(shape))
+            off += count * np.dtype(dt).itemsize
+        self._h: np.ndarray = self._header
+        self.slab = np.frombuffer(slab_seg.buf, np.uint8)
+        self.size = slab_seg.size
+        self._guard = Guarded(lock, self._h[H_DIRTY:H_DIRTY + 1], self._rebuild)
+        self._class_cache: dict[int, ChunkClass] = {}
+        self._pid = os.getpid()
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, prefix: str, config: StoreConfig | None = None, *, wipe: bool = False,
+             recreate_on_mismatch: bool = False, progress: Progress | None = None) -> "Store":
+        """Attach to the store of ``prefix``, creating it when absent.
+
+        Args:
+            prefix: segment name prefix (several stores coexist under different prefixes).
+            config: geometry; required to create, checked against an existing store when given.
+            wipe: drop an existing store and start empty.
+            recreate_on_mismatch: start empty (instead of raising) when the existing store has
+                another geometry or format version.
+            progress: ``progress(done, total)`` while pre-faulting a new slab.
+
+        Raises:
+            LayoutMismatch: the existing store differs from ``config`` or is of another version.
+            FileNotFoundError: no store exists and no ``config`` was given.
+        """
+        lock = FileLock(lock_path(prefix, "store"))
+        lock.acquire()
+        try:
+            if wipe:
+                destroy_segments(prefix)
+            try:
+                meta, slab_seg = _attach(prefix, config)
+            except LayoutMismatch:
+                if not recreate_on_mismatch:
+                    raise
+                destroy_segments(prefix)
+                meta, slab_seg = None, None
+            if meta is None:
+                if config is None:
+                    raise FileNotFoundError(f"no kvblend store under prefix {prefix!r}")
+                meta, slab_seg = _create(prefix, config, progress)
+        except BaseException:
+            lock.release()
+            lock.close()
+            raise
+        lock.release()
+        store = cls(prefix, meta, slab_seg, lock)
+        store.reclaim()
+        return store
+
+    def close(self) -> None:
+        """Detach this process (the cache stays in shared memory)."""
+        for part in ("_header", "_classes", "_names", "_pages", "_pins", "_obj", "_table", "_h"):
+            self.__dict__.pop(part, None)
+        self.__dict__.pop("slab", None)
+        self._meta.close()
+        self._slab_seg.close()
+        self._lock.close()
+
+    def unlink(self) -> None:
+        """Remove the store's names; processes still attached keep their mappings."""
+        destroy_segments(self.name)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple:
+        return (Store.open, (self.name,))
+
+    # -- layout classes ---------------------------------------------------------------------
+
+    def register_class(self, cc: ChunkClass) -> int:
+        """Id of the layout class ``cc`` (created on first use, the same id in every process).
+
+        Raises:
+            LayoutMismatch: a slot of this class does not fit in one page.
+            CapacityError: ``max_classes`` classes exist already.
+        """
+        if cc.slot_bytes > self.config.page_bytes:
+            raise LayoutMismatch(
+                f"a chunk slot of {cc.slot_bytes} bytes does not fit in a page of "
+                f"{self.config.page_bytes} bytes: raise page_bytes (or storage) or lower chunk_size")
+        with self._guard():
+            for c in range(self.config.max_classes):
+                if self._classes[c, slab.C_USED] and self.chunk_class(c) == cc:
+                    return c
+            free = np.nonzero(self._classes[:, slab.C_USED] == 0)[0]
+            if len(free) == 0:
+                raise CapacityError(f"all {self.config.max_classes} layout classes are in use")
+            c = int(free[0])
+            row = self._classes[c]
+            row[:] = 0
+            row[slab.C_FREE_HEAD] = index.NIL
+            row[[slab.C_SLOT_BYTES, slab.C_KV_BYTES, slab.C_HEADER_BYTES, slab.C_CHUNK,
+                 slab.C_LAYERS, slab.C_HIDDEN, slab.C_DTYPE, slab.C_WS]] = [
+                cc.slot_bytes, cc.kv_bytes, cc.header_bytes, cc.chunk_size, cc.num_layers,
+                cc.hidden_dim, int(cc.dtype), cc.world_size]
+            row[slab.C_NSLOTS] = min(self.config.page_bytes // cc.slot_bytes,
+                                     self.config.slots_per_page)
+            name = cc.model_name.encode()
+            self._names[c, :] = 0
+            self._names[c, :len(name)] = np.frombuffer(name, np.uint8)
+            row[slab.C_USED] = 1  # last: the row is complete before anyone can match it
+            return c
+
+    def chunk_class(self, class_id: int) -> ChunkClass:
+        cached = self._class_cache.get(class_id)
+        if cached is not None:
+            return cached
+        row = self._classes[class_id]
+        if not row[slab.C_USED]:
+            raise KeyError(f"no layout class {class_id}")
+        name = bytes(self._names[class_id]).rstrip(b"\0").decode()
+        cc = ChunkClass(name, int(row[slab.C_WS]), int(row[slab.C_LAYERS]),
+                        int(row[slab.C_HIDDEN]), DType(int(row[slab.C_DTYPE])),
+                        int(row[slab.C_CHUNK]))
+        self._class_cache[class_id] = cc
+        return cc
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def reserve(self, class_id: int, key: ChunkKey, token_ids: object,
+                timeout: float | None = None) -> Reservation | None:
+        """Reserve a slot for ``key`` (evicting if needed). None when the key is already
+        committed or being written by someone else (nothing to copy).
+
+        Raises:
+            StoreFull: nothing free and every object is pinned or reserved.
+            ValueError: ``token_ids`` is not exactly one chunk.
+        """
+        cc = self.chunk_class(class_id)
+        tokens = as_tokens(token_ids)
+        if len(tokens) != cc.chunk_size:
+            raise ValueError(f"a chunk holds {cc.chunk_size} tokens, got {len(tokens)}")
+        words = key.words()
+        for attempt in range(2):
+            with self._guard(timeout):
+                s = slab.reserve(self._h, self._classes, self._pages, self._obj, self._table,
+                                 class_id, *words, self._pid)
+            if s != slab.FULL:
+                break
+            if attempt == 0 and self.reclaim() == (0, 0):
+                break
+        if s == slab.EXISTS:
+            return None
+        if s == slab.FULL:
+            raise StoreFull(f"no free or evictable slot for layout class {class_id} ({cc})")
+        hdr = self._slot_header(s)
+        hdr[:] = 0
+        hdr[1:9] = [index.RESERVED, *words, class_id, self._pid, cc.chunk_size]
+        self.slot_tokens(s)[:] = tokens
+        hdr[0] = SLOT_MAGIC
+        return Reservation(self, s, class_id, key)
+
+    def commit(self, res: Reservation) -> None:
+        """Make a filled reservation visible to readers."""
+        with self._guard():
+            self._check_reserved(res)
+            slab.commit(self._h, self._classes, self._obj, res.slot)
+        self._slot_header(res.slot)[1] = index.COMMITTED
+
+    def abort(self, res: Reservation) -> None:
+        with self._guard():
+            self._check_reserved(res)
+            slab.abort(self._h, self._classes, self._pages, self._obj, self._table, res.slot)
+
+    def _check_reserved(self, res: Reservation) -> None:
+        row = self._obj[res.slot]
+        if row[index.STATE] != index.RESERVED or row[index.PID] != self._pid or \
+                tuple(row[index.K0:index.RANK + 1]) != res.key.words():
+            raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[ChunkKey], timeout: float | None = None
+            ) -> list[PinnedChunk | None]:
+        """Pin each key's committed object for reading; None where it is not stored.
+
+        Raises:
+            CapacityError: the pin table cannot take ``len(keys)`` more pins.
+        """
+        if not keys:
+            return []
+        with self._guard(timeout):
+            slots = slab.pin(self._h, self._obj, self._table, self._pins, key_words(keys),
+                             self._pid)
+        if slots[0] == slab.FULL:
+            raise CapacityError(f"pin table full ({self.config.max_pins} pins)")
+        return [None if s < 0 else PinnedChunk(self, int(s), k) for s, k in zip(slots, keys)]
+
+    def unpin(self, pinned: Sequence[PinnedChunk | None]) -> None:
+        slots = np.array([p.slot if p is not None else -1 for p in pinned], np.int64)
+        with self._guard():
+            slab.unpin(self._obj, self._pins, slots, self._pid)
+
+    @contextmanager
+    def pinned(self, keys: Sequence[ChunkKey]) -> Iterator[list[PinnedChunk | None]]:
+        chunks = self.pin(keys)
+        try:
+            yield chunks
+        finally:
+            self.unpin(chunks)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> np.ndarray:
+        """Boolean per key: committed (readable) now."""
+        if not keys:
+            return np.zeros(0, bool)
+        words = key_words(keys)
+        with self._guard():
+            return index.find_committed(self._table, self._obj, words) >= 0
+
+    def slot_kv(self, slot: int) -> np.ndarray:
+        """The KV bytes of a slot, viewed as ``[2, L, C, D]`` of the class's element type."""
+        c = int(self._obj[slot, index.CLASS])
+        cc = self.chunk_class(c)
+        off = self._slot_offset(slot, cc) + cc.header_bytes
+        return np.frombuffer(self._slab_seg.buf, cc.numpy_dtype(), cc.kv_bytes // cc.dtype.itemsize,
+                             off).reshape(cc.kv_shape)
+
+    def slot_tokens(self, slot: int) -> np.ndarray:
+        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
+        off = self._slot_offset(slot, cc) + SLOT_HDR_WORDS * 8
+        return np.frombuffer(self._slab_seg.buf, np.uint32, cc.chunk_size, off)
+
+    def _slot_header(self, slot: int) -> np.ndarray:
+        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
+        return np.frombuffer(self._slab_seg.buf, np.int64, SLOT_HDR_WORDS,
+                             self._slot_offset(slot, cc))
+
+    def _slot_offset(self, slot: int, cc: ChunkClass) -> int:
+        page, i = divmod(slot, self.config.slots_per_page)
+        return page * self.config.page_bytes + i * cc.slot_bytes
+
+    def slot_region(self, slot: int) -> tuple[int, int]:
+        """(byte offset in the slab, bytes) of a slot's KV data, for DMA engines."""
+        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
+        return self._slot_offset(slot, cc) + cc.header_bytes, cc.kv_bytes
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def reclaim(self) -> tuple[int, int]:
+        """Free reservations and drop pins held by dead processes.
+
+        Returns:
+            (reservations freed, pins dropped).
+        """
+        with self._guard():
+            pids = np.unique(np.concatenate([
+                self._pins[self._pins[:, slab.P_SLOT] >= 0, slab.P_PID],
+                self._obj[self._obj[:, index.STATE] == index.RESERVED, index.PID]]))
+            dead = np.array([p for p in pids.tolist() if not pid_alive(p)], np.int64)
+            if len(dead) == 0:
+                return (0, 0)
+            freed, dropped = slab.reclaim(self._h, self._classes, self._pages, self._obj,
+                                          self._table, self._pins, dead)
+        return (int(freed), int(dropped))
+
+    def clear(self) -> int:
+        """Evict every committed, unpinned object; returns how many."""
+        with self._guard():
+            return int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table))
+
+    def _rebuild(self) -> None:
+        slab.rebuild(self._h, self._classes, self._pages, self._obj, self._table, self._pins)
+
+    def stats(self) -> StoreStats:
+        with self._guard():
+            pages = self._pages.copy()
+            classes = self._classes.copy()
+            h = self._h.copy()
+            pinned = int(np.count_nonzero(self._obj[:, index.PINS] > 0))
+        used = 0
+        per_class = []
+        for c in np.nonzero(classes[:, slab.C_USED])[0].tolist():
+            slot_bytes = int(classes[c, slab.C_SLOT_BYTES])
+            used += int(pages[pages[:, slab.G_CLASS] == c, slab.G_USED].sum()) * slot_bytes
+            per_class.append(ClassStats(self.chunk_class(c), slot_bytes,
+                                        int(classes[c, slab.C_PAGES]),
+                                        int(classes[c, slab.C_COMMITTED]),
+                                        int(classes[c, slab.C_EVICTIONS])))
+        return StoreStats(
+            capacity_bytes=self.size, used_bytes=used, num_objects=int(h[slab.H_COMMITTED]),
+            num_reserved=int(h[slab.H_RESERVED]), num_pinned=pinned,
+            evictions=int(h[slab.H_EVICTIONS]), num_pages=self.config.num_pages,
+            free_pages=int(np.count_nonzero(pages[:, slab.G_CLASS] == index.NIL)),
+            meta_bytes=self._meta.size, classes=per_class)
+
+
+def _attach(prefix: str, config: StoreConfig | None) -> tuple[Segment | None, Segment | None]:
+    if not segment_exists(f"{prefix}_meta"):
+        return None, None
+    meta = Segment(f"{prefix}_meta")
+    h = np.frombuffer(meta.buf, np.int64, HEADER_WORDS).copy()
+    if h[H_MAGIC] != MAGIC:
+        # the creator died before finishing: nothing was ever committed in it
+        meta.close()
+        destroy_segments(prefix)
+        return None, None
+    if h[H_VERSION] != VERSION:
+        meta.close()
+        raise LayoutMismatch(f"store {prefix!r} has format version {h[H_VERSION]}, this kvblend "
+                             f"reads version {VERSION}: wipe it to start empty")
+    if config is not None:
+        have = (int(h[H_PAGE_BYTES]), int(h[H_NUM_PAGES]), int(h[H_MIN_SLOT_BYTES]),
+                int(h[H_MAX_CLASSES]), int(h[H_MAX_PINS]))
+        want = (config.page_bytes, config.num_pages, config.min_slot_bytes, config.max_classes,
+                config.max_pins)
+        if have != want:
+            meta.close()
+            raise LayoutMismatch(
+                f"store {prefix!r} has (page_bytes, pages, min_slot_bytes, max_classes, max_pins)"
+                f" = {have}, requested {want}: wipe it to start empty with the new geometry")
+    slab_seg = Segment(f"{prefix}_slab", int(h[H_PAGE_BYTES] * h[H_NUM_PAGES]))
+    return meta, slab_seg
+
+
+def _create(prefix: str, cfg: StoreConfig, progress: Progress | None) -> tuple[Segment, Segment]:
+    if cfg.num_pages < 1:
+        raise ValueError("capacity_bytes is smaller than one page")
+    destroy_segments(prefix)
+    slab_seg = Segment(f"{prefix}_slab", cfg.num_pages * cfg.page_bytes, create=True,
+                       progress=progress)
+    meta = Segment(f"{prefix}_meta", _meta_size(cfg), create=True)
+    off = 0
+    arrays = {}
+    for part, shape, dt in _parts(cfg):
+        off += -off % 64
+        count = int(np.prod(shape))
+        arrays[part] = np.frombuffer(meta.buf, dt, count, off).reshape(shape)
+        off += count * np.dtype(dt).itemsize
+    arrays["pages"][:, slab.G_CLASS] = index.NIL
+    arrays["pins"][:, slab.P_SLOT] = index.NIL
+    obj = arrays["obj"]
+    obj[:, index.CLASS] = index.NIL
+    obj[:, index.PREV] = index.NIL
+    obj[:, index.NEXT] = index.NIL
+    arrays["table"][:] = index.NIL
+    h = arrays["header"]
+    h[[H_VERSION, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS, H_MAX_CLASSES, H_MAX_PINS,
+       H_MIN_SLOT_BYTES]] = [VERSION, cfg.page_bytes, cfg.num_pages, cfg.slots_per_page,
+                             cfg.hash_slots, cfg.max_classes, cfg.max_pins, cfg.min_slot_bytes]
+    h[index.H_LRU_HEAD] = index.NIL
+    h[index.H_LRU_TAIL] = index.NIL
+    h[H_MAGIC] = MAGIC
+    return meta, slab_seg
+
+
+def destroy_segments(prefix: str) -> None:
+    """Remove a store's segment names (attached processes keep their mappings)."""
+    segment_unlink(f"{prefix}_meta")
+    segment_unlink(f"{prefix}_slab")
+
+
+def destroy(prefix: str) -> None:
+    """Remove a store entirely: segments and lock file."""
+    destroy_segments(prefix)
+    try:
+        os.unlink(lock_path(prefix, "store"))
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["Store", "StoreConfig", "StoreStats", "ClassStats", "ChunkKey", "Reservation",
+           "PinnedChunk", "destroy", "MODEL_NAME_BYTES"]
