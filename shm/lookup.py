@@ -1,0 +1,60 @@
+"""Lookup: which stored chunks of a namespace appear where in a prompt, counting only live ones.
+
+This module joins the fingerprint index (candidates, verified against real tokens) and the object
+store (is every rank's shard still committed?). It owns the ``LookupResult`` boundary object; it
+pins nothing, so a lookup that no retrieve follows leaves no trace in the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm.fingerprint import FingerprintIndex, Match
+from shm.hashing import Namespace, as_tokens
+from shm.store import ChunkKey, Store
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Stored chunks found in a query.
+
+    Attributes:
+        matches: non-overlapping, sorted by ``cur_st``.
+        hit_tokens: distinct query tokens covered by ``matches``.
+        requested_tokens: ``floor(len(query) / chunk_size) * chunk_size``.
+    """
+
+    matches: list[Match]
+    hit_tokens: int
+    requested_tokens: int
+
+
+def live_checker(store: Store, namespace: Namespace):
+    """``is_live(hashes) -> list[bool]``: True where every rank's shard of the chunk is committed."""
+    ws = namespace.world_size
+
+    def is_live(hashes: Sequence[bytes]) -> list[bool]:
+        keys = [ChunkKey(namespace.id, h, r) for h in hashes for r in range(ws)]
+        found = store.contains(keys).reshape(len(hashes), ws)
+        return found.all(axis=1).tolist()
+
+    return is_live
+
+
+def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
+           token_ids: object) -> LookupResult:
+    """Find the stored chunks of ``namespace`` inside ``token_ids``.
+
+    Raises:
+        ValueError: token ids outside [0, 2^32) or not 1-D.
+    """
+    tokens = as_tokens(token_ids)
+    chunk = fingerprints.chunk_size
+    matches = fingerprints.match(namespace, tokens, is_live=live_checker(store, namespace))
+    covered = np.zeros(len(tokens), bool)
+    for m in matches:
+        covered[m.cur_st:m.cur_ed] = True
+    return LookupResult(matches, int(covered.sum()), len(tokens) // chunk * chunk)

@@ -1,0 +1,47 @@
+"""Shared fixtures: every test gets its own shared-memory prefix, removed afterwards."""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from shm.segment import unlink
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def remove_prefix(prefix: str) -> None:
+    """Unlink every segment, lock file and socket whose name starts with ``prefix``."""
+    for path in glob.glob(f"/dev/shm/{prefix}*"):
+        name = os.path.basename(path)
+        if not unlink(name):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def shm_prefix() -> Iterator[str]:
+    prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
+    yield prefix
+    remove_prefix(prefix)
