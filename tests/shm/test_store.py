@@ -1,0 +1,184 @@
+"""Unit tests of the chunk store in one process."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from shm import index, slab
+from shm.errors import LayoutMismatch, ShmError, StoreFull
+from shm.layout import ChunkClass
+from shm.store import Store, StoreConfig, destroy
+
+from .storeutil import CLASS_A, CLASS_B, SMALL, intact, key, put, tokens_for
+
+
+@pytest.fixture
+def store(shm_prefix: str):
+    with Store.open(shm_prefix, SMALL) as st:
+        yield st
+    destroy(shm_prefix)
+
+
+def test_segments_are_private(store: Store) -> None:
+    for part in ("meta", "slab"):
+        mode = os.stat(f"/dev/shm/{store.name}_{part}").st_mode
+        assert stat.S_IMODE(mode) == 0o600
+
+
+def test_reservation_is_invisible_until_commit(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    res = store.reserve(c, key(1), tokens_for(1))
+    assert res is not None
+    assert not store.contains([key(1)])[0]
+    assert store.pin([key(1)]) == [None]
+    assert store.reserve(c, key(1), tokens_for(1)) is None  # being written by someone: skip
+    res.kv[...] = 3
+    res.commit()
+    assert store.contains([key(1)])[0]
+    assert store.reserve(c, key(1), tokens_for(1)) is None  # stored: nothing to copy again
+    with store.pinned([key(1)]) as (chunk,):
+        assert chunk is not None and np.all(chunk.kv == 3)
+        assert np.array_equal(chunk.token_ids, tokens_for(1))
+
+
+def test_abort_frees_the_slot(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    res = store.reserve(c, key(1), tokens_for(1))
+    assert store.stats().num_reserved == 1
+    res.abort()
+    stats = store.stats()
+    assert (stats.num_reserved, stats.num_objects, stats.used_bytes) == (0, 0, 0)
+    with pytest.raises(ShmError):
+        res.commit()
+
+
+def test_keys_differ_by_rank_and_namespace(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    put(store, c, 1)
+    assert store.contains([key(1), key(1, rank=1), key(1, ns=8)]).tolist() == [True, False, False]
+
+
+def test_wrong_token_count_is_rejected(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    with pytest.raises(ValueError, match="16 tokens"):
+        store.reserve(c, key(1), np.arange(15))
+
+
+def test_lru_eviction_skips_pinned(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    capacity = SMALL.num_pages * (SMALL.page_bytes // CLASS_A.slot_bytes)
+    for i in range(capacity):
+        put(store, c, i)
+    pinned = store.pin([key(0)])       # 0 is the oldest, but pinned: it must survive
+    store.pin([key(1)])[0].release()   # 1 becomes the most recently used
+    put(store, c, 1000)
+    assert store.contains([key(0), key(1), key(2)]).tolist() == [True, True, False]
+    assert store.stats().evictions == 1
+    store.unpin(pinned)
+    assert intact(store, 0) and intact(store, 1000)
+
+
+def test_store_full_when_everything_is_pinned(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    capacity = SMALL.num_pages * (SMALL.page_bytes // CLASS_A.slot_bytes)
+    for i in range(capacity):
+        put(store, c, i)
+    pins = store.pin([key(i) for i in range(capacity)])
+    with pytest.raises(StoreFull):
+        store.reserve(c, key(999), tokens_for(999))
+    store.unpin(pins)
+    put(store, c, 999)
+    assert store.stats().num_pinned == 0
+
+
+def test_classes_share_the_budget_by_pages(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    assert store.register_class(CLASS_A) == a and a != b
+    for i in range(32):                 # class A takes all 4 pages
+        put(store, a, i)
+    assert store.stats().free_pages == 0
+    put(store, b, 100)                  # B steals the page of A's least recently used object
+    stats = store.stats()
+    per = {s.chunk_class.model_name: s for s in stats.classes}
+    assert per["model-b"].pages == 1 and per["model-a"].pages == 3
+    assert store.contains([key(0)])[0] is np.False_
+    assert intact(store, 100) and intact(store, 31)
+    assert stats.used_bytes == 24 * CLASS_A.slot_bytes + CLASS_B.slot_bytes
+
+
+def test_slot_larger_than_a_page_is_a_layout_mismatch(store: Store) -> None:
+    huge = ChunkClass("big", 1, 64, 1024, "float16", 256)
+    with pytest.raises(LayoutMismatch, match="does not fit"):
+        store.register_class(huge)
+
+
+def test_reattach_keeps_chunks(shm_prefix: str) -> None:
+    with Store.open(shm_prefix, SMALL) as st:
+        c = st.register_class(CLASS_A)
+        for i in range(5):
+            put(st, c, i)
+    with Store.open(shm_prefix) as st:
+        assert st.register_class(CLASS_A) == c
+        assert all(intact(st, i) for i in range(5))
+        assert st.stats().num_objects == 5
+
+
+def test_geometry_mismatch_is_reported_or_recreated(shm_prefix: str) -> None:
+    with Store.open(shm_prefix, SMALL) as st:
+        put(st, st.register_class(CLASS_A), 1)
+    other = StoreConfig(capacity_bytes=512 << 10, page_bytes=64 << 10, min_slot_bytes=4096)
+    with pytest.raises(LayoutMismatch, match="wipe"):
+        Store.open(shm_prefix, other)
+    with Store.open(shm_prefix, other, recreate_on_mismatch=True) as st:
+        assert st.stats().num_objects == 0 and st.size == 512 << 10
+
+
+def test_wipe_starts_empty(shm_prefix: str) -> None:
+    with Store.open(shm_prefix, SMALL) as st:
+        put(st, st.register_class(CLASS_A), 1)
+    with Store.open(shm_prefix, SMALL, wipe=True) as st:
+        assert st.stats().num_objects == 0
+
+
+def test_attach_without_config_needs_an_existing_store(shm_prefix: str) -> None:
+    with pytest.raises(FileNotFoundError):
+        Store.open(shm_prefix)
+
+
+def test_clear_keeps_pinned(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for i in range(4):
+        put(store, c, i)
+    pins = store.pin([key(3)])
+    assert store.clear() == 3
+    assert store.contains([key(i) for i in range(4)]).tolist() == [False, False, False, True]
+    store.unpin(pins)
+
+
+def test_dirty_flag_triggers_a_rebuild_that_keeps_committed_data(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for i in range(10):
+        put(store, c, i)
+    store.pin([key(4)])
+    # simulate a holder that died mid-update: derived state scrambled, dirty word left set
+    store._table[:] = index.NIL
+    store._h[index.H_LRU_HEAD] = index.NIL
+    store._h[slab.H_COMMITTED] = 12345
+    store._h[2] = 1
+    assert store.contains([key(i) for i in range(10)]).all()
+    stats = store.stats()
+    assert (stats.num_objects, stats.num_pinned) == (10, 1)
+    assert all(intact(store, i) for i in range(10))
+    put(store, c, 11)
+
+
+def test_progress_is_reported_while_prefaulting(shm_prefix: str) -> None:
+    seen: list[tuple[int, int]] = []
+    with Store.open(shm_prefix, SMALL, progress=lambda d, t: seen.append((d, t))):
+        pass
+    assert seen and seen[-1] == (SMALL.capacity_bytes, SMALL.capacity_bytes)
