@@ -1,0 +1,286 @@
+"""The event log: a bounded ring of recent request events and named int64 counters, in shared memory.
+
+This module owns one segment per prefix and nothing else. The data plane records store/retrieve
+events into it, the API records lookup events, and the API serves ``/v1/events`` and ``/metrics``
+from it. It knows nothing of what the events mean: an event is a flat dict of JSON-able fields.
+
+Segment ``/dev/shm/P_events`` (mode 0600), lock file ``/dev/shm/P_events.lock``::
+
+    offset          part       shape                       notes
+    0               header     int64[16]                   MAGIC VERSION CAPACITY SLOT_BYTES HEAD
+    128             names      uint8[MAX_COUNTERS, 48]     counter names, UTF-8, NUL padded
+    128+48*M        values     int64[MAX_COUNTERS]         counter values
+    ...             ring       uint8[CAPACITY, SLOT_BYTES] event slots
+
+    ring slot: int64 SEQ (0 = empty, -1 = being written), int64 LEN, then LEN bytes of JSON
+
+State of a slot::
+
+    empty (SEQ 0) --writer: SEQ=-1--> being written --payload, LEN, then SEQ=n--> holds event n
+    holds event n --writer of event n+CAPACITY: SEQ=-1--> being written ...
+
+NOTE: writers serialize on an ``flock`` (the kernel releases it when a writer dies, so a SIGKILLed
+writer never wedges the others). A writer killed mid-record leaves its slot at SEQ=-1: readers skip
+it and the next writer of that slot overwrites it. Readers take no lock: they read SEQ, copy the
+payload, then re-read SEQ, and keep the copy only when both reads agree (a seqlock). HEAD is the
+number of events ever recorded; it is bumped after the slot is complete, so ``recent`` never waits.
+Counters are single aligned int64 words updated under the lock; reads are lock-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from shm import segment
+from shm.lock import FileLock, lock_path
+
+MAGIC = 0x6B76626C6576656E
+VERSION = 1
+HEADER_WORDS = 16
+H_MAGIC, H_VERSION, H_CAPACITY, H_SLOT_BYTES, H_HEAD = range(5)
+MAX_COUNTERS = 128
+NAME_BYTES = 48
+SLOT_HDR = 16
+DEFAULT_CAPACITY = 1024
+DEFAULT_SLOT_BYTES = 1024
+
+#: Counters that exist from creation (others are added on first ``add``).
+COUNTERS = (
+    "stores", "store_chunks", "store_skipped_chunks", "store_bytes", "store_failures",
+    "store_failed_chunks",
+    "retrieves", "retrieve_chunks", "retrieve_bytes", "retrieve_failures",
+    "retrieve_failed_chunks",
+    "lookups", "lookup_requested_tokens", "lookup_hit_tokens",
+    "fingerprint_new_entries",
+    "dataplane_restarts", "dataplane_errors",
+)
+
+
+def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int]:
+    names_at = HEADER_WORDS * 8
+    values_at = names_at + MAX_COUNTERS * NAME_BYTES
+    ring_at = values_at + MAX_COUNTERS * 8
+    ring_at += -ring_at % 64
+    return names_at, values_at, ring_at, ring_at + capacity * slot_bytes
+
+
+class EventLog:
+    """The event log of one prefix, attached in this process. Build it with ``EventLog.open``.
+
+    Attributes:
+        name: the segment name (``{prefix}_events``).
+        capacity: events kept (older ones are overwritten).
+    """
+
+    def __init__(self, seg: segment.Segment, lock: FileLock) -> None:
+        self.name = seg.name
+        self._seg, self._lock = seg, lock
+        buf = seg.buf
+        self._h = np.ndarray((HEADER_WORDS,), np.int64, buf)
+        self.capacity = int(self._h[H_CAPACITY])
+        self.slot_bytes = int(self._h[H_SLOT_BYTES])
+        names_at, values_at, ring_at, _ = _layout(self.capacity, self.slot_bytes)
+        self._names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, buf, names_at)
+        self._values = np.ndarray((MAX_COUNTERS,), np.int64, buf, values_at)
+        self._ring = np.ndarray((self.capacity, self.slot_bytes), np.uint8, buf, ring_at)
+        self._slot_words = self._ring.view(np.int64)  # [capacity, slot_bytes // 8]
+        self._index: dict[str, int] = {}
+        self._pid = os.getpid()
+
+    @classmethod
+    def open(cls, prefix: str, capacity: int = DEFAULT_CAPACITY,
+             slot_bytes: int = DEFAULT_SLOT_BYTES) -> "EventLog":
+        """Attach to ``{prefix}_events``, creating it when absent.
+
+        Args:
+            prefix: the store's segment prefix.
+            capacity: events kept; used only when creating (an existing log keeps its own).
+            slot_bytes: bytes per event (JSON); used only when creating.
+        """
+        if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
+            raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
+        lock = FileLock(lock_path(prefix, "events"))
+        name = f"{prefix}_events"
+        lock.acquire()
+        try:
+            seg = _attach(name)
+            if seg is None:
+                seg = _create(name, capacity, slot_bytes)
+        except BaseException:
+            lock.release()
+            lock.close()
+            raise
+        lock.release()
+        return cls(seg, lock)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def record(self, kind: str, **fields: Any) -> int:
+        """Append an event ``{"seq", "time", "pid", "kind", **fields}``; returns its seq.
+
+        Fields must be JSON-able. An event longer than a slot keeps only its scalar fields that
+        fit, and gets ``"truncated": true``.
+        """
+        event = {"kind": kind, "time": time.time(), "pid": self._pid, **fields}
+        self._lock.acquire()
+        try:
+            seq = int(self._h[H_HEAD]) + 1
+            event["seq"] = seq
+            payload = _encode(event, self.slot_bytes - SLOT_HDR)
+            row = seq % self.capacity
+            words = self._slot_words[row]
+            words[0] = -1
+            self._ring[row, SLOT_HDR:SLOT_HDR + len(payload)] = np.frombuffer(payload, np.uint8)
+            words[1] = len(payload)
+            words[0] = seq
+            self._h[H_HEAD] = seq
+        finally:
+            self._lock.release()
+        return seq
+
+    def recent(self, n: int | None = None) -> list[dict[str, Any]]:
+        """The last ``n`` events still in the ring (all when None), oldest first."""
+        head = int(self._h[H_HEAD])
+        count = min(head, self.capacity if n is None else min(n, self.capacity))
+        out = []
+        for seq in range(head - count + 1, head + 1):
+            event = self._read(seq)
+            if event is not None:
+                out.append(event)
+        return out
+
+    def _read(self, seq: int) -> dict[str, Any] | None:
+        row = seq % self.capacity
+        words = self._slot_words[row]
+        if int(words[0]) != seq:
+            return None
+        length = int(words[1])
+        if not 0 < length <= self.slot_bytes - SLOT_HDR:
+            return None
+        raw = self._ring[row, SLOT_HDR:SLOT_HDR + length].tobytes()
+        if int(words[0]) != seq:  # overwritten while we copied
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None
+
+    @property
+    def head(self) -> int:
+        """Number of events ever recorded in this log."""
+        return int(self._h[H_HEAD])
+
+    # -- counters ---------------------------------------------------------------------------
+
+    def add(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a named counter (created at 0 on first use).
+
+        Raises:
+            ValueError: the name is too long, or all ``MAX_COUNTERS`` counters exist.
+        """
+        self._lock.acquire()
+        try:
+            i = self._slot_of(counter, create=True)
+            self._values[i] += n
+        finally:
+            self._lock.release()
+
+    def counters(self) -> dict[str, int]:
+        """Every counter's current value."""
+        used = np.nonzero(self._names[:, 0])[0]
+        return {bytes(self._names[i]).rstrip(b"\0").decode(): int(self._values[i])
+                for i in used.tolist()}
+
+    def _slot_of(self, counter: str, create: bool) -> int:
+        i = self._index.get(counter)
+        if i is not None:
+            return i
+        raw = counter.encode()
+        if not raw or len(raw) >= NAME_BYTES:
+            raise ValueError(f"counter name must be 1..{NAME_BYTES - 1} bytes: {counter!r}")
+        for j in range(MAX_COUNTERS):
+            name = bytes(self._names[j]).rstrip(b"\0")
+            if name == raw:
+                self._index[counter] = j
+                return j
+            if not name:
+                if not create:
+                    break
+                self._names[j, :len(raw)] = np.frombuffer(raw, np.uint8)
+                self._index[counter] = j
+                return j
+        raise ValueError(f"all {MAX_COUNTERS} counters are in use")
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Detach this process (the log stays in shared memory)."""
+        for part in ("_h", "_names", "_values", "_ring", "_slot_words"):
+            self.__dict__.pop(part, None)
+        self._seg.close()
+        self._lock.close()
+
+    def unlink(self) -> None:
+        segment.unlink(self.name)
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple:
+        return (EventLog.open, (self.name.removesuffix("_events"),))
+
+
+def _encode(event: dict[str, Any], limit: int) -> bytes:
+    payload = json.dumps(event, separators=(",", ":"), default=str).encode()
+    if len(payload) <= limit:
+        return payload
+    small = {k: v for k, v in event.items() if isinstance(v, (int, float, bool, type(None)))
+             or (isinstance(v, str) and len(v) <= 128)}
+    small["truncated"] = True
+    payload = json.dumps(small, separators=(",", ":")).encode()
+    if len(payload) > limit:
+        payload = json.dumps({"kind": str(event["kind"])[:64], "seq": event["seq"],
+                              "truncated": True}).encode()
+    return payload
+
+
+def _attach(name: str) -> segment.Segment | None:
+    try:
+        seg = segment.Segment(name)
+    except FileNotFoundError:
+        return None
+    h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf).copy()
+    if h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION or \
+            seg.size != _layout(int(h[H_CAPACITY]), int(h[H_SLOT_BYTES]))[3]:
+        # a creator died before finishing, or an older format: events are disposable
+        seg.close()
+        segment.unlink(name)
+        return None
+    return seg
+
+
+def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
+    size = _layout(capacity, slot_bytes)[3]
+    segment.unlink(name)
+    seg = segment.Segment(name, size, create=True)
+    h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf)
+    names_at = _layout(capacity, slot_bytes)[0]
+    names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, seg.buf, names_at)
+    for i, counter in enumerate(COUNTERS):
+        raw = counter.encode()
+        names[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+    h[[H_CAPACITY, H_SLOT_BYTES, H_VERSION]] = [capacity, slot_bytes, VERSION]
+    h[H_MAGIC] = MAGIC  # last: a half-built log is recognized and recreated
+    del h, names
+    return seg
+
+
+__all__ = ["EventLog", "COUNTERS"]
