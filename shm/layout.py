@@ -84,7 +84,8 @@ class ChunkClass:
     """A layout class of the store: all chunks of one model shard and chunk size.
 
     A slot is ``header_bytes`` (key, state, token ids) followed by the chunk's KV bytes
-    ``[2, num_layers, chunk_size, hidden_dim]``, both 4 KiB aligned so the KV part can be DMA'd.
+    ``[2, num_layers, chunk_size, hidden_dim]``. Both parts are rounded to ``align``: 4 KiB for
+    chunks of 64 KiB and more (page-aligned DMA), 256 B for tiny ones (tests, index benchmarks).
     """
 
     model_name: str
@@ -117,12 +118,16 @@ class ChunkClass:
         return 2 * self.num_layers * self.chunk_size * self.hidden_dim * self.dtype.itemsize
 
     @property
+    def align(self) -> int:
+        return ALIGN if self.kv_bytes >= 64 << 10 else 256
+
+    @property
     def header_bytes(self) -> int:
-        return round_up(SLOT_HEADER_FIXED + 4 * self.chunk_size)
+        return round_up(SLOT_HEADER_FIXED + 4 * self.chunk_size, self.align)
 
     @property
     def slot_bytes(self) -> int:
-        return self.header_bytes + round_up(self.kv_bytes)
+        return self.header_bytes + round_up(self.kv_bytes, self.align)
 
     def numpy_dtype(self) -> np.dtype:
         """Element type for numpy views (bfloat16 has none: viewed as uint16)."""

@@ -24,9 +24,9 @@ Segments (prefix ``P``; all mode 0600)::
                  7 MAX_CLASSES  8 MAX_PINS  9 TICK  10 EVICTIONS  11 LRU_HEAD  12 LRU_TAIL
                  13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES
 
-A slot: a 4 KiB-aligned header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
+A slot: a header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
 NUM_TOKENS, then the chunk's token ids as uint32 from byte 128), followed by the chunk's KV bytes
-``[2, L, C, D]``, 4 KiB aligned.
+``[2, L, C, D]``; both rounded as ``ChunkClass.align`` says (4 KiB for chunks >= 64 KiB).
 
 Object states, and who may move them (full table in ``shm.index``)::
 
@@ -121,8 +121,8 @@ class StoreConfig:
             raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
         page = min(self.page_bytes, self.capacity_bytes)
         page -= page % 4096
-        if page < self.min_slot_bytes or self.min_slot_bytes < 4096:
-            raise ValueError("need 4096 <= min_slot_bytes <= page_bytes <= capacity_bytes")
+        if page < self.min_slot_bytes or self.min_slot_bytes < 256:
+            raise ValueError("need 256 <= min_slot_bytes <= page_bytes <= capacity_bytes")
         object.__setattr__(self, "page_bytes", page)
 
     @property

@@ -9,10 +9,11 @@ import numpy as np
 from shm.layout import ChunkClass
 from shm.store import ChunkKey, Store, StoreConfig
 
-# 4 pages of 64 KiB; the small class has 8 KiB slots -> 8 per page, 32 in all
-SMALL = StoreConfig(capacity_bytes=256 << 10, page_bytes=64 << 10, min_slot_bytes=4096)
-CLASS_A = ChunkClass("model-a", 1, 2, 16, "float16", 16)     # 2 KiB of KV, 8 KiB slot
-CLASS_B = ChunkClass("model-b", 1, 4, 64, "float32", 16)     # 32 KiB of KV, 36 KiB slot
+# 4 pages of 64 KiB, at most 8 slots a page (min_slot_bytes)
+SMALL = StoreConfig(capacity_bytes=256 << 10, page_bytes=64 << 10, min_slot_bytes=8192)
+CLASS_A = ChunkClass("model-a", 1, 2, 16, "float16", 16)     # 2 KiB of KV: 8 slots a page, 32 in all
+CLASS_B = ChunkClass("model-b", 1, 4, 64, "float32", 16)     # 32 KiB of KV: 1 slot a page
+SLOTS_A = 32
 
 
 def key(i: int, rank: int = 0, ns: int = 7) -> ChunkKey:

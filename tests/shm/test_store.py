@@ -13,7 +13,7 @@ from shm.errors import LayoutMismatch, ShmError, StoreFull
 from shm.layout import ChunkClass
 from shm.store import Store, StoreConfig, destroy
 
-from .storeutil import CLASS_A, CLASS_B, SMALL, intact, key, put, tokens_for
+from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, intact, key, put, tokens_for
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_wrong_token_count_is_rejected(store: Store) -> None:
 
 def test_lru_eviction_skips_pinned(store: Store) -> None:
     c = store.register_class(CLASS_A)
-    capacity = SMALL.num_pages * (SMALL.page_bytes // CLASS_A.slot_bytes)
+    capacity = SLOTS_A
     for i in range(capacity):
         put(store, c, i)
     pinned = store.pin([key(0)])       # 0 is the oldest, but pinned: it must survive
@@ -84,7 +84,7 @@ def test_lru_eviction_skips_pinned(store: Store) -> None:
 
 def test_store_full_when_everything_is_pinned(store: Store) -> None:
     c = store.register_class(CLASS_A)
-    capacity = SMALL.num_pages * (SMALL.page_bytes // CLASS_A.slot_bytes)
+    capacity = SLOTS_A
     for i in range(capacity):
         put(store, c, i)
     pins = store.pin([key(i) for i in range(capacity)])
