@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from contextlib import contextmanager
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from shm.errors import Busy, ShmError
 
 SHM_DIR = "/dev/shm"
+T = TypeVar("T")
 
 
 class FileLock:
@@ -81,17 +83,24 @@ class Guarded:
         lock: the cross-process lock.
         dirty: a 1-element int64 array in shared memory.
         repair: rebuilds derived state; called with the lock held.
+        seq: optional 1-element int64 array in shared memory, a sequence counter for lock-free
+            readers: odd while a holder is inside, bumped on entry and exit (``read_stable``).
     """
 
-    def __init__(self, lock: FileLock, dirty: np.ndarray, repair: Callable[[], None]) -> None:
+    def __init__(self, lock: FileLock, dirty: np.ndarray, repair: Callable[[], None],
+                 seq: np.ndarray | None = None) -> None:
         self.lock = lock
         self._dirty = dirty
         self._repair = repair
+        self._seq = seq
 
     @contextmanager
     def __call__(self, timeout: float | None = None) -> Iterator[None]:
         self.lock.acquire(timeout)
+        seq = self._seq
         try:
+            if seq is not None:
+                seq[0] += 2 if seq[0] & 1 else 1  # odd from a holder that died: stays odd
             if self._dirty[0]:
                 self._repair()
             self._dirty[0] = 1
@@ -102,7 +111,29 @@ class Guarded:
                 raise
             self._dirty[0] = 0
         finally:
+            if seq is not None and self._dirty[0] == 0:
+                seq[0] += 1
             self.lock.release()
+
+    def read_stable(self, read: Callable[[], T], attempts: int = 8) -> T:
+        """Run a read-only ``read`` without the lock when no holder changed anything meanwhile
+        (seqlock), else under the lock.
+
+        NOTE: the two reads of the counter happen in Python around ``read`` (an opaque call for the
+        compiler), and x86-64 keeps loads in order, so ``read`` sees a state between two whole
+        critical sections or the counters differ. ``read`` must tolerate torn state without
+        crashing or looping (it is retried): the tables keep that property by construction.
+        """
+        seq = self._seq
+        assert seq is not None, "read_stable needs a Guarded built with seq="
+        for _ in range(attempts):
+            before = int(seq[0])
+            if before & 1 == 0:
+                result = read()
+                if int(seq[0]) == before:
+                    return result
+        with self():
+            return read()
 
 
 def lock_path(prefix: str, what: str) -> str:

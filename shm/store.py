@@ -22,7 +22,7 @@ Segments (prefix ``P``; all mode 0600)::
 
     header word: 0 MAGIC  1 VERSION  2 DIRTY  3 PAGE_BYTES  4 NUM_PAGES  5 SPP  6 HASH_SLOTS
                  7 MAX_CLASSES  8 MAX_PINS  9 TICK  10 EVICTIONS  11 LRU_HEAD  12 LRU_TAIL
-                 13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES
+                 13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES  16 SEQ (odd while a holder is inside)
 
 A slot: a header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
 NUM_TOKENS, then the chunk's token ids as uint32 from byte 128), followed by the chunk's KV bytes
@@ -66,7 +66,7 @@ VERSION = 1
 SLOT_MAGIC = 0x736C6F74
 H_MAGIC, H_VERSION, H_DIRTY, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS = range(7)
 H_MAX_CLASSES, H_MAX_PINS = 7, 8
-H_MIN_SLOT_BYTES = 15
+H_MIN_SLOT_BYTES, H_SEQ = 15, 16
 HEADER_WORDS = 64
 NAME_BYTES = 128
 SLOT_HDR_WORDS = 16
@@ -83,6 +83,10 @@ class ChunkKey:
     chunk_hash: bytes
     rank: int = 0
 
+    def __post_init__(self) -> None:
+        if len(self.chunk_hash) != 16:
+            raise ValueError(f"a chunk hash has 16 bytes, got {len(self.chunk_hash)}")
+
     def words(self) -> tuple[int, int, int, int]:
         return (int.from_bytes(self.chunk_hash[:8], "little", signed=True),
                 int.from_bytes(self.chunk_hash[8:16], "little", signed=True),
@@ -91,7 +95,14 @@ class ChunkKey:
 
 def key_words(keys: Sequence[ChunkKey]) -> np.ndarray:
     """Keys as an int64 ``[n, 4]`` array for the kernels."""
-    return np.array([k.words() for k in keys], dtype=np.int64).reshape(len(keys), 4)
+    if len(keys) == 1:
+        return np.array([keys[0].words()], np.int64)
+    out = np.empty((len(keys), 4), np.int64)
+    raw = b"".join(k.chunk_hash for k in keys)
+    out[:, :2] = np.frombuffer(raw, "<i8").reshape(len(keys), 2)
+    out[:, 2] = [_signed(k.namespace_id) for k in keys]
+    out[:, 3] = [k.rank for k in keys]
+    return out
 
 
 def _signed(u: int) -> int:
@@ -159,6 +170,23 @@ class StoreStats:
     free_pages: int
     meta_bytes: int
     classes: list[ClassStats]
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Per-class numbers the hot path needs, computed once."""
+
+    dtype: np.dtype
+    kv_shape: tuple[int, int, int, int]
+    header_bytes: int
+    kv_bytes: int
+    slot_bytes: int
+    chunk_size: int
+
+    @classmethod
+    def of(cls, cc: ChunkClass) -> "_Geometry":
+        return cls(cc.numpy_dtype(), cc.kv_shape, cc.header_bytes, cc.kv_bytes, cc.slot_bytes,
+                   cc.chunk_size)
 
 
 class Reservation:
@@ -234,8 +262,10 @@ class Store:
         self._h: np.ndarray = self._header
         self.slab = np.frombuffer(slab_seg.buf, np.uint8)
         self.size = slab_seg.size
-        self._guard = Guarded(lock, self._h[H_DIRTY:H_DIRTY + 1], self._rebuild)
+        self._guard = Guarded(lock, self._h[H_DIRTY:H_DIRTY + 1], self._rebuild,
+                              seq=self._h[H_SEQ:H_SEQ + 1])
         self._class_cache: dict[int, ChunkClass] = {}
+        self._geometry: dict[int, _Geometry] = {}
         self._pid = os.getpid()
 
     # -- life cycle -------------------------------------------------------------------------
@@ -402,7 +432,7 @@ class Store:
             slab.abort(self._h, self._classes, self._pages, self._obj, self._table, res.slot)
 
     def _check_reserved(self, res: Reservation) -> None:
-        row = self._obj[res.slot]
+        row = self._obj[res.slot].tolist()
         if row[index.STATE] != index.RESERVED or row[index.PID] != self._pid or \
                 tuple(row[index.K0:index.RANK + 1]) != res.key.words():
             raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
@@ -443,35 +473,37 @@ class Store:
         if not keys:
             return np.zeros(0, bool)
         words = key_words(keys)
-        with self._guard():
-            return index.find_committed(self._table, self._obj, words) >= 0
+        found = self._guard.read_stable(
+            lambda: index.find_committed(self._table, self._obj, words))
+        return found >= 0
 
     def slot_kv(self, slot: int) -> np.ndarray:
         """The KV bytes of a slot, viewed as ``[2, L, C, D]`` of the class's element type."""
-        c = int(self._obj[slot, index.CLASS])
-        cc = self.chunk_class(c)
-        off = self._slot_offset(slot, cc) + cc.header_bytes
-        return np.frombuffer(self._slab_seg.buf, cc.numpy_dtype(), cc.kv_bytes // cc.dtype.itemsize,
-                             off).reshape(cc.kv_shape)
+        g, off = self._locate(slot)
+        start = off + g.header_bytes
+        return self.slab[start:start + g.kv_bytes].view(g.dtype).reshape(g.kv_shape)
 
     def slot_tokens(self, slot: int) -> np.ndarray:
-        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
-        off = self._slot_offset(slot, cc) + SLOT_HDR_WORDS * 8
-        return np.frombuffer(self._slab_seg.buf, np.uint32, cc.chunk_size, off)
-
-    def _slot_header(self, slot: int) -> np.ndarray:
-        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
-        return np.frombuffer(self._slab_seg.buf, np.int64, SLOT_HDR_WORDS,
-                             self._slot_offset(slot, cc))
-
-    def _slot_offset(self, slot: int, cc: ChunkClass) -> int:
-        page, i = divmod(slot, self.config.slots_per_page)
-        return page * self.config.page_bytes + i * cc.slot_bytes
+        g, off = self._locate(slot)
+        start = off + SLOT_HDR_WORDS * 8
+        return self.slab[start:start + 4 * g.chunk_size].view(np.uint32)
 
     def slot_region(self, slot: int) -> tuple[int, int]:
         """(byte offset in the slab, bytes) of a slot's KV data, for DMA engines."""
-        cc = self.chunk_class(int(self._obj[slot, index.CLASS]))
-        return self._slot_offset(slot, cc) + cc.header_bytes, cc.kv_bytes
+        g, off = self._locate(slot)
+        return off + g.header_bytes, g.kv_bytes
+
+    def _slot_header(self, slot: int) -> np.ndarray:
+        _, off = self._locate(slot)
+        return self.slab[off:off + SLOT_HDR_WORDS * 8].view(np.int64)
+
+    def _locate(self, slot: int) -> tuple["_Geometry", int]:
+        c = int(self._obj[slot, index.CLASS])
+        g = self._geometry.get(c)
+        if g is None:
+            g = self._geometry[c] = _Geometry.of(self.chunk_class(c))
+        page, i = divmod(slot, self.config.slots_per_page)
+        return g, page * self.config.page_bytes + i * g.slot_bytes
 
     # -- maintenance ------------------------------------------------------------------------
 

@@ -169,7 +169,8 @@ def test_dirty_flag_triggers_a_rebuild_that_keeps_committed_data(store: Store) -
     store._table[:] = index.NIL
     store._h[index.H_LRU_HEAD] = index.NIL
     store._h[slab.H_COMMITTED] = 12345
-    store._h[2] = 1
+    store._h[2] = 1                        # DIRTY
+    store._h[16] |= 1                      # SEQ odd: a holder is (was) inside
     assert store.contains([key(i) for i in range(10)]).all()
     stats = store.stats()
     assert (stats.num_objects, stats.num_pinned) == (10, 1)
