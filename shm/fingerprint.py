@@ -213,30 +213,43 @@ def _bloom_at(m, wmask):
 
 
 @njit(cache=True)
-def _probe(tokens, k, nsid, E, fpt, bloom, out_pos, out_ent):
-    """Every (query position, entry) pair with equal 64-bit key; returns how many (may exceed out)."""
-    keys = rolling_hashes(tokens, k) ^ nsid
-    n = keys.shape[0]
-    umask = np.uint64(fpt.shape[0] - 1)
+def _probe(tokens, k, nsid, E, fpt, bloom, near, keys, out_pos, out_ent):
+    """Every (query position, entry) pair with equal 64-bit key; returns how many (may exceed out).
+
+    One branch-free pass rolls the hash and tests each window against the presence filter, which is
+    a few bytes per entry and stays in cache; only the few windows that pass pay a miss in the much
+    larger table. ``near`` and ``keys`` are scratch of at least ``len(tokens)`` elements, reused by
+    the caller (fresh large temporaries would cost page faults on every call).
+    """
+    n = tokens.shape[0] - k + 1
+    if n <= 0:
+        return 0
+    b = np.uint64(BASE)
+    top = np.uint64(1)
+    for _ in range(k - 1):
+        top = top * b
+    h = np.uint64(0)
+    for i in range(k - 1):
+        h = h * b + np.uint64(tokens[i])
     wmask = np.uint64(bloom.shape[0] - 1)
-    mixed = np.empty(n, np.uint64)
-    for j in range(n):
-        mixed[j] = _mix(keys[j])
-    # the filter is a few bytes per entry and stays in cache; the table is far larger, so only
-    # the few positions that pass the filter pay a table miss
-    near = np.empty(n, np.int64)
     nn = 0
     for j in range(n):
-        w, bits = _bloom_at(mixed[j], wmask)
+        if j > 0:
+            h -= np.uint64(tokens[j - 1]) * top
+        h = h * b + np.uint64(tokens[j + k - 1])
+        key = h ^ nsid
+        w, bits = _bloom_at(_mix(key), wmask)
         near[nn] = j
+        keys[nn] = key
         nn += (bloom[w] & bits) == bits
+    umask = np.uint64(fpt.shape[0] - 1)
     cap = out_pos.shape[0]
     count = 0
     for c in range(nn):
-        j = near[c]
-        key = keys[j]
-        tag = mixed[j] >> _U32
-        i = mixed[j] & umask
+        key = keys[c]
+        m = _mix(key)
+        tag = m >> _U32
+        i = m & umask
         while True:
             s = fpt[i]
             if s == 0:
@@ -245,7 +258,7 @@ def _probe(tokens, k, nsid, E, fpt, bloom, out_pos, out_ent):
                 e = np.int64(s & _LO32) - 1
                 if E[e, E_KEY] == key:
                     if count < cap:
-                        out_pos[count] = j
+                        out_pos[count] = near[c]
                         out_ent[count] = e
                     count += 1
             i = (i + _ONE) & umask
@@ -569,6 +582,8 @@ class FingerprintIndex:
         self._free = np.ndarray((n,), np.uint32, buf, lay.free_at)
         self._bloom = np.ndarray((s // 8,), np.uint64, buf, lay.bloom_at)
         self._guard = Guarded(lock, self._hdr[H_DIRTY:H_DIRTY + 1], self.repair)
+        self._near = np.empty(0, np.int64)
+        self._keys = np.empty(0, np.uint64)
 
     @classmethod
     def open(cls, prefix: str, chunk_size: int, capacity: int = 1 << 20, wipe: bool = False, *,
@@ -760,9 +775,12 @@ class FingerprintIndex:
         while True:
             out_pos = np.empty(size, np.int64)
             out_ent = np.empty(size, np.int64)
-            with self._guard(self._timeout):
+            with self._guard(self._timeout):  # its thread lock also guards the scratch
+                if len(self._near) < len(tokens):
+                    self._near = np.empty(len(tokens), np.int64)
+                    self._keys = np.empty(len(tokens), np.uint64)
                 n = _probe(tokens, self.chunk_size, nsid, self._E, self._fpt, self._bloom,
-                           out_pos, out_ent)
+                           self._near, self._keys, out_pos, out_ent)
                 if n <= size:
                     rows = np.empty((n, ENTRY_WORDS + 1), np.uint64)
                     rows[:, :ENTRY_WORDS] = self._E[out_ent[:n]]
