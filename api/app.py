@@ -1,0 +1,94 @@
+"""The FastAPI application: ``create_app(settings)`` builds it; its lifespan attaches shared state.
+
+Nothing happens at import: no store is attached and no hardware is probed until the lifespan runs.
+``app_from_env`` is the factory uvicorn's workers call (``kvblend serve`` passes the settings to them
+as ``KVBLEND_*`` environment variables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from api import errors, kvblend_version
+from api.metrics import build_registry
+from api.routes import chunks, events, health, instances, lookup, metrics, status
+from api.schemas import LookupRequest
+from api.services import Services
+from api.settings import Settings
+
+DESCRIPTION = """\
+Per-host KV-cache server for context blending: engines store the KV of document chunks they have
+computed, look up which stored chunks appear anywhere in a new prompt (at any offset), and retrieve
+them into their KV buffer.
+
+Errors are RFC 9457 `application/problem+json`. When the service runs with an API token, every
+`/v1` route and `/metrics` need `Authorization: Bearer <token>`.
+"""
+
+TAGS = [
+    {"name": "health", "description": "Liveness and readiness probes (never need a token)."},
+    {"name": "status", "description": "What the service holds and who is attached."},
+    {"name": "instances", "description": "Engine KV buffers registered with the data plane."},
+    {"name": "lookup", "description": "Find stored chunks inside a prompt."},
+    {"name": "chunks", "description": "Administration of the stored chunks."},
+    {"name": "observability", "description": "Prometheus metrics and recent request events."},
+]
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the service's app for ``settings``.
+
+    The lifespan attaches the store of ``settings.shm_prefix`` (which must exist: ``kvblend serve``
+    creates it), the fingerprint index, the event log and the data-plane link, and closes them.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.open(settings)
+        app.state.services = services
+        app.state.registry = build_registry(services)
+        try:
+            yield
+        finally:
+            services.close()
+
+    app = FastAPI(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
+                  openapi_tags=TAGS, lifespan=lifespan)
+    token = settings.token()
+    app.state.api_token = token.encode() if token is not None else None
+    app.state.settings = settings
+    errors.install(app)
+    for module in (health, status, instances, lookup, chunks, metrics, events):
+        app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes, tags=app.openapi_tags)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    # the lookup route reads its body itself (JSON or bytes), so FastAPI does not see the model
+    components["LookupRequest"] = LookupRequest.model_json_schema(
+        ref_template="#/components/schemas/{model}")
+    components.setdefault("Problem", errors.Problem.model_json_schema(
+        ref_template="#/components/schemas/{model}"))
+    for item in schema["paths"].values():
+        for op in item.values():
+            for code, resp in op.get("responses", {}).items():
+                if code[0] in "45":  # errors are problem+json only, never plain JSON
+                    resp.get("content", {}).pop("application/json", None)
+    app.openapi_schema = schema
+    return schema
+
+
+def app_from_env() -> FastAPI:
+    """Factory for uvicorn workers: the settings come from ``KVBLEND_*`` variables."""
+    return create_app(Settings())

@@ -1,0 +1,157 @@
+"""Errors become HTTP here, once: one table ``exception type -> status``, one RFC 9457 body.
+
+Routes raise typed exceptions (the store's, the data plane's, or the few below) and contain no
+``try/except``. Every error response of the service is ``application/problem+json``::
+
+    {"type": "about:blank", "title": "Not Found", "status": 404,
+     "detail": "no instance 7", "instance": "/v1/instances/7", "code": "InstanceNotFound"}
+
+``code`` names the exception; validation errors add ``errors`` (location, message, kind).
+
+Exception tree of the API itself::
+
+    ApiError
+    ├── Unauthorized             missing or wrong bearer token          401
+    ├── InstanceNotFound         no registered instance with that id    404
+    └── UnsupportedMediaType     a body that is neither JSON nor bytes  415
+
+The data plane's typed errors (``dataplane.errors``) join the table in ``api.link``.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shm.errors import Busy, CapacityError, ChunkNotFound, LayoutMismatch, ShmError, StoreFull
+
+log = logging.getLogger("kvblend.api")
+
+PROBLEM_JSON = "application/problem+json"
+
+
+class ApiError(Exception):
+    """Base class of the errors the API raises itself."""
+
+
+class Unauthorized(ApiError):
+    """Missing or wrong ``Authorization: Bearer`` token."""
+
+
+class InstanceNotFound(ApiError, KeyError):
+    """No registered engine instance with that id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown instance"
+
+
+class UnsupportedMediaType(ApiError):
+    """A request body in a content type the route does not take."""
+
+
+# Most specific first is not required: the handler walks the exception's MRO.
+ERROR_STATUS: dict[type[BaseException], int] = {
+    Unauthorized: 401,
+    InstanceNotFound: 404,
+    UnsupportedMediaType: 415,
+    ChunkNotFound: 404,
+    LayoutMismatch: 409,
+    StoreFull: 507,
+    CapacityError: 507,
+    Busy: 503,
+    ShmError: 500,
+    pydantic.ValidationError: 422,
+    ValueError: 422,
+}
+
+
+def register_error(exc_type: type[BaseException], status: int) -> None:
+    """Add a row to the table (the data plane's typed errors are added at import of the link)."""
+    ERROR_STATUS[exc_type] = status
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document, the body of every error response."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
+        "type": "about:blank", "title": "Unprocessable Content", "status": 422,
+        "detail": "token ids must lie in [0, 2^32)", "instance": "/v1/lookup",
+        "code": "ValueError"}]})
+
+    type: str = Field("about:blank", description="Problem type URI; about:blank for all of ours.")
+    title: str = Field(description="The HTTP status phrase.", examples=["Not Found"])
+    status: int = Field(description="The HTTP status code.", examples=[404])
+    detail: str = Field("", description="What went wrong, for a human.")
+    instance: str = Field("", description="The request path.")
+    code: str = Field("", description="Name of the error, stable for programs to switch on.")
+    errors: list[dict[str, Any]] | None = Field(
+        None, description="Validation errors: location, message and kind of each.")
+
+
+def problem_response(status: int, detail: str, instance: str, code: str,
+                     errors: list[dict[str, Any]] | None = None,
+                     headers: dict[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": HTTPStatus(status).phrase,
+                            "status": status, "detail": detail, "instance": instance,
+                            "code": code}
+    if errors is not None:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+
+
+def status_of(exc: BaseException) -> int:
+    for klass in type(exc).__mro__:
+        status = ERROR_STATUS.get(klass)
+        if status is not None:
+            return status
+    return 500
+
+
+def _clean_errors(raw: Any) -> list[dict[str, Any]]:
+    return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")),
+             "type": str(e.get("type", ""))} for e in raw]
+
+
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    status = status_of(exc)
+    if status >= 500 and status not in (503, 504):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    errors = _clean_errors(exc.errors()) if isinstance(exc, pydantic.ValidationError) else None
+    detail = "invalid request" if errors is not None else str(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return problem_response(status, detail, request.url.path, type(exc).__name__, errors, headers)
+
+
+async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError), "handler registered for the wrong type"
+    return problem_response(422, "invalid request", request.url.path, "RequestValidationError",
+                            _clean_errors(exc.errors()))
+
+
+async def _on_http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException), "handler registered for the wrong type"
+    return problem_response(exc.status_code, str(exc.detail), request.url.path, "HTTPException",
+                            headers=exc.headers)
+
+
+def install(app: FastAPI) -> None:
+    """Route every error of ``app`` through the problem+json handlers."""
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    for exc_type in {ApiError, *ERROR_STATUS, Exception}:
+        app.add_exception_handler(exc_type, _on_error)
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries documenting these error statuses as problem+json."""
+    return {s: {"model": Problem, "description": HTTPStatus(s).phrase,
+                "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+            for s in statuses}

@@ -1,0 +1,85 @@
+"""The lookup path: read a JSON or binary body, match it against the shared index, record it.
+
+A lookup pins nothing: it reads the fingerprint index and asks the store which chunks are committed,
+so a lookup that no retrieve follows leaves no trace in the store (LMCache's matcher pinned on
+lookup, and hit rates decayed to zero when engines skipped the retrieve).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+from fastapi import Request
+
+from api.errors import UnsupportedMediaType
+from api.metrics import observe_lookup
+from api.schemas import LookupRequest, LookupResponse, MatchOut
+from api.services import Services
+from shm.hashing import Namespace, as_tokens
+from shm.lookup import lookup
+
+OCTET_STREAM = "application/octet-stream"
+
+
+class Query:
+    """A parsed lookup: the namespace and the prompt as uint32 token ids."""
+
+    __slots__ = ("namespace", "tokens")
+
+    def __init__(self, namespace: Namespace, tokens: np.ndarray) -> None:
+        self.namespace, self.tokens = namespace, tokens
+
+
+async def read_query(request: Request, model_name: str | None, world_size: int,
+                     cache_salt: str) -> Query:
+    """Parse the body by its content type.
+
+    Raises:
+        pydantic.ValidationError: a JSON body that does not match ``LookupRequest``.
+        ValueError: a binary body whose length is not a multiple of 4, or no ``model_name``.
+        UnsupportedMediaType: neither JSON nor octet-stream.
+    """
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    body = await request.body()
+    if ctype == OCTET_STREAM:
+        if len(body) % 4:
+            raise ValueError(f"a binary body holds little-endian uint32 token ids: {len(body)} "
+                             "bytes is not a multiple of 4")
+        if not model_name:
+            raise ValueError("binary lookups need the model_name query parameter")
+        return Query(Namespace(model_name, world_size, cache_salt),
+                     np.frombuffer(body, dtype="<u4"))
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise UnsupportedMediaType(f"send application/json or {OCTET_STREAM}, not {ctype!r}")
+    req = LookupRequest.model_validate_json(body)
+    return Query(Namespace(req.model_name, req.world_size, req.cache_salt),
+                 as_tokens(np.array(req.token_ids, dtype=np.int64)))
+
+
+def run_lookup(services: Services, query: Query, request_id: str, started: float
+               ) -> LookupResponse:
+    """Match ``query`` and record its events, counters and latency."""
+    events = services.events
+    events.record("lookup_start", request_id=request_id, model_name=query.namespace.model_name,
+                  num_tokens=len(query.tokens))
+    result = lookup(services.store, services.fingerprints, query.namespace, query.tokens)
+    elapsed = time.perf_counter() - started
+    events.add("lookups")
+    events.add("lookup_requested_tokens", result.requested_tokens)
+    events.add("lookup_hit_tokens", result.hit_tokens)
+    observe_lookup(events, elapsed)
+    events.record("lookup_end", request_id=request_id, requested_tokens=result.requested_tokens,
+                  hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
+                  duration_ms=round(elapsed * 1e3, 3))
+    return LookupResponse.model_construct(
+        matches=[MatchOut.model_construct(old_st=m.old_st, old_ed=m.old_ed, cur_st=m.cur_st,
+                                          cur_ed=m.cur_ed, chunk_hash=m.chunk_hash.hex())
+                 for m in result.matches],
+        hit_tokens=result.hit_tokens, requested_tokens=result.requested_tokens)
+
+
+def request_id_of(request: Request) -> str:
+    """The caller's ``X-Request-ID``, or a fresh one."""
+    return (request.headers.get("x-request-id") or uuid.uuid4().hex[:16])[:128]

@@ -1,0 +1,26 @@
+"""Print the service's OpenAPI schema: ``python -m api.openapi > openapi/openapi.json``.
+
+The committed file is the reviewed contract; a test fails when the app's schema drifts from it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from api.app import create_app
+from api.settings import Settings
+
+
+def schema() -> dict[str, Any]:
+    """The schema of an app with default settings (settings do not change the schema)."""
+    return create_app(Settings(api_token=None)).openapi()
+
+
+def render() -> str:
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

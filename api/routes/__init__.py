@@ -1,0 +1,1 @@
+"""One router per resource, included explicitly by ``api.app.create_app``."""

@@ -1,0 +1,26 @@
+"""Liveness and readiness probes; open even when the service runs with an API token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import DataPlaneDep
+from api.errors import responses
+from dataplane.errors import DataPlaneUnavailable
+from api.schemas import Health, Ready
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health, operation_id="healthz",
+            summary="Liveness: the API process serves")
+async def healthz() -> Health:
+    return Health()
+
+
+@router.get("/readyz", response_model=Ready, operation_id="readyz",
+            summary="Readiness: the data plane answers", responses=responses(503))
+def readyz(dataplane: DataPlaneDep) -> Ready:
+    if dataplane.ping() is None:
+        raise DataPlaneUnavailable(f"the data plane at {dataplane.address} does not answer")
+    return Ready()

@@ -1,0 +1,49 @@
+"""``/v1/instances``: engine KV buffers registered with the data plane."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Request, Response
+
+from api.auth import require_token
+from api.deps import DataPlaneDep
+from api.errors import responses
+from api.lookup import request_id_of
+from api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstance
+
+router = APIRouter(prefix="/v1/instances", tags=["instances"],
+                   dependencies=[Depends(require_token)])
+
+InstanceId = Annotated[int, Path(ge=0, description="As returned by registration.")]
+
+
+@router.post("", status_code=201, response_model=InstanceCreated, operation_id="registerInstance",
+             summary="Register an engine worker's KV buffer",
+             description="The data plane opens the buffer (POSIX shm name or CUDA IPC handle) "
+                         "and serves store and retrieve calls for it from then on.",
+             responses=responses(401, 409, 422, 503))
+def register_instance(body: RegisterInstance, request: Request, dataplane: DataPlaneDep
+                      ) -> InstanceCreated:
+    return InstanceCreated(instance_id=dataplane.register(body, request_id_of(request)))
+
+
+@router.get("", response_model=InstanceList, operation_id="listInstances",
+            summary="Registered instances", responses=responses(401, 503))
+def list_instances(dataplane: DataPlaneDep) -> InstanceList:
+    return InstanceList(instances=dataplane.list_instances())
+
+
+@router.get("/{instance_id}", response_model=Instance, operation_id="getInstance",
+            summary="One registered instance", responses=responses(401, 404, 422, 503))
+def get_instance(instance_id: InstanceId, dataplane: DataPlaneDep) -> Instance:
+    return dataplane.get_instance(instance_id)
+
+
+@router.delete("/{instance_id}", status_code=204, response_class=Response,
+               operation_id="unregisterInstance", summary="Unregister an instance",
+               responses=responses(401, 404, 422, 503))
+def unregister_instance(instance_id: InstanceId, request: Request, dataplane: DataPlaneDep
+                        ) -> Response:
+    dataplane.unregister(instance_id, request_id_of(request))
+    return Response(status_code=204)

@@ -1,0 +1,42 @@
+"""``POST /v1/lookup``: which stored chunks appear where in a prompt (JSON or binary body)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from api import lookup as lookups
+from api.auth import require_token
+from api.deps import ServicesDep
+from api.errors import responses
+from api.schemas import LookupResponse
+
+router = APIRouter(prefix="/v1", tags=["lookup"], dependencies=[Depends(require_token)])
+
+BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}},
+    lookups.OCTET_STREAM: {"schema": {
+        "type": "string", "format": "binary",
+        "description": "Token ids as little-endian uint32; model_name, world_size and "
+                       "cache_salt go in the query string."}}}}}
+
+
+@router.post("/lookup", response_model=LookupResponse, operation_id="lookup",
+             summary="Find stored chunks anywhere in a prompt",
+             description="Every stored chunk of the namespace found in `token_ids`, as a "
+                         "non-overlapping cover sorted by `cur_st`. Pins nothing. Send JSON, or "
+                         "`application/octet-stream` (little-endian uint32 ids) with the other "
+                         "fields as query parameters.",
+             responses=responses(401, 415, 422), openapi_extra=BODY)
+async def post_lookup(
+        request: Request, services: ServicesDep,
+        model_name: Annotated[str | None, Query(
+            min_length=1, max_length=120, description="Binary bodies only.")] = None,
+        world_size: Annotated[int, Query(ge=1, le=1024, description="Binary bodies only.")] = 1,
+        cache_salt: Annotated[str, Query(max_length=256, description="Binary bodies only.")] = "",
+) -> LookupResponse:
+    started = time.perf_counter()
+    query = await lookups.read_query(request, model_name, world_size, cache_salt)
+    return lookups.run_lookup(services, query, lookups.request_id_of(request), started)

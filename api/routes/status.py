@@ -1,0 +1,36 @@
+"""``GET /v1/status``: what the service holds and who is attached."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from api import kvblend_version
+from api.auth import require_token
+from api.deps import ServicesDep
+from api.errors import responses
+from api.schemas import DataPlaneStatus, FingerprintStatus, Status, StorageStatus
+
+router = APIRouter(prefix="/v1", tags=["status"], dependencies=[Depends(require_token)])
+
+
+@router.get("/status", response_model=Status, operation_id="getStatus",
+            summary="Storage, fingerprint index, instances and data plane",
+            responses=responses(401))
+def get_status(services: ServicesDep) -> Status:
+    st = services.store.stats()
+    fp = services.fingerprints.stats()
+    link = services.dataplane
+    ping = link.ping()
+    restarts = services.events.counters().get("dataplane_restarts", 0)
+    return Status(
+        version=kvblend_version(), chunk_size=services.settings.chunk_size,
+        backend=ping.backend if ping is not None else services.backend.value,
+        shm_prefix=services.settings.shm_prefix,
+        storage=StorageStatus(capacity_bytes=st.capacity_bytes, used_bytes=st.used_bytes,
+                              num_chunks=st.num_objects, num_pinned=st.num_pinned,
+                              evictions=st.evictions),
+        fingerprints=FingerprintStatus(num_entries=fp["num_entries"], capacity=fp["capacity"]),
+        instances=link.list_instances() if ping is not None else [],
+        dataplane=DataPlaneStatus(pid=ping.pid if ping is not None else None,
+                                  alive=ping is not None, restarts=restarts,
+                                  address=link.address))

@@ -1,0 +1,175 @@
+"""Request and response bodies of the HTTP API: the reviewed contract behind ``openapi/openapi.json``.
+
+Field names are the wire names. Every model carries descriptions and examples so Swagger UI shows a
+runnable request for each route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+HASH_EXAMPLE = "9f2c4e1ab0d3775e61c2a4f80e9b1d37"
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = Field("ok", description="Always ok while the process serves.")
+
+
+class Ready(BaseModel):
+    status: Literal["ready"] = Field("ready", description="The data plane answered a ping.")
+
+
+class StorageStatus(BaseModel):
+    capacity_bytes: int = Field(description="Slab budget.", examples=[1 << 30])
+    used_bytes: int = Field(description="Bytes of slots holding committed or reserved chunks.",
+                            examples=[100663296])
+    num_chunks: int = Field(description="Committed chunk objects (one per rank).", examples=[3])
+    num_pinned: int = Field(description="Chunk objects pinned by a running retrieve.", examples=[0])
+    evictions: int = Field(description="Chunks evicted since the store was created.", examples=[0])
+
+
+class FingerprintStatus(BaseModel):
+    num_entries: int = Field(description="Registered chunk fingerprints.", examples=[3])
+    capacity: int = Field(description="Entries the index can hold.", examples=[1 << 20])
+
+
+class DataPlaneStatus(BaseModel):
+    pid: int | None = Field(description="Process id, null while it does not answer.",
+                            examples=[4242])
+    alive: bool = Field(description="It answered a ping just now.", examples=[True])
+    restarts: int = Field(description="Times the supervisor restarted it.", examples=[0])
+    address: str = Field(description="Where engines reach its channel.",
+                         examples=["/dev/shm/kvblend_dataplane.sock"])
+
+
+class KVLayoutOut(BaseModel):
+    num_layers: int = Field(examples=[32])
+    num_tokens: int = Field(description="Token capacity of the buffer.", examples=[32768])
+    hidden_dim: int = Field(description="kv_heads * head_dim of this shard.", examples=[1024])
+    dtype: Literal["float16", "bfloat16", "float32"] = Field(examples=["bfloat16"])
+    bytes_per_token: int = Field(description="2 * num_layers * hidden_dim * itemsize.",
+                                 examples=[131072])
+
+
+class Instance(BaseModel):
+    instance_id: int = Field(examples=[1])
+    model_name: str = Field(examples=["meta-llama/Llama-3.1-8B-Instruct"])
+    world_size: int = Field(examples=[1])
+    worker_id: int | None = Field(examples=[0])
+    kv_layout: KVLayoutOut
+
+
+class InstanceList(BaseModel):
+    instances: list[Instance]
+
+
+class Status(BaseModel):
+    version: str = Field(examples=["0.1.0"])
+    chunk_size: int = Field(examples=[256])
+    backend: Literal["cpu", "cuda"] = Field(examples=["cpu"])
+    shm_prefix: str = Field(examples=["kvblend"])
+    storage: StorageStatus
+    fingerprints: FingerprintStatus
+    instances: list[Instance]
+    dataplane: DataPlaneStatus
+
+
+class CudaIpc(BaseModel):
+    """A GPU buffer shared by CUDA IPC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handle: str = Field(pattern=r"^[0-9a-fA-F]{128}$",
+                        description="The 64-byte cudaIpcMemHandle of the allocation, hex.")
+    offset: int = Field(0, ge=0, description="Bytes from the allocation's base to the buffer.")
+    device_uuid: str = Field(min_length=1, max_length=64, description="The GPU's UUID.",
+                             examples=["GPU-5f3c2d1e-8a9b-4c7d-9e0f-1a2b3c4d5e6f"])
+
+
+class RegisterInstance(BaseModel):
+    """An engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``: exactly one of
+    ``shm_name`` (CPU buffer in POSIX shared memory) or ``cuda_ipc`` (CUDA IPC handle)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1, "worker_id": 0,
+        "num_layers": 32, "num_tokens": 32768, "hidden_dim": 1024, "dtype": "bfloat16",
+        "shm_name": "kvblend_buf_1234"}]})
+
+    model_name: str = Field(min_length=1, max_length=120)
+    world_size: int = Field(1, ge=1, le=1024)
+    worker_id: int | None = Field(0, ge=0, description="Tensor-parallel rank; null means 0.")
+    num_layers: int = Field(gt=0)
+    num_tokens: int = Field(gt=0)
+    hidden_dim: int = Field(gt=0)
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    shm_name: str | None = Field(None, min_length=1, max_length=250,
+                                 description="POSIX shared-memory name of a CPU buffer.")
+    cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")
+    owner_pid: int | None = Field(
+        None, ge=1, description="The engine process; the instance is dropped when it exits.")
+
+    @model_validator(mode="after")
+    def _one_buffer(self) -> "RegisterInstance":
+        if (self.shm_name is None) == (self.cuda_ipc is None):
+            raise ValueError("give exactly one of shm_name (CPU buffer) or cuda_ipc (GPU buffer)")
+        return self
+
+
+class InstanceCreated(BaseModel):
+    instance_id: int = Field(examples=[1])
+
+
+class LookupRequest(BaseModel):
+    """A prompt's token ids and the namespace to search."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1,
+        "token_ids": [128000, 791, 6864, 315, 9822, 374, 12366], "cache_salt": ""}]})
+
+    model_name: str = Field(min_length=1, max_length=120)
+    world_size: int = Field(1, ge=1, le=1024)
+    token_ids: list[TokenId] = Field(description="The prompt, each id in [0, 2^32).")
+    cache_salt: str = Field("", max_length=256,
+                            description="Tenant salt; different salts share nothing.")
+
+
+class MatchOut(BaseModel):
+    old_st: int = Field(description="Start of the chunk where its KV was computed.", examples=[0])
+    old_ed: int = Field(examples=[256])
+    cur_st: int = Field(description="Start of the chunk in this prompt.", examples=[37])
+    cur_ed: int = Field(examples=[293])
+    chunk_hash: str = Field(description="The chunk's store key, hex.", examples=[HASH_EXAMPLE])
+
+
+class LookupResponse(BaseModel):
+    matches: list[MatchOut] = Field(description="Non-overlapping, ascending by cur_st.")
+    hit_tokens: int = Field(description="Distinct prompt tokens covered by matches.",
+                            examples=[256])
+    requested_tokens: int = Field(description="floor(len(token_ids) / chunk_size) * chunk_size.",
+                                  examples=[512])
+
+
+class ChunksCleared(BaseModel):
+    chunks_removed: int = Field(description="Committed, unpinned chunk objects evicted.",
+                                examples=[12])
+    fingerprints_removed: int = Field(description="Fingerprint entries dropped.", examples=[12])
+
+
+class Event(BaseModel):
+    """One request event; besides the fields below it carries the event's own counts."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
+        "seq": 17, "time": 1733140000.125, "kind": "lookup_end", "request_id": "r-42",
+        "requested_tokens": 512, "hit_tokens": 256, "num_chunks": 1, "duration_ms": 0.41}]})
+
+    seq: int = Field(description="Position in the ring, increasing.")
+    time: float = Field(0.0, description="Unix time in seconds.")
+    kind: str = Field(description="lookup_start, lookup_end, store_start, store_end, ...")
+    request_id: str = Field("", description="The request id of the call, when it had one.")
+
+
+class EventList(BaseModel):
+    events: list[Event] = Field(description="Most recent events, newest last.")

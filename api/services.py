@@ -1,0 +1,52 @@
+"""What one API worker attaches to: the shm store, the fingerprint index, the event log, and its
+link to the data plane. Opened by the app's lifespan, closed when it ends.
+
+The API only attaches: the supervisor (``kvblend serve``) creates the store. The fingerprint index
+and the event log are create-or-attach, with the same arguments the supervisor used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from api.link import DataPlaneLink
+from api.settings import Backend, Settings, resolve_backend
+from shm.events import EventLog
+from shm.fingerprint import FingerprintIndex
+from shm.store import Store
+
+
+@dataclass
+class Services:
+    settings: Settings
+    backend: Backend
+    store: Store
+    fingerprints: FingerprintIndex
+    events: EventLog
+    dataplane: DataPlaneLink
+
+    @classmethod
+    def open(cls, settings: Settings) -> "Services":
+        """Attach everything for ``settings``.
+
+        Raises:
+            FileNotFoundError: no store exists under the prefix (start ``kvblend serve``).
+            LayoutMismatch: the fingerprint index was created with other arguments.
+        """
+        prefix = settings.shm_prefix
+        store = Store.open(prefix)
+        try:
+            fingerprints = FingerprintIndex.open(prefix, settings.chunk_size,
+                                                 settings.fingerprint_capacity)
+        except BaseException:
+            store.close()
+            raise
+        events = EventLog.open(prefix)
+        link = DataPlaneLink(settings.dataplane_address())
+        return cls(settings, resolve_backend(settings.backend), store, fingerprints, events, link)
+
+    def close(self) -> None:
+        self.dataplane.close()
+        self.events.close()
+        self.fingerprints.close()
+        self.store.close()

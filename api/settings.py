@@ -1,0 +1,109 @@
+"""Configuration of the service: one pydantic-settings class, built at the entry point, passed down.
+
+Every field is also an environment variable ``KVBLEND_<NAME>`` (``KVBLEND_STORAGE_MB=4096``); a
+command-line flag wins over the environment, the environment over the default. The supervisor hands
+the settings to its API worker processes through these same variables.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1 << 20
+MAX_PAGE_BYTES = 256 * MIB
+
+
+class Backend(StrEnum):
+    """Where engine KV buffers live; ``AUTO`` resolves to ``CUDA`` when a GPU is present."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Settings(BaseSettings):
+    """Everything ``kvblend serve`` and the API workers need.
+
+    Attributes:
+        host: interface the API binds to (loopback by default: the admin API is not for the world).
+        port: TCP port of the API.
+        chunk_size: tokens per stored chunk.
+        storage_mb: slab budget in MiB (pre-faulted at creation: about 1 s/GiB).
+        page_mb: unit in which slab memory moves between layout classes; 0 picks
+            ``min(256, storage_mb / 8)`` so that small stores still hold several layout classes.
+        shm_prefix: names every shared-memory segment of this service (several may coexist).
+        backend: ``auto``, ``cpu`` or ``cuda``.
+        api_token: when set, ``/v1`` routes and ``/metrics`` require ``Authorization: Bearer``.
+        workers: API worker processes.
+        fingerprint_capacity: entries of the fingerprint index (about 88 bytes each).
+        dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
+        wipe: drop the existing cache at start-up.
+        log_level: uvicorn and supervisor log level.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVBLEND_", frozen=True, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8780, ge=1, le=65535)
+    chunk_size: int = Field(256, gt=0)
+    storage_mb: int = Field(1024, gt=0)
+    page_mb: int = Field(0, ge=0)
+    shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    backend: Backend = Backend.AUTO
+    api_token: SecretStr | None = None
+    workers: int = Field(1, ge=1, le=64)
+    fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30)
+    dataplane_socket: str = ""
+    wipe: bool = False
+    log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$")
+
+    @field_validator("api_token", mode="before")
+    @classmethod
+    def _empty_token_is_none(cls, value: object) -> object:
+        return None if value in ("", b"") else value
+
+    @property
+    def page_bytes(self) -> int:
+        """Slab page size in bytes (see ``page_mb``)."""
+        if self.page_mb:
+            return self.page_mb * MIB
+        return max(MIB, min(MAX_PAGE_BYTES, self.storage_mb * MIB // 8 // MIB * MIB))
+
+    def token(self) -> str | None:
+        """The API token in clear, or None when auth is off."""
+        return self.api_token.get_secret_value() if self.api_token is not None else None
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as ``KVBLEND_*`` variables, for child processes."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            env[f"KVBLEND_{name.upper()}"] = str(value)
+        return env
+
+    def dataplane_address(self) -> str:
+        """Where the data plane listens: ``dataplane_socket``, or its default for the prefix."""
+        if self.dataplane_socket:
+            return self.dataplane_socket
+        import dataplane  # the public surface only; imported late to keep settings light
+
+        return str(dataplane.default_address(self.shm_prefix))
+
+
+def resolve_backend(backend: Backend) -> Backend:
+    """``AUTO`` -> ``CUDA`` when torch sees a GPU, else ``CPU``. Probes only when asked."""
+    if backend is not Backend.AUTO:
+        return backend
+    try:
+        import torch
+    except ImportError:
+        return Backend.CPU
+    return Backend.CUDA if torch.cuda.is_available() else Backend.CPU

@@ -1,0 +1,129 @@
+"""``POST /v1/lookup`` against chunks stored directly through the store and fingerprint index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from shm.hashing import Namespace
+from tests.api.conftest import CHUNK, Cache, problem
+
+NS = Namespace("model-a", 1)
+
+
+def doc(seed: int, n_chunks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**32, n_chunks * CHUNK, dtype=np.uint32)
+
+
+def prompt_with(*parts: np.ndarray) -> np.ndarray:
+    return np.concatenate(parts).astype(np.uint32)
+
+
+@pytest.fixture
+def stored(cache: Cache) -> tuple[np.ndarray, np.ndarray, list[bytes], list[bytes]]:
+    a, b = doc(1, 3), doc(2, 2)
+    return a, b, cache.put(NS, a), cache.put(NS, b)
+
+
+def expected(a_at: int, b_at: int, ka: list[bytes], kb: list[bytes]) -> list[dict]:
+    out = [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=a_at + i * CHUNK,
+                cur_ed=a_at + (i + 1) * CHUNK, chunk_hash=k.hex()) for i, k in enumerate(ka)]
+    out += [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=b_at + i * CHUNK,
+                 cur_ed=b_at + (i + 1) * CHUNK, chunk_hash=k.hex()) for i, k in enumerate(kb)]
+    return out
+
+
+def test_json_finds_documents_at_unaligned_offsets(client: TestClient, cache: Cache,
+                                                   stored: tuple) -> None:
+    a, b, ka, kb = stored
+    q = prompt_with(np.arange(5), b, np.arange(100, 107), a, np.arange(3))
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "world_size": 1,
+                                        "token_ids": q.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    a_at, b_at = 5 + len(b) + 7, 5
+    assert body["matches"] == sorted(expected(a_at, b_at, ka, kb), key=lambda m: m["cur_st"])
+    assert body["hit_tokens"] == len(a) + len(b)
+    assert body["requested_tokens"] == len(q) // CHUNK * CHUNK
+    assert cache.store.stats().num_pinned == 0  # a lookup pins nothing
+
+
+def test_binary_body_gives_the_same_answer(client: TestClient, stored: tuple) -> None:
+    a, b, ka, kb = stored
+    q = prompt_with(np.arange(9), a, b)
+    as_json = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": q.tolist()})
+    as_bytes = client.post("/v1/lookup", content=q.astype("<u4").tobytes(),
+                           params={"model_name": "model-a", "world_size": 1},
+                           headers={"content-type": "application/octet-stream"})
+    assert as_bytes.status_code == 200, as_bytes.text
+    assert as_bytes.json() == as_json.json()
+    assert as_bytes.json()["hit_tokens"] == len(a) + len(b)
+
+
+def test_other_namespaces_and_salts_see_nothing(client: TestClient, stored: tuple) -> None:
+    a = stored[0]
+    for body in ({"model_name": "model-b"}, {"model_name": "model-a", "world_size": 2},
+                 {"model_name": "model-a", "cache_salt": "tenant-2"}):
+        r = client.post("/v1/lookup", json={**body, "token_ids": a.tolist()})
+        assert r.status_code == 200
+        assert r.json()["matches"] == [] and r.json()["hit_tokens"] == 0
+
+
+def test_evicted_chunks_are_not_reported(client: TestClient, cache: Cache, stored: tuple) -> None:
+    a = stored[0]
+    cache.store.clear()
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": a.tolist()})
+    assert r.json() == {"matches": [], "hit_tokens": 0, "requested_tokens": len(a)}
+
+
+def test_tensor_parallel_chunks_need_every_rank(client: TestClient, cache: Cache) -> None:
+    ns2 = Namespace("model-a", 2)
+    a = doc(3, 2)
+    cache.put(ns2, a)
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "world_size": 2,
+                                        "token_ids": a.tolist()})
+    assert r.json()["hit_tokens"] == len(a)
+
+
+def test_short_and_empty_prompts(client: TestClient, stored: tuple) -> None:
+    for tokens in ([], [1, 2, 3]):
+        r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": tokens})
+        assert r.json() == {"matches": [], "hit_tokens": 0, "requested_tokens": 0}
+
+
+@pytest.mark.parametrize("token_ids", [[1, -1, 2], [2**32], [1, 2**32 + 5], [1.5], ["7"], None])
+def test_bad_json_token_ids_are_422(client: TestClient, token_ids: object) -> None:
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": token_ids})
+    body = problem(r, 422)
+    assert body["errors"] and body["errors"][0]["loc"][0] == "token_ids"
+
+
+@pytest.mark.parametrize("body,params,detail", [
+    (b"\x01\x00\x00", {"model_name": "m"}, "multiple of 4"),
+    ((2**32 - 1).to_bytes(4, "little") + b"\x00" * 5, {"model_name": "m"}, "multiple of 4"),
+    (b"\x01\x00\x00\x00", {}, "model_name"),
+])
+def test_bad_binary_bodies_are_422(client: TestClient, body: bytes, params: dict,
+                                   detail: str) -> None:
+    r = client.post("/v1/lookup", content=body, params=params,
+                    headers={"content-type": "application/octet-stream"})
+    assert detail in problem(r, 422)["detail"]
+
+
+def test_binary_bad_query_parameter_is_422(client: TestClient) -> None:
+    r = client.post("/v1/lookup", content=b"\x00" * 8, params={"model_name": "m", "world_size": 0},
+                    headers={"content-type": "application/octet-stream"})
+    problem(r, 422)
+
+
+def test_malformed_json_and_missing_fields_are_422(client: TestClient) -> None:
+    problem(client.post("/v1/lookup", content=b"{not json",
+                        headers={"content-type": "application/json"}), 422)
+    problem(client.post("/v1/lookup", json={"token_ids": [1]}), 422)
+    problem(client.post("/v1/lookup", json={"model_name": "m", "token_ids": [1], "x": 1}), 422)
+
+
+def test_other_content_types_are_415(client: TestClient) -> None:
+    r = client.post("/v1/lookup", content=b"1 2 3", headers={"content-type": "text/plain"})
+    assert problem(r, 415)["code"] == "UnsupportedMediaType"
