@@ -190,6 +190,15 @@ class EventLog:
         finally:
             self._lock.release()
 
+    def add_many(self, counts: dict[str, int]) -> None:
+        """Add to several counters under one lock acquisition."""
+        self._lock.acquire()
+        try:
+            for counter, n in counts.items():
+                self._values[self._slot_of(counter, create=True)] += n
+        finally:
+            self._lock.release()
+
     def counters(self) -> dict[str, int]:
         """Every counter's current value."""
         used = np.nonzero(self._names[:, 0])[0]

@@ -1,0 +1,96 @@
+"""The copy-engine interface: what the data plane asks of a buffer backend (CPU or CUDA).
+
+This module owns the interface and the backend choice; the implementations live in
+``dataplane.cpu`` (POSIX shm buffers, memcpy) and ``dataplane.cuda`` (CUDA IPC buffers, DMA into
+host-registered slabs). The store logic (keys, reservations, pins, commit order) lives in
+``dataplane.server`` and is the same for both.
+
+Life of one call on an ``InstanceBuffer`` (all on the instance's own worker thread, in order)::
+
+    begin(engine_event)        wait (on the instance's stream) for the engine's event, if any
+    to_slab(...) / from_slab(...)  enqueue one copy per chunk (CPU: done at once)
+    finish(done_event)         record the completion event, block until every copy completed
+
+NOTE: ``finish`` returns only after every copy of the call completed; the data plane commits
+reservations and drops pins after it, never before.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from dataplane.messages import Backend, BufferSpec
+from shm.layout import KVLayout
+from shm.store import Store
+
+
+class InstanceBuffer(abc.ABC):
+    """One registered engine buffer ``[2, L, T, D]``, opened in the data plane."""
+
+    layout: KVLayout
+
+    @abc.abstractmethod
+    def begin(self, engine_event: bytes | None) -> None:
+        """Order what follows after the engine's interprocess event (CUDA); no-op on CPU."""
+
+    @abc.abstractmethod
+    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
+        """Copy ``buffer[:, :, token_start:token_start+chunk_size, :]`` to the slab at
+        ``slab_offset`` (``[2, L, C, D]`` contiguous)."""
+
+    @abc.abstractmethod
+    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
+        """The reverse of ``to_slab``."""
+
+    @abc.abstractmethod
+    def finish(self, done_event: bytes | None) -> None:
+        """Record ``done_event`` (CUDA) and return once every copy enqueued so far completed."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the mapping (the engine's buffer itself is the engine's)."""
+
+
+class CopyEngine(abc.ABC):
+    """A process-wide backend: maps the slab once, opens instance buffers."""
+
+    backend: Backend
+
+    @abc.abstractmethod
+    def open(self, spec: BufferSpec, layout: KVLayout) -> InstanceBuffer:
+        """Open a registered buffer.
+
+        Raises:
+            BadRequest: the spec is of another backend or does not fit the layout.
+            BackendError: the buffer cannot be mapped.
+        """
+
+    def close(self) -> None:
+        """Release process-wide resources (host registration of the slab)."""
+
+
+def make_engine(backend: str, store: Store) -> CopyEngine:
+    """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is present).
+
+    CUDA code is imported here, lazily: CPU-only machines have no cupy.
+    """
+    if backend == "auto":
+        backend = Backend.CUDA.value if _cuda_present() else Backend.CPU.value
+    if backend == Backend.CUDA.value:
+        from dataplane.cuda import CudaEngine
+        return CudaEngine(store)
+    if backend == Backend.CPU.value:
+        from dataplane.cpu import CpuEngine
+        return CpuEngine(store)
+    raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto")
+
+
+def _cuda_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["InstanceBuffer", "CopyEngine", "make_engine"]

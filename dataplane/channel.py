@@ -1,0 +1,196 @@
+"""The local channel: a Unix stream socket carrying framed, typed messages (``dataplane.messages``).
+
+This module owns the client side (``Channel``) and the framing helpers both sides use. It does not
+own what the data plane does with a call.
+
+A ``Channel`` is thread-safe and multiplexed: every call gets a call id, a reader thread hands each
+reply to the caller waiting for that id, so a long copy never holds up a ping or a call of another
+instance sent on the same channel. Timeouts follow posix_ipc: ``None`` waits forever, ``0`` fails at
+once unless the reply is already there, ``> 0`` waits that long. A call that timed out is not
+cancelled: the data plane still completes it (a store still commits), its late reply is dropped.
+
+NOTE: the connection is opened lazily and re-opened by the next call after it broke (for example,
+the data plane was restarted); calls in flight when it broke fail with ``DataPlaneUnavailable``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from typing import Any
+
+from dataplane.errors import DataPlaneUnavailable, Timeout, error_for
+from dataplane.messages import HEADER, MAX_FRAME, ErrorReply, Reply, frame, reply_decoder
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    """(call id, payload) of the next frame; None at a clean end of stream."""
+    head = _recv_exact(sock, HEADER.size)
+    if head is None:
+        return None
+    length, call_id = HEADER.unpack(head)
+    if length > MAX_FRAME:
+        raise ConnectionError(f"frame of {length} bytes exceeds the limit")
+    payload = _recv_exact(sock, length)
+    if payload is None:
+        raise ConnectionError("connection closed inside a frame")
+    return call_id, payload
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError("connection closed inside a frame")
+        got += k
+    return bytes(buf)
+
+
+class Pending:
+    """The reply to one call, once it arrives."""
+
+    __slots__ = ("_event", "_reply", "_error", "_channel", "_call_id")
+
+    def __init__(self, channel: "Channel", call_id: int) -> None:
+        self._event = threading.Event()
+        self._reply: Reply | None = None
+        self._error: BaseException | None = None
+        self._channel, self._call_id = channel, call_id
+
+    def _set(self, reply: Reply | None, error: BaseException | None = None) -> None:
+        self._reply, self._error = reply, error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The reply (a ``dataplane.messages`` reply type).
+
+        Raises:
+            Timeout: no reply within ``timeout``.
+            RemoteError: the data plane answered with an ``ErrorReply`` (its subclass by kind).
+            DataPlaneUnavailable: the connection broke before the reply.
+        """
+        if not self._event.wait(timeout):
+            self._channel._forget(self._call_id)
+            raise Timeout(f"no reply within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if isinstance(self._reply, ErrorReply):
+            raise error_for(self._reply)
+        return self._reply
+
+
+class Channel:
+    """A thread-safe client connection to the data plane at ``address`` (a Unix socket path).
+
+    Args:
+        address: the data plane's socket (``dataplane.default_address(prefix)``).
+        connect_timeout: seconds to wait for the data plane to accept (posix_ipc rule).
+    """
+
+    def __init__(self, address: str, connect_timeout: float | None = 5.0) -> None:
+        self.address = address
+        self._connect_timeout = connect_timeout
+        self._lock = threading.Lock()        # guards connect/close and the pending table
+        self._send_lock = threading.Lock()   # one frame at a time on the socket
+        self._sock: socket.socket | None = None
+        self._pending: dict[int, Pending] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def call(self, msg: Any, timeout: float | None = None) -> Any:
+        """Send ``msg`` and return its reply (see ``Pending.result`` for the errors)."""
+        return self.submit(msg).result(timeout)
+
+    def submit(self, msg: Any) -> Pending:
+        """Send ``msg`` now; the reply arrives in the returned ``Pending``."""
+        call_id = next(self._ids)
+        pending = Pending(self, call_id)
+        data = frame(call_id, msg)
+        with self._lock:
+            sock = self._connected()
+            self._pending[call_id] = pending
+        try:
+            with self._send_lock:
+                sock.sendall(data)
+        except OSError as exc:
+            self._broken(sock, exc)
+        return pending
+
+    def _connected(self) -> socket.socket:
+        if self._closed:
+            raise DataPlaneUnavailable("channel is closed")
+        if self._sock is not None:
+            return self._sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout)
+        try:
+            sock.connect(self.address)
+        except OSError as exc:
+            sock.close()
+            raise DataPlaneUnavailable(f"no data plane at {self.address}: {exc}") from exc
+        sock.settimeout(None)
+        self._sock = sock
+        threading.Thread(target=self._read, args=(sock,), name="dataplane-channel-reader",
+                         daemon=True).start()
+        return sock
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                got = recv_frame(sock)
+                if got is None:
+                    raise ConnectionError("the data plane closed the connection")
+                call_id, payload = got
+                with self._lock:
+                    pending = self._pending.pop(call_id, None)
+                if pending is not None:
+                    pending._set(reply_decoder.decode(payload))
+        except Exception as exc:  # any broken stream ends the connection, never the process
+            self._broken(sock, exc)
+
+    def _broken(self, sock: socket.socket, exc: BaseException) -> None:
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+            stranded, self._pending = self._pending, {}
+        try:
+            sock.close()
+        except OSError:
+            pass
+        for pending in stranded.values():
+            pending._set(None, DataPlaneUnavailable(f"connection to the data plane lost: {exc}"))
+
+    def _forget(self, call_id: int) -> None:
+        with self._lock:
+            self._pending.pop(call_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def __enter__(self) -> "Channel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Channel", "Pending", "recv_frame"]

@@ -1,0 +1,370 @@
+"""``BlendClient``: what an engine worker uses to talk to kvblend.
+
+This module owns the engine side: finding the service, creating CPU buffers in shared memory,
+sharing CUDA buffers and events by IPC, and turning channel replies into ``Transfer`` results.
+Control (register, unregister, lookup) goes over HTTP to the API; store and retrieve go straight
+to the data plane over the local channel. Without a URL (``dataplane_address=...``) everything goes
+to the data plane and the shared-memory store directly.
+
+Example::
+
+    client = BlendClient("http://127.0.0.1:8780", api_token=None)
+    kv = client.cpu_kv_buffer(num_layers=L, num_tokens=T, hidden_dim=D, dtype=torch.float16)
+    inst = client.register_kv_cache(kv, model_name="m", world_size=1, worker_id=0)
+    client.store_pre_computed(inst, token_ids, offset=0, event=None).wait()
+    res = client.lookup(token_ids, model_name="m", world_size=1, cache_salt="")
+    client.retrieve(inst, token_ids, res.matches, offset=0, event=None).wait()
+    client.unregister(inst); client.close()
+
+CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recorded after it wrote
+(store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream.
+When ``event`` is None for a CUDA buffer, the client records one on the current stream. The data
+plane records ``Transfer.cuda_event`` after the copies; ``wait()`` returns once they completed.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from dataplane.channel import Channel, Pending
+from dataplane.errors import (BadRequest, DataPlaneError, DataPlaneUnavailable, LayoutMismatch,
+                              RemoteError, UnknownInstance)
+from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
+                                MatchSpec, Ping, Pong, RegisterInstance, RetrieveChunks, ShmBuffer,
+                                StoreChunks, StoreKind, TransferDone, UnregisterInstance)
+from shm.fingerprint import Match
+from shm.hashing import Namespace, as_tokens
+from shm.layout import DType
+from shm.lookup import LookupResult
+from shm.segment import Segment
+
+_TORCH_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
+                 torch.float32: DType.FLOAT32}
+_HTTP_ERRORS: dict[int, type[DataPlaneError]] = {
+    404: UnknownInstance, 409: LayoutMismatch, 422: BadRequest, 503: DataPlaneUnavailable}
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """How a store or retrieve ended.
+
+    Attributes:
+        ok: every chunk was done.
+        num_chunks: chunks the call covered.
+        failed: chunk indexes (store) or match indexes (retrieve) not done.
+        copied: chunks copied (a store skips chunks already stored).
+        nbytes: bytes copied.
+    """
+
+    ok: bool
+    num_chunks: int
+    failed: list[int]
+    copied: int = 0
+    nbytes: int = 0
+
+
+class Transfer:
+    """A store or retrieve in flight."""
+
+    def __init__(self, pending: Pending, cuda_event: Any = None, keep: Any = None) -> None:
+        self._pending = pending
+        self.cuda_event = cuda_event
+        self._keep = keep  # the engine event we recorded, alive until the call completed
+        self._result: TransferResult | None = None
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until the data plane completed the call.
+
+        Raises:
+            Timeout: not completed within ``timeout`` (None forever, 0 at once, > 0 seconds).
+            RemoteError: the call was refused (UnknownInstance, OutOfRange, ...).
+        """
+        if self._result is None:
+            done: TransferDone = self._pending.result(timeout)
+            self._result = TransferResult(not done.failed, done.num_chunks, list(done.failed),
+                                          done.copied, done.nbytes)
+            self._keep = None
+        return self._result
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+
+@dataclass
+class _Registered:
+    kv: torch.Tensor
+    engine_event: Any = None
+    done_event: Any = None
+
+
+class BlendClient:
+    """A client of one kvblend service.
+
+    Args:
+        url: the API's base URL; the data plane's address is read from ``GET /v1/status``.
+        api_token: sent as ``Authorization: Bearer`` when set.
+        dataplane_address: talk to the data plane directly (no API): register over the channel,
+            look up in the shared-memory store of the data plane's prefix.
+        store_prefix: the service's shm prefix (default: asked from the data plane).
+        timeout: seconds for HTTP requests and control calls.
+    """
+
+    def __init__(self, url: str | None = None, api_token: str | None = None, *,
+                 dataplane_address: str | None = None, store_prefix: str | None = None,
+                 timeout: float = 30.0) -> None:
+        if url is None and dataplane_address is None:
+            raise ValueError("give the service's url or a dataplane_address")
+        self._timeout = timeout
+        self._http: httpx.Client | None = None
+        if url is not None:
+            headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+            self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+            if dataplane_address is None:
+                status = self._request("GET", "/v1/status").json()
+                dataplane_address = status["dataplane"]["address"]
+        assert dataplane_address is not None
+        self._channel = Channel(dataplane_address)
+        pong: Pong = self._channel.call(Ping(), timeout)
+        self.chunk_size = pong.chunk_size
+        self.prefix = store_prefix or pong.shm_prefix
+        self._lock = threading.Lock()
+        self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
+        self._instances: dict[int, _Registered] = {}
+        self._names = itertools.count()
+        self._store: Any = None
+        self._fingerprints: Any = None
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def cpu_kv_buffer(self, num_layers: int, num_tokens: int, hidden_dim: int,
+                      dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """A zeroed ``[2, L, T, D]`` tensor over a new POSIX shm segment (0600), named under the
+        service's prefix and unlinked when unregistered or when the client closes."""
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
+        nbytes = 2 * num_layers * num_tokens * hidden_dim * dtype.itemsize
+        name = f"{self.prefix}_kvbuf_{os.getpid()}_{next(self._names)}_{uuid.uuid4().hex[:6]}"
+        seg = Segment(name, nbytes, create=True)
+        kv = torch.frombuffer(seg.buf, dtype=torch.uint8).view(dtype).view(
+            2, num_layers, num_tokens, hidden_dim)
+        with self._lock:
+            self._buffers[kv.data_ptr()] = seg
+        return kv
+
+    def _buffer_spec(self, kv: torch.Tensor) -> ShmBuffer | CudaIpcBuffer:
+        if kv.is_cuda:
+            storage = kv.untyped_storage()
+            shared = storage._share_cuda_()
+            handle, base_offset = shared[1], int(shared[3])
+            uuid_text = str(torch.cuda.get_device_properties(kv.device).uuid)
+            return CudaIpcBuffer(handle=bytes(handle), offset=base_offset +
+                                 kv.storage_offset() * kv.element_size(), device_uuid=uuid_text)
+        with self._lock:
+            seg = self._buffers.get(kv.data_ptr())
+        if seg is None:
+            raise BadRequest("a CPU buffer must come from cpu_kv_buffer() (POSIX shared memory)")
+        return ShmBuffer(name=seg.name)
+
+    # -- control ----------------------------------------------------------------------------
+
+    def register_kv_cache(self, kv: torch.Tensor, model_name: str, world_size: int = 1,
+                          worker_id: int | None = 0, request_id: str | None = None) -> int:
+        """Register an engine buffer ``[2, L, T, D]``; returns the instance id.
+
+        Raises:
+            BadRequest: not 4-D ``[2, ...]`` and contiguous, an unsupported dtype, or a CPU
+                tensor not made by ``cpu_kv_buffer``.
+            LayoutMismatch: the model's chunks were stored with another layout.
+        """
+        if kv.dim() != 4 or kv.shape[0] != 2 or not kv.is_contiguous():
+            raise BadRequest(f"the KV buffer must be a contiguous [2, L, T, D] tensor, got "
+                             f"{tuple(kv.shape)}")
+        if kv.dtype not in _TORCH_DTYPES:
+            raise BadRequest(f"unsupported dtype {kv.dtype}")
+        _, L, T, D = (int(x) for x in kv.shape)
+        spec = self._buffer_spec(kv)
+        dtype = str(_TORCH_DTYPES[kv.dtype])
+        if self._http is not None:
+            body: dict[str, Any] = dict(model_name=model_name, world_size=world_size,
+                                        worker_id=worker_id, num_layers=L, num_tokens=T,
+                                        hidden_dim=D, dtype=dtype, owner_pid=os.getpid())
+            if isinstance(spec, ShmBuffer):
+                body["shm_name"] = spec.name
+            else:
+                body["cuda_ipc"] = {"handle": base64.b64encode(spec.handle).decode(),
+                                    "offset": spec.offset, "device_uuid": spec.device_uuid}
+            headers = {"X-Request-ID": request_id} if request_id else None
+            iid = int(self._request("POST", "/v1/instances", json=body,
+                                    headers=headers).json()["instance_id"])
+        else:
+            reply = self._channel.call(RegisterInstance(
+                model_name=model_name, world_size=world_size, worker_id=worker_id,
+                num_layers=L, num_tokens=T, hidden_dim=D, dtype=dtype, buffer=spec,
+                owner_pid=os.getpid(), request_id=request_id), self._timeout)
+            iid = reply.instance_id
+        reg = _Registered(kv)
+        if kv.is_cuda:
+            reg.engine_event = torch.cuda.Event(interprocess=True)
+            reg.done_event = torch.cuda.Event(interprocess=True)
+        with self._lock:
+            self._instances[iid] = reg
+        return iid
+
+    def unregister(self, instance_id: int) -> None:
+        """Unregister after every call sent for the instance completed; unlinks the CPU buffer
+        segment if this client created it."""
+        if self._http is not None:
+            self._request("DELETE", f"/v1/instances/{instance_id}")
+        else:
+            self._channel.call(UnregisterInstance(instance_id=instance_id), self._timeout)
+        with self._lock:
+            reg = self._instances.pop(instance_id, None)
+            seg = self._buffers.pop(reg.kv.data_ptr(), None) if reg is not None else None
+        if seg is not None:
+            seg.unlink()
+
+    def list_instances(self) -> list[InstanceInfo]:
+        reply: InstanceList = self._channel.call(ListInstances(), self._timeout)
+        return reply.instances
+
+    def lookup(self, token_ids: Any, model_name: str, world_size: int = 1,
+               cache_salt: str = "") -> LookupResult:
+        """Stored chunks of the namespace found in ``token_ids`` (pins nothing)."""
+        tokens = _tokens(token_ids)
+        if self._http is not None:
+            body = {"model_name": model_name, "world_size": world_size,
+                    "token_ids": tokens.tolist(), "cache_salt": cache_salt}
+            data = self._request("POST", "/v1/lookup", json=body).json()
+            matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
+                             _hash_bytes(m["chunk_hash"])) for m in data["matches"]]
+            return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
+        from shm.lookup import lookup
+        return lookup(*self._direct_store(), Namespace(model_name, world_size, cache_salt), tokens)
+
+    def _direct_store(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._store is None:
+                from dataplane.transfer import open_fingerprints
+                from shm.store import Store
+                self._store = Store.open(self.prefix)
+                self._fingerprints = open_fingerprints(self.prefix, self.chunk_size)
+            return self._store, self._fingerprints
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def store_pre_computed(self, instance_id: int, token_ids: Any, offset: int = 0,
+                           event: Any = None, *, cache_salt: str = "",
+                           request_id: str | None = None) -> Transfer:
+        """Store a document computed on its own (positions from 0) from ``offset`` in the buffer."""
+        return self._store_call(StoreKind.PRE_COMPUTED, instance_id, token_ids, offset, event,
+                                cache_salt, request_id)
+
+    def store_final(self, instance_id: int, token_ids: Any, offset: int = 0, event: Any = None,
+                    *, cache_salt: str = "", request_id: str | None = None) -> Transfer:
+        """Store a whole (blended) request so that later requests can reuse it."""
+        return self._store_call(StoreKind.FINAL, instance_id, token_ids, offset, event,
+                                cache_salt, request_id)
+
+    def _store_call(self, kind: StoreKind, instance_id: int, token_ids: Any, offset: int,
+                    event: Any, cache_salt: str, request_id: str | None) -> Transfer:
+        ev, done, keep = self._events(instance_id, event)
+        msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
+                          offset=offset, kind=kind, cache_salt=cache_salt, event=ev,
+                          done_event=done, request_id=request_id)
+        return Transfer(self._channel.submit(msg), self._done_event(instance_id), keep)
+
+    def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
+                 event: Any = None, *, cache_salt: str = "",
+                 request_id: str | None = None) -> Transfer:
+        """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]``."""
+        ev, done, keep = self._events(instance_id, event)
+        specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
+                           bytes(m.chunk_hash)) for m in matches]
+        msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
+                             matches=specs, offset=offset, cache_salt=cache_salt, event=ev,
+                             done_event=done, request_id=request_id)
+        return Transfer(self._channel.submit(msg), self._done_event(instance_id), keep)
+
+    def _events(self, instance_id: int, event: Any) -> tuple[bytes | None, bytes | None, Any]:
+        with self._lock:
+            reg = self._instances.get(instance_id)
+        if reg is None or not reg.kv.is_cuda:
+            if event is not None:
+                raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
+            return None, None, None
+        if event is None:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(reg.kv.device))
+        return bytes(event.ipc_handle()), bytes(reg.done_event.ipc_handle()), event
+
+    def _done_event(self, instance_id: int) -> Any:
+        with self._lock:
+            reg = self._instances.get(instance_id)
+        return reg.done_event if reg is not None else None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        assert self._http is not None, "HTTP calls need the client built with a url"
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise DataPlaneUnavailable(f"kvblend API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise _HTTP_ERRORS.get(resp.status_code, RemoteError)(
+                f"{method} {path}: HTTP {resp.status_code}: {detail}")
+        return resp
+
+    def close(self) -> None:
+        """Close the channel and HTTP client; unlink every CPU buffer this client created."""
+        with self._lock:
+            segs, self._buffers = list(self._buffers.values()), {}
+            self._instances.clear()
+        for seg in segs:
+            seg.unlink()
+            seg.close()
+        self._channel.close()
+        if self._http is not None:
+            self._http.close()
+        if self._store is not None:
+            self._fingerprints.close()
+            self._store.close()
+
+    def __enter__(self) -> "BlendClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tokens(token_ids: Any) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    return as_tokens(token_ids)
+
+
+def _hash_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            return base64.b64decode(value)
+    return bytes(value)
+
+
+__all__ = ["BlendClient", "Transfer", "TransferResult"]

@@ -1,0 +1,225 @@
+"""Typed messages between clients and the data plane: one tagged union each way.
+
+This module owns the wire types and their framing; it does not own the socket (``dataplane.channel``)
+or what the data plane does with a request (``dataplane.server``).
+
+Frame on the stream socket::
+
+    offset  bytes  field
+    0       4      payload length, uint32 little-endian
+    4       8      call id, uint64 little-endian (a reply carries its request's call id)
+    12      n      payload: msgpack of one ``Request`` or ``Reply`` (tag field ``type``)
+
+Token ids travel as little-endian uint32 bytes. Every request may carry a ``request_id`` that the
+data plane puts in its events and logs.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+HEADER = struct.Struct("<IQ")
+MAX_FRAME = 1 << 30
+
+
+class Backend(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class StoreKind(str, enum.Enum):
+    PRE_COMPUTED = "pre_computed"  # a document computed on its own, positions from 0
+    FINAL = "final"                # a whole blended request, for later reuse
+
+
+class ErrorKind(str, enum.Enum):
+    UNKNOWN_INSTANCE = "unknown_instance"
+    BAD_REQUEST = "bad_request"
+    OUT_OF_RANGE = "out_of_range"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    STORE_FULL = "store_full"
+    BACKEND = "backend"
+    INTERNAL = "internal"
+
+
+class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, frozen=True):
+    pass
+
+
+# -- buffer specs -------------------------------------------------------------------------------
+
+class ShmBuffer(_Msg, tag="shm"):
+    """A CPU buffer: a POSIX shared-memory segment holding ``[2, L, T, D]`` from byte 0."""
+
+    name: str
+
+
+class CudaIpcBuffer(_Msg, tag="cuda_ipc"):
+    """A CUDA buffer shared by ``cudaIpcGetMemHandle``.
+
+    Attributes:
+        handle: the 64-byte IPC memory handle of the allocation holding the buffer.
+        offset: bytes from the allocation's base to the buffer's first element.
+        device_uuid: the GPU's UUID (hex, with or without ``GPU-`` and dashes), not its index.
+    """
+
+    handle: bytes
+    offset: int
+    device_uuid: str
+
+
+BufferSpec = ShmBuffer | CudaIpcBuffer
+
+
+class MatchSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One lookup match: the chunk was computed at ``[old_st, old_ed)``, sits at ``[cur_st, cur_ed)``."""
+
+    old_st: int
+    old_ed: int
+    cur_st: int
+    cur_ed: int
+    chunk_hash: bytes
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+class Ping(_Msg):
+    request_id: str | None = None
+
+
+class RegisterInstance(_Msg):
+    """Register an engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``."""
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    num_layers: int
+    num_tokens: int
+    hidden_dim: int
+    dtype: str
+    buffer: BufferSpec
+    owner_pid: int | None = None  # the instance is dropped when this process dies
+    request_id: str | None = None
+
+
+class UnregisterInstance(_Msg):
+    instance_id: int
+    request_id: str | None = None
+
+
+class ListInstances(_Msg):
+    request_id: str | None = None
+
+
+class StoreChunks(_Msg):
+    """Store every full chunk of ``token_ids`` from ``buffer[:, :, offset:offset+len, :]``.
+
+    ``event``: the engine's interprocess CUDA event handle, waited on before the copy.
+    ``done_event``: an interprocess CUDA event handle the data plane records after the copy.
+    """
+
+    instance_id: int
+    token_ids: bytes
+    offset: int = 0
+    kind: StoreKind = StoreKind.PRE_COMPUTED
+    cache_salt: str = ""
+    event: bytes | None = None
+    done_event: bytes | None = None
+    request_id: str | None = None
+
+
+class RetrieveChunks(_Msg):
+    """Copy each match's chunk into ``buffer[:, :, offset+cur_st:offset+cur_ed, :]``."""
+
+    instance_id: int
+    token_ids: bytes
+    matches: list[MatchSpec]
+    offset: int = 0
+    cache_salt: str = ""
+    event: bytes | None = None
+    done_event: bytes | None = None
+    request_id: str | None = None
+
+
+Request = Ping | RegisterInstance | UnregisterInstance | ListInstances | StoreChunks | RetrieveChunks
+
+
+# -- replies ------------------------------------------------------------------------------------
+
+class Pong(_Msg):
+    pid: int
+    backend: Backend
+    version: str
+    chunk_size: int
+    shm_prefix: str
+
+
+class InstanceInfo(_Msg):
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    num_layers: int
+    num_tokens: int
+    hidden_dim: int
+    dtype: str
+    buffer_kind: str  # "shm" or "cuda_ipc"
+    owner_pid: int | None = None
+
+
+class Registered(_Msg):
+    instance_id: int
+
+
+class Unregistered(_Msg):
+    instance_id: int
+
+
+class InstanceList(_Msg):
+    instances: list[InstanceInfo]
+
+
+class TransferDone(_Msg):
+    """A store or retrieve that ran to its end.
+
+    Attributes:
+        num_chunks: chunks the call covered (full chunks of a store; matches of a retrieve).
+        copied: chunks actually copied (a store skips chunks already stored).
+        failed: indexes (chunk index of a store; match index of a retrieve) that were not done.
+        nbytes: bytes copied.
+    """
+
+    instance_id: int
+    num_chunks: int
+    copied: int
+    failed: list[int]
+    nbytes: int
+    duration_s: float
+
+
+class ErrorReply(_Msg):
+    kind: ErrorKind
+    message: str
+
+
+Reply = Pong | Registered | Unregistered | InstanceList | TransferDone | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def frame(call_id: int, msg: _Msg) -> bytes:
+    """Header and payload of one message, ready for ``sendall``."""
+    payload = _encoder.encode(msg)
+    return HEADER.pack(len(payload), call_id) + payload
+
+
+__all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
+           "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "ListInstances",
+           "StoreChunks", "RetrieveChunks", "Request", "Pong", "InstanceInfo", "Registered",
+           "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
+           "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]

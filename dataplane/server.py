@@ -1,0 +1,281 @@
+"""The data-plane server: accepts channel connections, dispatches calls, shuts down cleanly.
+
+This module owns the process's threads::
+
+    accept thread        one per process: accepts connections on the Unix socket
+    connection threads   one per client connection: read frames, answer control calls inline
+                         (Ping, ListInstances, RegisterInstance), queue transfers on their instance
+    instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance in
+                         arrival order (``dataplane.instances``)
+    maintenance          periodic ``store.reclaim()`` and dropping instances of dead owners
+
+Control calls never queue behind a copy: they are answered on the connection's own thread.
+A client that disconnects mid-call changes nothing: its queued calls still run to their end
+(committing or aborting every reservation, dropping every pin); only the reply is discarded.
+
+NOTE: on ``shutdown()`` (SIGTERM) the listener closes and connections stop reading; every call
+already queued runs to completion before the workers exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from dataplane import __version__
+from dataplane.backend import CopyEngine
+from dataplane.channel import recv_frame
+from dataplane.errors import BackendError, BadRequest, RemoteError, StoreFull, reply_for
+from dataplane.instances import Instance, Registry, release_buffer
+from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, ListInstances, Ping, Pong,
+                                Registered, RegisterInstance, RetrieveChunks, StoreChunks,
+                                Unregistered, UnregisterInstance, frame, request_decoder)
+from dataplane.transfer import Shared, run_retrieve, run_store
+from shm import errors as shm_errors
+
+log = logging.getLogger("kvblend.dataplane")
+
+
+class Connection:
+    """One client connection; replies may be sent from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def reply(self, call_id: int, msg: Any) -> None:
+        data = frame(call_id, msg)
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError:
+            pass  # the client went away; the call itself has completed
+
+
+class DataPlane:
+    """Serves the channel for one store prefix.
+
+    Args:
+        prefix: the store's segment prefix.
+        shared: store, fingerprint index, event log, chunk size.
+        engine: the copy engine (CPU or CUDA).
+        reclaim_interval: seconds between maintenance passes.
+    """
+
+    def __init__(self, prefix: str, shared: Shared, engine: CopyEngine,
+                 reclaim_interval: float = 1.0) -> None:
+        self.prefix, self.shared, self.engine = prefix, shared, engine
+        self.registry = Registry(prefix, shared.store, engine, shared.chunk_size)
+        self._interval = reclaim_interval
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._conns: set[Connection] = set()
+        self._conns_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self, address: str) -> None:
+        """Re-open saved instances, bind ``address``, and start serving in background threads.
+
+        Raises:
+            OSError: another data plane answers at ``address``.
+        """
+        restored = self.registry.restore()
+        if restored:
+            log.info("re-opened instances %s", restored)
+        self._listener = _bind(address)
+        self.address = address
+        for target, name in ((self._accept, "accept"), (self._maintain, "maintenance")):
+            t = threading.Thread(target=target, name=f"dataplane-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking calls, finish every queued call, release buffers."""
+        self._stop.set()
+        if self._listener is not None:
+            _unlink_socket(self._listener, self.address)
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        instances = self.registry.all()
+        for inst in instances:
+            inst.jobs.put(_stop_worker)
+        for inst in instances:
+            if inst.thread is not None:
+                inst.thread.join(timeout)
+            inst.buffer.close()
+        for c in conns:
+            c.sock.close()
+        self.engine.close()
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None, "start() binds the listener before this thread runs"
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            conn = Connection(sock)
+            with self._conns_lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while True:
+                got = recv_frame(conn.sock)
+                if got is None:
+                    return
+                call_id, payload = got
+                try:
+                    msg = request_decoder.decode(payload)
+                except Exception as exc:
+                    conn.reply(call_id, ErrorReply(kind=ErrorKind.BAD_REQUEST,
+                                                   message=f"undecodable message: {exc}"))
+                    continue
+                self._dispatch(conn, call_id, msg)
+        except OSError:
+            return
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+    def _maintain(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                freed, dropped = self.shared.store.reclaim()
+                if freed or dropped:
+                    log.info("reclaimed %d reservations and %d pins of dead processes",
+                             freed, dropped)
+                for inst in self.registry.orphans():
+                    log.info("owner %s of instance %d died: dropping it",
+                             inst.request.owner_pid, inst.id)
+                    inst.jobs.put(_orphan_job(self.registry))
+            except Exception:
+                log.exception("maintenance pass failed")
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: Connection, call_id: int, msg: Any) -> None:
+        try:
+            if isinstance(msg, (StoreChunks, RetrieveChunks, UnregisterInstance)):
+                inst = self.registry.get(msg.instance_id)
+                inst.jobs.put(_transfer_job(self, conn, call_id, msg))
+                return
+            conn.reply(call_id, self._control(msg))
+        except RemoteError as exc:
+            conn.reply(call_id, reply_for(exc))
+        except Exception as exc:
+            log.exception("call %s failed (request_id=%s)", type(msg).__name__,
+                          getattr(msg, "request_id", None))
+            conn.reply(call_id, ErrorReply(kind=ErrorKind.INTERNAL, message=repr(exc)))
+
+    def _control(self, msg: Any) -> Any:
+        if isinstance(msg, Ping):
+            return Pong(pid=os.getpid(), backend=self.engine.backend, version=__version__,
+                        chunk_size=self.shared.chunk_size, shm_prefix=self.prefix)
+        if isinstance(msg, ListInstances):
+            return InstanceList(instances=[i.info() for i in self.registry.all()])
+        if isinstance(msg, RegisterInstance):
+            return Registered(instance_id=self.registry.register(msg).id)
+        raise BadRequest(f"unsupported call {type(msg).__name__}")
+
+    def run_transfer(self, inst: Instance, msg: Any) -> Any:
+        """Run one queued call on ``inst``'s worker; returns the reply."""
+        if isinstance(msg, UnregisterInstance):
+            self.registry.remove(inst)
+            return Unregistered(instance_id=inst.id)
+        run = run_store if isinstance(msg, StoreChunks) else run_retrieve
+        counter = "store_failures" if isinstance(msg, StoreChunks) else "retrieve_failures"
+        try:
+            return run(self.shared, inst, msg)
+        except BaseException as exc:
+            self.shared.events.add(counter)
+            self.shared.events.record(f"{counter.split('_')[0]}_error", request_id=msg.request_id,
+                                      instance_id=inst.id, error=repr(exc)[:200])
+            raise _remote(exc) from exc
+
+
+def _remote(exc: BaseException) -> BaseException:
+    if isinstance(exc, RemoteError):
+        return exc
+    if isinstance(exc, shm_errors.StoreFull):
+        return StoreFull(str(exc))
+    if isinstance(exc, (shm_errors.ShmError, ValueError)):
+        return BadRequest(str(exc))
+    if isinstance(exc, Exception):
+        return BackendError(repr(exc))
+    return exc
+
+
+def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> Any:
+    def job(inst: Instance) -> bool:
+        try:
+            reply = dp.run_transfer(inst, msg)
+        except RemoteError as exc:
+            log.warning("%s on instance %d failed (request_id=%s): %s", type(msg).__name__,
+                        inst.id, msg.request_id, exc)
+            reply = reply_for(exc)
+        conn.reply(call_id, reply)
+        return not isinstance(msg, UnregisterInstance)
+    return job
+
+
+def _orphan_job(registry: Registry) -> Any:
+    def job(inst: Instance) -> bool:
+        registry.remove(inst)
+        release_buffer(inst.request)
+        return False
+    return job
+
+
+def _stop_worker(inst: Instance) -> bool:
+    return False
+
+
+def _bind(address: str) -> socket.socket:
+    if os.path.exists(address):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(address)
+        except OSError:
+            os.unlink(address)  # left by a data plane that died
+        else:
+            raise OSError(f"a data plane already serves {address}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
+
+
+def _unlink_socket(listener: socket.socket, address: str) -> None:
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+    try:
+        os.unlink(address)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["DataPlane", "Connection"]
