@@ -1,0 +1,171 @@
+"""The ``kvblend`` command: ``serve`` runs the service, ``status`` and ``clear`` talk to it.
+
+Every ``serve`` flag is also an environment variable ``KVBLEND_<NAME>``; a flag wins over the
+variable, the variable over the default (see ``api.settings.Settings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from api.settings import Backend, Settings
+
+FLAGS: list[tuple[str, type, str]] = [
+    ("host", str, "interface to bind (default 127.0.0.1)"),
+    ("port", int, "API port (default 8780)"),
+    ("chunk_size", int, "tokens per chunk (default 256)"),
+    ("storage_mb", int, "slab budget in MiB, pre-faulted at creation (default 1024)"),
+    ("page_mb", int, "slab page in MiB; 0 = min(256, storage/8) (default 0)"),
+    ("shm_prefix", str, "shared-memory name prefix (default kvblend)"),
+    ("api_token", str, "require 'Authorization: Bearer <token>' on /v1 and /metrics"),
+    ("workers", int, "API worker processes (default 1)"),
+    ("fingerprint_capacity", int, "fingerprint index entries (default 1048576)"),
+    ("dataplane_socket", str, "data-plane socket path (default under /dev/shm)"),
+    ("log_level", str, "critical|error|warning|info|debug (default info)"),
+]
+CLIENT_FLAGS = ("host", "port", "api_token")
+
+
+def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    for name, kind, doc in FLAGS:
+        if names is None or name in names:
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                                default=argparse.SUPPRESS, help=doc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvblend", description="Per-host KV-cache server for context blending.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them")
+    _add_flags(serve)
+    serve.add_argument("--backend", choices=[b.value for b in Backend],
+                       default=argparse.SUPPRESS, help="auto: cuda when a GPU is present")
+    serve.add_argument("--wipe", action="store_const", const=True, default=argparse.SUPPRESS,
+                       help="drop the cached chunks at start-up")
+    for name, doc in (("status", "show the running service's status"),
+                      ("clear", "drop every cached chunk of the running service")):
+        p = sub.add_parser(name, help=doc)
+        _add_flags(p, CLIENT_FLAGS)
+        p.add_argument("--url", default=None, help="service URL (default from --host/--port)")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the raw JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    url, as_json = args.pop("url", None), args.pop("json", False)
+    try:
+        settings = Settings(**args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            print(f"kvblend: --{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}",
+                  file=sys.stderr)
+        return 2
+    if command == "serve":
+        return _serve(settings)
+    client = _client(settings, url)
+    with client:
+        if command == "status":
+            return _status(client, as_json)
+        return _clear(client)
+
+
+def _serve(settings: Settings) -> int:
+    from api.supervisor import AlreadyServing, Supervisor
+
+    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
+                        else "DEBUG", stream=sys.stderr,
+                        format="%(asctime)s kvblend %(levelname)s %(message)s")
+    try:
+        return Supervisor(settings).run()
+    except AlreadyServing as exc:
+        print(f"kvblend: {exc}", file=sys.stderr)
+        return 1
+
+
+def _client(settings: Settings, url: str | None) -> httpx.Client:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    base = url or f"http://{host}:{settings.port}"
+    token = settings.token()
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=base, headers=headers, timeout=10.0)
+
+
+def _get(client: httpx.Client, method: str, path: str) -> dict[str, Any] | None:
+    try:
+        r = client.request(method, path)
+    except httpx.TransportError as exc:
+        print(f"kvblend: cannot reach {client.base_url}: {exc}", file=sys.stderr)
+        return None
+    if r.status_code >= 400:
+        detail = r.json().get("detail", r.text) if r.headers.get("content-type", "").endswith(
+            "json") else r.text
+        print(f"kvblend: {method} {path}: {r.status_code} {detail}", file=sys.stderr)
+        return None
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def _status(client: httpx.Client, as_json: bool) -> int:
+    body = _get(client, "GET", "/v1/status")
+    if body is None:
+        return 1
+    print(json.dumps(body, indent=2) if as_json else format_status(body, str(client.base_url)))
+    return 0
+
+
+def _clear(client: httpx.Client) -> int:
+    body = _get(client, "DELETE", "/v1/chunks")
+    if body is None:
+        return 1
+    print(f"removed {body['chunks_removed']} chunks and {body['fingerprints_removed']} "
+          "fingerprint entries")
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def format_status(s: dict[str, Any], url: str) -> str:
+    """The status as a table, for people."""
+    st, fp, dp = s["storage"], s["fingerprints"], s["dataplane"]
+    pct = 100.0 * st["used_bytes"] / st["capacity_bytes"] if st["capacity_bytes"] else 0.0
+    rows = [
+        ("service", f"kvblend {s['version']} at {url}, prefix {s['shm_prefix']}"),
+        ("backend", f"{s['backend']}, chunk size {s['chunk_size']}"),
+        ("storage", f"{_mib(st['used_bytes'])} of {_mib(st['capacity_bytes'])} ({pct:.1f} %), "
+                    f"{st['num_chunks']} chunks, {st['num_pinned']} pinned, "
+                    f"{st['evictions']} evictions"),
+        ("fingerprints", f"{fp['num_entries']:,} of {fp['capacity']:,}"),
+        ("dataplane", f"{'up' if dp['alive'] else 'DOWN'}, pid {dp['pid']}, "
+                      f"{dp['restarts']} restarts, {dp['address']}"),
+        ("instances", str(len(s["instances"]))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if s["instances"]:
+        head = ("ID", "MODEL", "WS", "WORKER", "LAYERS", "TOKENS", "HIDDEN", "DTYPE", "B/TOKEN")
+        table = [head] + [(str(i["instance_id"]), i["model_name"], str(i["world_size"]),
+                           str(i["worker_id"]), str(i["kv_layout"]["num_layers"]),
+                           str(i["kv_layout"]["num_tokens"]), str(i["kv_layout"]["hidden_dim"]),
+                           i["kv_layout"]["dtype"], str(i["kv_layout"]["bytes_per_token"]))
+                          for i in s["instances"]]
+        widths = [max(len(r[c]) for r in table) for c in range(len(head))]
+        lines.append("")
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""``kvblend serve``: create the shared state, run the data plane and the API, keep them running.
+
+This module owns the service's process tree and start-up; it never serves a request itself::
+
+    kvblend serve (this process)
+    ├── python -m dataplane ...            restarted with backoff when it dies; re-attaches
+    └── python -m uvicorn api.app:...      --workers N; restarted with backoff when it dies
+
+Start-up: take the prefix's serve lock (one supervisor per prefix), create or attach the store
+(a geometry change recreates it empty, with a log line saying so; ``--wipe`` always starts
+empty), the fingerprint index and the event log, then start both children. Pre-faulting a new slab
+shows progress on stderr.
+
+Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
+then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
+
+Shutdown on SIGTERM or SIGINT: the API first (uvicorn finishes in-flight requests), then the data
+plane (it finishes queued copies), each with SIGKILL after its grace period. The cache stays in
+shared memory for the next ``kvblend serve``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from api.settings import Backend, Settings, resolve_backend
+from shm.errors import LayoutMismatch
+from shm.events import EventLog
+from shm.fingerprint import FingerprintIndex
+from shm.lock import lock_path
+from shm.store import Store, StoreConfig
+
+log = logging.getLogger("kvblend.serve")
+
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 15.0
+STABLE_AFTER = 30.0      # a child that ran this long gets its backoff reset
+API_GRACE = 15.0
+DATAPLANE_GRACE = 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+class AlreadyServing(RuntimeError):
+    """Another ``kvblend serve`` holds this prefix."""
+
+
+@dataclass
+class Child:
+    """One supervised process and its restart state."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    grace: float
+    counter: str
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    next_start: float = 0.0
+    backoff: float = BACKOFF_FIRST
+    starts: int = field(default=0)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, process_group=0,
+                                     preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        self.starts += 1
+        log.info("%s started (pid %d)", self.name, self.proc.pid)
+
+    def reap(self) -> int | None:
+        """The exit code when the child has exited since the last call, else None."""
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is not None:
+            self.proc = None
+        return rc
+
+    def schedule_restart(self, now: float) -> float:
+        if now - self.started_at >= STABLE_AFTER:
+            self.backoff = BACKOFF_FIRST
+        delay = self.backoff
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        self.next_start = now + delay
+        return delay
+
+    def stop(self) -> None:
+        """SIGTERM, wait out the grace period, then SIGKILL."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", self.name, self.grace)
+                proc.kill()
+                proc.wait()
+        log.info("%s stopped (exit code %s)", self.name, proc.returncode)
+        self.proc = None
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ProgressLine:
+    """Reports pre-faulting progress on stderr at most every few percent."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._last = -1.0
+        self._t0 = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        pct = 100.0 * done / total if total else 100.0
+        if pct - self._last < 5 and done < total:
+            return
+        self._last = pct
+        rate = done / max(time.monotonic() - self._t0, 1e-9) / (1 << 30)
+        log.info("%s: %d / %d MiB (%.0f %%, %.2f GiB/s)", self.what, done >> 20, total >> 20,
+                 pct, rate)
+
+
+def store_config(settings: Settings) -> StoreConfig:
+    return StoreConfig(capacity_bytes=settings.storage_mb << 20, page_bytes=settings.page_bytes)
+
+
+def prepare(settings: Settings) -> None:
+    """Create or attach the store and the fingerprint index of ``settings.shm_prefix``.
+
+    A store of another geometry (``--storage-mb`` or page size changed) is recreated empty; so is
+    a fingerprint index of another chunk size or capacity. Both are logged.
+    """
+    prefix, cfg = settings.shm_prefix, store_config(settings)
+    progress = ProgressLine(f"pre-faulting {settings.storage_mb} MiB of shared memory")
+    wiped = settings.wipe
+    try:
+        store = Store.open(prefix, cfg, wipe=settings.wipe, progress=progress)
+    except LayoutMismatch as exc:
+        log.warning("recreating the store empty: %s", exc)
+        store = Store.open(prefix, cfg, recreate_on_mismatch=True, progress=progress)
+        wiped = True
+    stats = store.stats()
+    log.info("store %r: %d MiB in %d pages of %d MiB, %d chunks cached", prefix,
+             stats.capacity_bytes >> 20, stats.num_pages, cfg.page_bytes >> 20, stats.num_objects)
+    store.close()
+    try:
+        fps = FingerprintIndex.open(prefix, settings.chunk_size, settings.fingerprint_capacity,
+                                    wipe=wiped)
+    except LayoutMismatch as exc:
+        log.warning("recreating the fingerprint index empty: %s", exc)
+        fps = FingerprintIndex.open(prefix, settings.chunk_size, settings.fingerprint_capacity,
+                                    wipe=True)
+    log.info("fingerprint index: %d of %d entries", len(fps), fps.capacity)
+    fps.close()
+
+
+class Supervisor:
+    """Runs the service for ``settings`` until SIGTERM/SIGINT; see the module docstring."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.backend: Backend = resolve_backend(settings.backend)
+        self._wake = threading.Event()
+        self._stopping = False
+        self._lock_fd = -1
+        self._events: EventLog | None = None
+        env = {**os.environ, **settings.model_copy(update={"backend": self.backend}).to_env()}
+        env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
+        self.dataplane = Child("dataplane", self._dataplane_argv(), env, DATAPLANE_GRACE,
+                               "dataplane_restarts")
+        self.api = Child("api", self._api_argv(), env, API_GRACE, "api_restarts")
+
+    def _dataplane_argv(self) -> list[str]:
+        s = self.settings
+        argv = [sys.executable, "-m", "dataplane", "--shm-prefix", s.shm_prefix, "--chunk-size",
+                str(s.chunk_size), "--backend", self.backend.value,
+                "--log-level", s.log_level.upper() if s.log_level != "trace" else "DEBUG"]
+        if s.dataplane_socket:
+            argv += ["--socket", s.dataplane_socket]
+        return argv
+
+    def _api_argv(self) -> list[str]:
+        s = self.settings
+        return [sys.executable, "-m", "uvicorn", "api.app:app_from_env", "--factory",
+                "--host", s.host, "--port", str(s.port), "--workers", str(s.workers),
+                "--log-level", s.log_level, "--no-access-log", "--lifespan", "on",
+                "--timeout-graceful-shutdown", str(int(API_GRACE) - 2)]
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start everything and supervise until a stop signal; returns the exit code."""
+        self._take_prefix()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGCHLD, lambda *_: self._wake.set())
+        try:
+            prepare(self.settings)
+            if self._stopping:
+                return 0
+            self._events = EventLog.open(self.settings.shm_prefix)
+            log.info("backend %s; API on http://%s:%d (%d worker%s)%s", self.backend,
+                     self.settings.host, self.settings.port, self.settings.workers,
+                     "s" if self.settings.workers > 1 else "",
+                     "; API token required" if self.settings.api_token else "")
+            self._supervise()
+        finally:
+            self.api.stop()
+            self.dataplane.stop()
+            if self._events is not None:
+                self._events.close()
+            os.close(self._lock_fd)
+        log.info("stopped; the cache stays in shared memory under prefix %r",
+                 self.settings.shm_prefix)
+        return 0
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        if not self._stopping:
+            log.info("%s: shutting down", signal.Signals(signum).name)
+        self._stopping = True
+        self._wake.set()
+
+    def _take_prefix(self) -> None:
+        path = lock_path(self.settings.shm_prefix, "serve")
+        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise AlreadyServing(f"another kvblend serve runs on prefix "
+                                 f"{self.settings.shm_prefix!r}") from None
+
+    def _supervise(self) -> None:
+        children = (self.dataplane, self.api)
+        while not self._stopping:
+            now = time.monotonic()
+            for child in children:
+                rc = child.reap()
+                if rc is not None and not self._stopping:
+                    delay = child.schedule_restart(now)
+                    log.warning("%s exited with code %s: restarting in %.1f s", child.name, rc,
+                                delay)
+                if child.proc is None and now >= child.next_start and not self._stopping:
+                    if child.starts:
+                        assert self._events is not None, "the event log opens before children"
+                        self._events.add(child.counter)
+                    child.start()
+            pending = [c.next_start - now for c in children if c.proc is None]
+            self._wake.wait(max(0.0, min([1.0, *pending])))
+            self._wake.clear()
