@@ -33,6 +33,8 @@ from shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K
                        PINS, PREV, RANK, RESERVED, STATE, TICK, delete, find, insert, lru_push,
                        lru_unlink, touch)
 from shm.index import K1, NS
+from shm import pins as pintable
+from shm.pins import P_COUNT, P_PID, P_SLOT
 
 # pages columns
 G_CLASS, G_USED = 0, 1
@@ -41,9 +43,6 @@ PAGE_COLS = 2
 (C_USED, C_SLOT_BYTES, C_KV_BYTES, C_HEADER_BYTES, C_CHUNK, C_LAYERS, C_HIDDEN, C_DTYPE, C_WS,
  C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH) = range(15)
 CLASS_COLS = 16
-# pins columns
-P_SLOT, P_PID, P_COUNT = 0, 1, 2
-PIN_COLS = 3
 # header words owned here (see shm.store for the whole header)
 H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 5, 10, 13, 14
 
@@ -195,56 +194,43 @@ def abort(h, classes, pages, obj, table, s):
 
 @numba.njit(cache=True)
 def pin(h, obj, table, pins, keys, pid):
-    """Pin each COMMITTED key for ``pid``: its slot id, or -1 when absent. -2 in slot 0 of the
-    result means the pin table is full (nothing was pinned)."""
+    """Pin each COMMITTED key for ``pid``: its slot id, or -1 when absent. FULL in slot 0 of the
+    result means the pin table has no room for them all (nothing was pinned)."""
     out = np.full(len(keys), NIL, np.int64)
-    free_rows = 0
-    for r in range(len(pins)):
-        if pins[r, P_SLOT] == NIL:
-            free_rows += 1
-    if free_rows < len(keys):
+    new_rows = 0
+    for k in range(len(keys)):
+        s = find(table, obj, keys[k, 0], keys[k, 1], keys[k, 2], keys[k, 3])
+        if s != NIL and obj[s, STATE] == COMMITTED:
+            out[k] = s
+            if pintable.find(pins, s, pid) < 0:
+                new_rows += 1  # (a key given twice is counted twice: conservative)
+    if not pintable.room(h, pins, new_rows):
+        out[:] = NIL
         out[0] = FULL
         return out
     for k in range(len(keys)):
-        s = find(table, obj, keys[k, 0], keys[k, 1], keys[k, 2], keys[k, 3])
-        if s == NIL or obj[s, STATE] != COMMITTED:
-            continue
-        row = NIL
-        empty = NIL
-        for r in range(len(pins)):
-            if pins[r, P_SLOT] == s and pins[r, P_PID] == pid:
-                row = r
-                break
-            if empty == NIL and pins[r, P_SLOT] == NIL:
-                empty = r
-        if row == NIL:
-            row = empty
-            pins[row, P_COUNT] = 0
-            pins[row, P_PID] = pid
-            pins[row, P_SLOT] = s
-        pins[row, P_COUNT] += 1
-        obj[s, PINS] += 1
-        touch(h, obj, s)
-        out[k] = s
+        s = out[k]
+        if s != NIL:
+            pintable.add(h, pins, s, pid)
+            obj[s, PINS] += 1
+            touch(h, obj, s)
     return out
 
 
 @numba.njit(cache=True)
-def unpin(obj, pins, slots, pid):
+def unpin(h, obj, pins, slots, pid):
     """Drop one pin of ``pid`` on each slot (ids < 0 are skipped); returns how many were dropped."""
     n = 0
     for k in range(len(slots)):
         s = slots[k]
-        if s < 0:
+        r = pintable.find(pins, s, pid) if s >= 0 else -1
+        if r < 0:
             continue
-        for r in range(len(pins)):
-            if pins[r, P_SLOT] == s and pins[r, P_PID] == pid:
-                pins[r, P_COUNT] -= 1
-                obj[s, PINS] -= 1
-                if pins[r, P_COUNT] <= 0:
-                    pins[r, P_SLOT] = NIL
-                n += 1
-                break
+        pins[r, P_COUNT] -= 1
+        obj[s, PINS] -= 1
+        if pins[r, P_COUNT] <= 0:
+            pintable.drop_row(h, pins, r)
+        n += 1
     return n
 
 
@@ -255,12 +241,12 @@ def reclaim(h, classes, pages, obj, table, pins, dead):
     pins_dropped = 0
     for r in range(len(pins)):
         s = pins[r, P_SLOT]
-        if s != NIL:
+        if s >= 0:
             i = np.searchsorted(dead, pins[r, P_PID])
             if i < len(dead) and dead[i] == pins[r, P_PID]:
                 obj[s, PINS] -= pins[r, P_COUNT]
                 pins_dropped += pins[r, P_COUNT]
-                pins[r, P_SLOT] = NIL
+                pintable.drop_row(h, pins, r)
     freed = 0
     for s in range(len(obj)):
         if obj[s, STATE] == RESERVED:
@@ -335,9 +321,10 @@ def rebuild(h, classes, pages, obj, table, pins):
         h[H_COMMITTED] += 1
     for r in range(len(pins)):
         s = pins[r, P_SLOT]
-        if s == NIL:
-            continue
-        if s < 0 or s >= len(obj) or obj[s, STATE] != COMMITTED or pins[r, P_COUNT] <= 0:
-            pins[r, P_SLOT] = NIL
-            continue
-        obj[s, PINS] += pins[r, P_COUNT]
+        if s >= 0 and (s >= len(obj) or obj[s, STATE] != COMMITTED or pins[r, P_COUNT] <= 0):
+            pins[r, P_COUNT] = 0  # compact() drops it
+    pintable.compact(h, pins)
+    for r in range(len(pins)):
+        s = pins[r, P_SLOT]
+        if s >= 0:
+            obj[s, PINS] += pins[r, P_COUNT]

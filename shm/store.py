@@ -16,13 +16,14 @@ Segments (prefix ``P``; all mode 0600)::
     512     classes               int64[max_classes, 16]    shm.slab C_* columns
     ...     class names           uint8[max_classes, 128]   model name, UTF-8, NUL padded
     ...     pages                 int64[num_pages, 2]       CLASS, USED
-    ...     pins                  int64[max_pins, 3]        SLOT (-1 free), PID, COUNT
+    ...     pins                  int64[max_pins, 3]        shm.pins: SLOT, PID, COUNT
     ...     obj                   int64[num_pages*spp, 12]  one row per slot id (shm.index)
     ...     hash table            int64[hash_slots]         slot id or -1, power of two
 
     header word: 0 MAGIC  1 VERSION  2 DIRTY  3 PAGE_BYTES  4 NUM_PAGES  5 SPP  6 HASH_SLOTS
                  7 MAX_CLASSES  8 MAX_PINS  9 TICK  10 EVICTIONS  11 LRU_HEAD  12 LRU_TAIL
                  13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES  16 SEQ (odd while a holder is inside)
+                 17 PIN_LIVE  18 PIN_USED
 
 A slot: a header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
 NUM_TOKENS, then the chunk's token ids as uint32 from byte 128), followed by the chunk's KV bytes
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shm import index, slab
+from shm import pins as pintable
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.hashing import as_tokens
 from shm.layout import MODEL_NAME_BYTES, ChunkClass, DType
@@ -118,7 +120,8 @@ class StoreConfig:
         page_bytes: unit in which memory moves between layout classes; a slot must fit in a page.
         min_slot_bytes: smallest slot the store plans rows for (bounds slots per page).
         max_classes: layout classes (models x chunk sizes) the store can hold.
-        max_pins: concurrent (object, pid) read pins.
+        max_pins: rows of the pin table (a power of two); at most half of them hold pins, one
+            row per (object, process).
     """
 
     capacity_bytes: int
@@ -135,6 +138,8 @@ class StoreConfig:
         if page < self.min_slot_bytes or self.min_slot_bytes < 256:
             raise ValueError("need 256 <= min_slot_bytes <= page_bytes <= capacity_bytes")
         object.__setattr__(self, "page_bytes", page)
+        if self.max_pins < 16 or self.max_pins & (self.max_pins - 1):
+            raise ValueError(f"max_pins must be a power of two >= 16, got {self.max_pins}")
 
     @property
     def num_pages(self) -> int:
@@ -224,7 +229,7 @@ def _parts(cfg: StoreConfig) -> list[tuple[str, tuple[int, ...], type]]:
         ("classes", (cfg.max_classes, slab.CLASS_COLS), np.int64),
         ("names", (cfg.max_classes, NAME_BYTES), np.uint8),
         ("pages", (cfg.num_pages, slab.PAGE_COLS), np.int64),
-        ("pins", (cfg.max_pins, slab.PIN_COLS), np.int64),
+        ("pins", (cfg.max_pins, pintable.PIN_COLS), np.int64),
         ("obj", (cfg.num_pages * cfg.slots_per_page, index.OBJ_COLS), np.int64),
         ("table", (cfg.hash_slots,), np.int64),
     ]
@@ -458,7 +463,7 @@ class Store:
     def unpin(self, pinned: Sequence[PinnedChunk | None]) -> None:
         slots = np.array([p.slot if p is not None else -1 for p in pinned], np.int64)
         with self._guard():
-            slab.unpin(self._obj, self._pins, slots, self._pid)
+            slab.unpin(self._h, self._obj, self._pins, slots, self._pid)
 
     @contextmanager
     def pinned(self, keys: Sequence[ChunkKey]) -> Iterator[list[PinnedChunk | None]]:
@@ -515,7 +520,7 @@ class Store:
         """
         with self._guard():
             pids = np.unique(np.concatenate([
-                self._pins[self._pins[:, slab.P_SLOT] >= 0, slab.P_PID],
+                self._pins[self._pins[:, pintable.P_SLOT] >= 0, pintable.P_PID],
                 self._obj[self._obj[:, index.STATE] == index.RESERVED, index.PID]]))
             dead = np.array([p for p in pids.tolist() if not pid_alive(p)], np.int64)
             if len(dead) == 0:
@@ -598,7 +603,7 @@ def _create(prefix: str, cfg: StoreConfig, progress: Progress | None) -> tuple[S
         arrays[part] = np.frombuffer(meta.buf, dt, count, off).reshape(shape)
         off += count * np.dtype(dt).itemsize
     arrays["pages"][:, slab.G_CLASS] = index.NIL
-    arrays["pins"][:, slab.P_SLOT] = index.NIL
+    arrays["pins"][:, pintable.P_SLOT] = pintable.EMPTY
     obj = arrays["obj"]
     obj[:, index.CLASS] = index.NIL
     obj[:, index.PREV] = index.NIL

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shm import index, slab
-from shm.errors import LayoutMismatch, ShmError, StoreFull
+from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.layout import ChunkClass
 from shm.store import Store, StoreConfig, destroy
 
@@ -183,3 +183,25 @@ def test_progress_is_reported_while_prefaulting(shm_prefix: str) -> None:
     with Store.open(shm_prefix, SMALL, progress=lambda d, t: seen.append((d, t))):
         pass
     assert seen and seen[-1] == (SMALL.capacity_bytes, SMALL.capacity_bytes)
+
+
+def test_pin_table_reuses_rows_and_reports_when_full(shm_prefix: str) -> None:
+    cfg = StoreConfig(capacity_bytes=SMALL.capacity_bytes, page_bytes=SMALL.page_bytes,
+                      min_slot_bytes=SMALL.min_slot_bytes, max_pins=16)
+    with Store.open(shm_prefix, cfg) as st:
+        c = st.register_class(CLASS_A)
+        for i in range(20):
+            put(st, c, i)
+        for rnd in range(50):           # churn: tombstones, then compaction
+            held = st.pin([key((rnd + j) % 20) for j in range(5)])
+            st.unpin(held[::2])
+            st.unpin(held[1::2])
+        assert st.stats().num_pinned == 0
+        held = st.pin([key(i) for i in range(8)])   # live rows may fill half the table
+        with pytest.raises(CapacityError, match="pin table full"):
+            st.pin([key(9)])
+        again = st.pin([key(0)])                    # a second pin on a held row: no new row
+        assert st._obj[again[0].slot, index.PINS] == 2
+        st.unpin(held + again)
+        assert st.stats().num_pinned == 0 and intact(st, 9)
+    destroy(shm_prefix)

@@ -1,0 +1,101 @@
+"""The pin table: which process holds how many read pins on which object, as numba kernels.
+
+This module owns the ``pins`` array (laid out in ``shm.store``): one row per (slot, pid) with a
+count. The object's total lives in obj[s, PINS] (``shm.index``); the rows exist so that pins of a
+dead process can be found and dropped, and so a rebuild can recompute the totals.
+
+Rows (3 int64 words): SLOT, PID, COUNT. SLOT is EMPTY (-1, never used since the last compaction),
+GONE (-2, a tombstone) or a slot id. Open addressing: a row's home is a hash of (slot, pid); lookups
+probe forward until EMPTY, skipping tombstones; inserts take the first tombstone or EMPTY row.
+Header words: PIN_LIVE (rows in use), PIN_USED (rows in use + tombstones). When PIN_USED would pass
+3/4 of the table, it is compacted in place; live rows never exceed half the table, so probe chains
+stay short and an EMPTY row always ends them.
+
+NOTE: a row is complete before its SLOT word is set; dropping a row writes GONE first. Everything
+here runs under the store lock; ``compact`` is also what a rebuild runs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+P_SLOT, P_PID, P_COUNT = 0, 1, 2
+PIN_COLS = 3
+EMPTY, GONE = -1, -2
+H_PIN_LIVE, H_PIN_USED = 17, 18
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit(cache=True, inline="always")
+def _home(pins, s, pid):
+    h = (np.uint64(s) * _MIX) ^ (np.uint64(pid) * np.uint64(0xC2B2AE3D27D4EB4F))
+    return np.int64((h >> np.uint64(17)) & np.uint64(len(pins) - 1))
+
+
+@numba.njit(cache=True)
+def find(pins, s, pid):
+    """Row of (slot, pid), or -1."""
+    mask = len(pins) - 1
+    r = _home(pins, s, pid)
+    while pins[r, P_SLOT] != EMPTY:
+        if pins[r, P_SLOT] == s and pins[r, P_PID] == pid:
+            return r
+        r = (r + 1) & mask
+    return -1
+
+
+@numba.njit(cache=True)
+def room(h, pins, n):
+    """True when ``n`` more rows fit (live rows stay at most half the table)."""
+    return h[H_PIN_LIVE] + n <= len(pins) // 2
+
+
+@numba.njit(cache=True)
+def add(h, pins, s, pid):
+    """One more pin of ``pid`` on slot ``s``; the caller checked ``room``."""
+    r = find(pins, s, pid)
+    if r >= 0:
+        pins[r, P_COUNT] += 1
+        return
+    if h[H_PIN_USED] + 1 > len(pins) * 3 // 4:
+        compact(h, pins)
+    mask = len(pins) - 1
+    r = _home(pins, s, pid)
+    while pins[r, P_SLOT] >= 0:
+        r = (r + 1) & mask
+    if pins[r, P_SLOT] == EMPTY:
+        h[H_PIN_USED] += 1
+    pins[r, P_PID] = pid
+    pins[r, P_COUNT] = 1
+    pins[r, P_SLOT] = s
+    h[H_PIN_LIVE] += 1
+
+
+@numba.njit(cache=True)
+def drop_row(h, pins, r):
+    pins[r, P_SLOT] = GONE
+    h[H_PIN_LIVE] -= 1
+
+
+@numba.njit(cache=True)
+def compact(h, pins):
+    """Rehash live rows in place: tombstones become EMPTY. Also the rebuild of this table."""
+    live = np.nonzero(pins[:, P_SLOT] >= 0)[0]
+    rows = pins[live].copy()
+    pins[:, P_SLOT] = EMPTY
+    h[H_PIN_LIVE] = 0
+    h[H_PIN_USED] = 0
+    mask = len(pins) - 1
+    for k in range(len(rows)):
+        if rows[k, P_COUNT] <= 0:
+            continue
+        r = _home(pins, rows[k, P_SLOT], rows[k, P_PID])
+        while pins[r, P_SLOT] != EMPTY:
+            r = (r + 1) & mask
+        pins[r, P_PID] = rows[k, P_PID]
+        pins[r, P_COUNT] = rows[k, P_COUNT]
+        pins[r, P_SLOT] = rows[k, P_SLOT]
+        h[H_PIN_LIVE] += 1
+        h[H_PIN_USED] += 1
