@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -536,3 +542,47 @@ def test_processes_register_and_match_concurrently(make: Make) -> None:
         for i in range(25):
             doc = toks(12, s * 1000 + i)
             assert [m.chunk_hash for m in idx.match(NS, doc)] == chunk_hashes(NS, doc, C)
+
+
+KILLED_WRITER = """
+import sys
+import numpy as np
+from shm.fingerprint import FingerprintIndex
+from shm.hashing import Namespace, chunk_hashes
+ns = Namespace("test-model")
+idx = FingerprintIndex.open(sys.argv[1], 4, 4096)
+rng = np.random.default_rng(7)
+while True:
+    doc = rng.integers(0, 2**32, 64 * 4, dtype=np.uint64).astype(np.uint32)
+    hashes = chunk_hashes(ns, doc, 4)
+    if len(idx) > 3000:
+        idx.clear()
+    idx.register(ns, doc, hashes)
+    idx.match(ns, doc)
+    idx.remove(hashes[::3])
+"""
+
+
+def test_writer_killed_with_sigkill_leaves_a_consistent_index(make: Make) -> None:
+    idx = make(capacity=4096)
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, idx.prefix], cwd=repo)
+    try:
+        deadline = time.monotonic() + 60
+        while len(idx) < 500:  # bounded poll on the shared counter
+            assert child.poll() is None, "writer exited early"
+            assert time.monotonic() < deadline, "writer made no progress"
+            time.sleep(0.001)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    doc = toks(8, 99)
+    hashes = reg(idx, doc)  # repairs first when the writer died inside the lock
+    assert int(idx._hdr[F.H_DIRTY]) == 0
+    live = [e for e in range(int(idx._hdr[F.H_HIGH]))
+            if int(idx._E[e, F.E_STATE]) & 0xFFFFFFFF == F.LIVE]
+    assert len(idx) == len(live)
+    assert len(live) + int(idx._hdr[F.H_FREE_TOP]) == int(idx._hdr[F.H_HIGH])
+    for e in live:
+        assert idx.contains(idx._E[e, F.E_HASH0:F.E_HASH1 + 1].tobytes())
+    assert [m.chunk_hash for m in idx.match(NS, doc)] == hashes
