@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shm import fingerprint as F
 from shm.errors import CapacityError, LayoutMismatch
@@ -586,3 +587,67 @@ def test_writer_killed_with_sigkill_leaves_a_consistent_index(make: Make) -> Non
     for e in live:
         assert idx.contains(idx._E[e, F.E_HASH0:F.E_HASH1 + 1].tobytes())
     assert [m.chunk_hash for m in idx.match(NS, doc)] == hashes
+
+
+# -- stateful: the real index against a dictionary model -----------------------------------------
+
+SMALL = st.lists(st.integers(0, 2), min_size=0, max_size=10)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Chunk size 2 over a 3-token vocabulary: contents repeat, collide and re-register often."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = FingerprintIndex.open(f"kvbt_{uuid.uuid4().hex[:8]}", 2, 12)
+        self.model: dict[bytes, tuple[bytes, int]] = {}  # content -> (chunk_hash, old_st)
+
+    def teardown(self) -> None:
+        self.idx.unlink()
+        self.idx.close()
+
+    @rule(doc=SMALL)
+    def register(self, doc: list[int]) -> None:
+        arr = np.array(doc, np.uint32)
+        hashes = chunk_hashes(NS, arr, 2)
+        first: dict[bytes, int] = {}
+        for i in range(len(hashes)):
+            first.setdefault(arr[2 * i:2 * i + 2].tobytes(), i)
+        new = [c for c in first if c not in self.model]
+        if len(self.model) + len(new) > 12:
+            with pytest.raises(CapacityError):
+                self.idx.register(NS, arr, hashes)
+            return
+        assert self.idx.register(NS, arr, hashes) == len(new)
+        for c, i in first.items():
+            self.model[c] = (hashes[i], 2 * i)
+
+    @rule(doc=SMALL, take=st.integers(0, 3))
+    def remove(self, doc: list[int], take: int) -> None:
+        hashes = chunk_hashes(NS, np.array(doc, np.uint32), 2)[:take]
+        gone = [c for c, (h, _) in self.model.items() if h in hashes]
+        assert self.idx.remove(hashes) == len(gone)
+        for c in gone:
+            del self.model[c]
+
+    @rule(query=st.lists(st.integers(0, 2), min_size=0, max_size=16))
+    def match(self, query: list[int]) -> None:
+        q = np.array(query, np.uint32)
+        got = self.idx.match(NS, q)
+        for m in got:
+            assert self.model[q[m.cur_st:m.cur_ed].tobytes()] == (m.chunk_hash, m.old_st)
+        count, end = 0, -1
+        for p in range(len(q) - 1):
+            if q[p:p + 2].tobytes() in self.model and p >= end:
+                count, end = count + 1, p + 2
+        assert len(got) == count
+
+    @invariant()
+    def sizes_agree(self) -> None:
+        assert len(self.idx) == len(self.model)
+        for h, _ in self.model.values():
+            assert self.idx.contains(h)
+
+
+IndexMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+test_index_against_model = IndexMachine.TestCase
