@@ -21,9 +21,8 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -94,26 +93,37 @@ class Guarded:
         self._repair = repair
         self._seq = seq
 
-    @contextmanager
-    def __call__(self, timeout: float | None = None) -> Iterator[None]:
+    def __call__(self, timeout: float | None = None) -> "_Section":
+        """``with guard(timeout):`` -- a critical section waiting at most ``timeout``."""
+        return _Section(self, timeout)
+
+    def __enter__(self) -> None:
+        self.enter(None)
+
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        self.exit(kind)
+
+    def enter(self, timeout: float | None) -> None:
         self.lock.acquire(timeout)
-        seq = self._seq
         try:
+            seq = self._seq
             if seq is not None:
                 seq[0] += 2 if seq[0] & 1 else 1  # odd from a holder that died: stays odd
             if self._dirty[0]:
                 self._repair()
             self._dirty[0] = 1
-            try:
-                yield
-            except ShmError:
-                self._dirty[0] = 0  # typed errors are raised before any shared state changes
-                raise
-            self._dirty[0] = 0
-        finally:
-            if seq is not None and self._dirty[0] == 0:
-                seq[0] += 1
+        except BaseException:
             self.lock.release()
+            raise
+
+    def exit(self, kind: type | None) -> None:
+        # typed errors are raised before any shared state changes; anything else may have left
+        # a half-done update behind, so the next holder repairs
+        if kind is None or issubclass(kind, ShmError):
+            self._dirty[0] = 0
+            if self._seq is not None:
+                self._seq[0] += 1
+        self.lock.release()
 
     def read_stable(self, read: Callable[[], T], attempts: int = 8) -> T:
         """Run a read-only ``read`` without the lock when no holder changed anything meanwhile
@@ -134,6 +144,19 @@ class Guarded:
                     return result
         with self():
             return read()
+
+
+class _Section:
+    __slots__ = ("guard", "timeout")
+
+    def __init__(self, guard: Guarded, timeout: float | None) -> None:
+        self.guard, self.timeout = guard, timeout
+
+    def __enter__(self) -> None:
+        self.guard.enter(self.timeout)
+
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        self.guard.exit(kind)
 
 
 def lock_path(prefix: str, what: str) -> str:

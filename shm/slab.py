@@ -44,7 +44,11 @@ PAGE_COLS = 2
  C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH) = range(15)
 CLASS_COLS = 16
 # header words owned here (see shm.store for the whole header)
-H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 5, 10, 13, 14
+H_PAGE_BYTES, H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 3, 5, 10, 13, 14
+# slot header (int64 words at the start of every slot; token ids follow as uint32 at byte 128)
+SLOT_MAGIC = 0x736C6F74
+S_MAGIC, S_STATE, S_K0, S_PID, S_NUM_TOKENS = 0, 1, 2, 7, 8
+SLOT_HDR_BYTES = 128
 
 EXISTS, FULL = -1, -2
 
@@ -152,9 +156,17 @@ def _alloc(h, classes, pages, obj, table, c):
 
 
 @numba.njit(cache=True)
-def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid):
-    """Reserve a slot of class ``c`` for a key: the slot id, EXISTS when the key is already
-    reserved or committed, FULL when nothing is free or evictable."""
+def slot_offset(h, classes, obj, s):
+    """Byte offset of slot ``s`` in the slab."""
+    spp = h[H_SPP]
+    return (s // spp) * h[H_PAGE_BYTES] + (s % spp) * classes[obj[s, CLASS], C_SLOT_BYTES]
+
+
+@numba.njit(cache=True)
+def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid, slab, tokens):
+    """Reserve a slot of class ``c`` for a key and write its slot header (key, state, token ids):
+    the slot id, EXISTS when the key is already reserved or committed, FULL when nothing is free
+    or evictable."""
     if find(table, obj, k0, k1, ns, rank) != NIL:
         return EXISTS
     s = _alloc(h, classes, pages, obj, table, c)
@@ -170,17 +182,38 @@ def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid):
     insert(table, obj, s)
     pages[s // h[H_SPP], G_USED] += 1
     h[H_RESERVED] += 1
+    off = slot_offset(h, classes, obj, s)
+    hdr = slab[off:off + SLOT_HDR_BYTES].view(np.int64)
+    hdr[:] = 0
+    for w in range(6):  # STATE, K0, K1, NS, RANK, CLASS
+        hdr[S_STATE + w] = obj[s, STATE + w] if w < 5 else c
+    hdr[S_PID] = pid
+    hdr[S_NUM_TOKENS] = len(tokens)
+    slab[off + SLOT_HDR_BYTES:off + SLOT_HDR_BYTES + 4 * len(tokens)].view(np.uint32)[:] = tokens
+    hdr[S_MAGIC] = SLOT_MAGIC
     return s
 
 
 @numba.njit(cache=True)
-def commit(h, classes, obj, s):
+def held_by(obj, s, k0, k1, ns, rank, pid):
+    """True when slot ``s`` is still RESERVED by ``pid`` for this key."""
+    return (obj[s, STATE] == RESERVED and obj[s, PID] == pid and obj[s, K0] == k0
+            and obj[s, K1] == k1 and obj[s, NS] == ns and obj[s, RANK] == rank)
+
+
+@numba.njit(cache=True)
+def commit(h, classes, obj, slab, s, k0, k1, ns, rank, pid):
+    """RESERVED -> COMMITTED; False when the reservation is no longer held by ``pid``."""
+    if not held_by(obj, s, k0, k1, ns, rank, pid):
+        return False
     obj[s, STATE] = COMMITTED
     obj[s, PID] = 0
     lru_push(h, obj, s)
     classes[obj[s, CLASS], C_COMMITTED] += 1
     h[H_RESERVED] -= 1
     h[H_COMMITTED] += 1
+    slab[slot_offset(h, classes, obj, s):].view(np.int64)[S_STATE] = COMMITTED
+    return True
 
 
 @numba.njit(cache=True)

@@ -65,13 +65,12 @@ from shm.segment import unlink as segment_unlink
 
 MAGIC = 0x6B76626C656E6421  # "kvblend!"
 VERSION = 1
-SLOT_MAGIC = 0x736C6F74
 H_MAGIC, H_VERSION, H_DIRTY, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS = range(7)
 H_MAX_CLASSES, H_MAX_PINS = 7, 8
 H_MIN_SLOT_BYTES, H_SEQ = 15, 16
 HEADER_WORDS = 64
 NAME_BYTES = 128
-SLOT_HDR_WORDS = 16
+SLOT_HDR_WORDS = slab.SLOT_HDR_BYTES // 8
 
 DEFAULT_PAGE_BYTES = 256 << 20
 DEFAULT_MIN_SLOT_BYTES = 64 << 10
@@ -408,7 +407,7 @@ class Store:
         for attempt in range(2):
             with self._guard(timeout):
                 s = slab.reserve(self._h, self._classes, self._pages, self._obj, self._table,
-                                 class_id, *words, self._pid)
+                                 class_id, *words, self._pid, self.slab, tokens)
             if s != slab.FULL:
                 break
             if attempt == 0 and self.reclaim() == (0, 0):
@@ -417,30 +416,25 @@ class Store:
             return None
         if s == slab.FULL:
             raise StoreFull(f"no free or evictable slot for layout class {class_id} ({cc})")
-        hdr = self._slot_header(s)
-        hdr[:] = 0
-        hdr[1:9] = [index.RESERVED, *words, class_id, self._pid, cc.chunk_size]
-        self.slot_tokens(s)[:] = tokens
-        hdr[0] = SLOT_MAGIC
         return Reservation(self, s, class_id, key)
 
     def commit(self, res: Reservation) -> None:
-        """Make a filled reservation visible to readers."""
-        with self._guard():
-            self._check_reserved(res)
-            slab.commit(self._h, self._classes, self._obj, res.slot)
-        self._slot_header(res.slot)[1] = index.COMMITTED
+        """Make a filled reservation visible to readers.
+
+        Raises:
+            ShmError: the reservation is no longer held by this process.
+        """
+        with self._guard:
+            ok = slab.commit(self._h, self._classes, self._obj, self.slab, res.slot,
+                             *res.key.words(), self._pid)
+        if not ok:
+            raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
 
     def abort(self, res: Reservation) -> None:
-        with self._guard():
-            self._check_reserved(res)
+        with self._guard:
+            if not slab.held_by(self._obj, res.slot, *res.key.words(), self._pid):
+                raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
             slab.abort(self._h, self._classes, self._pages, self._obj, self._table, res.slot)
-
-    def _check_reserved(self, res: Reservation) -> None:
-        row = self._obj[res.slot].tolist()
-        if row[index.STATE] != index.RESERVED or row[index.PID] != self._pid or \
-                tuple(row[index.K0:index.RANK + 1]) != res.key.words():
-            raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
 
     # -- reading ----------------------------------------------------------------------------
 
