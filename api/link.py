@@ -7,6 +7,8 @@ every other call raise ``dataplane.errors.DataPlaneUnavailable`` (a 503 at the e
 
 from __future__ import annotations
 
+import base64
+
 from api.errors import register_error
 from api.schemas import Instance, KVLayoutOut, RegisterInstance
 from dataplane import errors as dp_errors
@@ -57,7 +59,7 @@ class DataPlaneLink:
         else:
             assert body.cuda_ipc is not None, "RegisterInstance validation admits one buffer"
             ipc = body.cuda_ipc
-            buffer = dp.CudaIpcBuffer(handle=bytes.fromhex(ipc.handle), offset=ipc.offset,
+            buffer = dp.CudaIpcBuffer(handle=base64.b64decode(ipc.handle), offset=ipc.offset,
                                       device_uuid=ipc.device_uuid)
         msg = dp.RegisterInstance(
             model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,

@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 
 from api.errors import UnsupportedMediaType
-from api.metrics import observe_lookup
+from api.metrics import count_lookup
 from api.schemas import LookupRequest, LookupResponse, MatchOut
 from api.services import Services
 from shm.hashing import Namespace, as_tokens
@@ -66,10 +66,7 @@ def run_lookup(services: Services, query: Query, request_id: str, started: float
                   num_tokens=len(query.tokens))
     result = lookup(services.store, services.fingerprints, query.namespace, query.tokens)
     elapsed = time.perf_counter() - started
-    events.add("lookups")
-    events.add("lookup_requested_tokens", result.requested_tokens)
-    events.add("lookup_hit_tokens", result.hit_tokens)
-    observe_lookup(events, elapsed)
+    count_lookup(events, result.requested_tokens, result.hit_tokens, elapsed)
     events.record("lookup_end", request_id=request_id, requested_tokens=result.requested_tokens,
                   hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
                   duration_ms=round(elapsed * 1e3, 3))

@@ -49,10 +49,12 @@ HELP = {
 }
 
 
-def observe_lookup(events: EventLog, seconds: float) -> None:
-    """Count one lookup's latency in the shared histogram."""
-    events.add(_BUCKET + str(bisect.bisect_left(LATENCY_BUCKETS, seconds)))
-    events.add(_SUM_US, int(seconds * 1e6))
+def count_lookup(events: EventLog, requested: int, hit: int, seconds: float) -> None:
+    """Count one lookup, its tokens and its latency (one lock acquisition)."""
+    events.add_many({"lookups": 1, "lookup_requested_tokens": requested,
+                     "lookup_hit_tokens": hit,
+                     _BUCKET + str(bisect.bisect_left(LATENCY_BUCKETS, seconds)): 1,
+                     _SUM_US: int(seconds * 1e6)})
 
 
 class SharedCollector(Collector):

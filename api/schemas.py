@@ -82,8 +82,8 @@ class CudaIpc(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    handle: str = Field(pattern=r"^[0-9a-fA-F]{128}$",
-                        description="The 64-byte cudaIpcMemHandle of the allocation, hex.")
+    handle: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$",
+                        description="The 64-byte cudaIpcMemHandle of the allocation, base64.")
     offset: int = Field(0, ge=0, description="Bytes from the allocation's base to the buffer.")
     device_uuid: str = Field(min_length=1, max_length=64, description="The GPU's UUID.",
                              examples=["GPU-5f3c2d1e-8a9b-4c7d-9e0f-1a2b3c4d5e6f"])
@@ -168,7 +168,7 @@ class Event(BaseModel):
     seq: int = Field(description="Position in the ring, increasing.")
     time: float = Field(0.0, description="Unix time in seconds.")
     kind: str = Field(description="lookup_start, lookup_end, store_start, store_end, ...")
-    request_id: str = Field("", description="The request id of the call, when it had one.")
+    request_id: str | None = Field(None, description="The request id of the call, if any.")
 
 
 class EventList(BaseModel):

@@ -24,7 +24,7 @@ def test_register_without_a_data_plane_is_503(client: TestClient) -> None:
 
 @pytest.mark.parametrize("change", [
     {"shm_name": None},                                              # no buffer
-    {"cuda_ipc": {"handle": "00" * 64, "offset": 0, "device_uuid": "GPU-1"}},  # two buffers
+    {"cuda_ipc": {"handle": "A" * 86 + "==", "offset": 0, "device_uuid": "GPU-1"}},  # two buffers
     {"dtype": "int8"}, {"num_layers": 0}, {"world_size": 0}, {"model_name": ""},
     {"worker_id": -1}, {"unknown_field": 1},
 ])
