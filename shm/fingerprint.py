@@ -51,8 +51,8 @@ Entry states::
 NOTE: the entry array is the source of truth; tables, free stack and counters are derived. Insert
 writes every field, then the state word; removal clears the state word first. Every mutation runs
 under ``Guarded``: a process killed inside a critical section leaves dirty=1, and the next holder
-rebuilds everything derived from the LIVE entries (``_rebuild``). Stores inside one numba kernel are
-plain stores; the x86 store order is program order, and the kernels keep the state word last/first.
+rebuilds everything derived from the LIVE entries (``_rebuild``). The kernels use plain stores: x86
+keeps them in program order; the compiler is not forced to, and nothing here gives it a reason to.
 A registration that re-points an existing entry clears it first, so a crash there drops the entry
 (a lost cache hit, never a wrong one). Lookups copy the candidates' entries out under the lock and
 verify outside it; an object evicted after ``is_live`` answered can still be returned (the store
