@@ -102,9 +102,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
         raise
     for res in reserved:
         res.commit()
-    new = 0
-    if inst.rank == 0 and hashes:
-        new = sh.fingerprints.register(ns, tokens[:len(hashes) * C], hashes)
+    new = _register_fingerprints(sh, inst, ns, tokens[:len(hashes) * C], hashes)
     nbytes = len(reserved) * inst.layout.chunk_bytes(C)
     done = TransferDone(instance_id=inst.id, num_chunks=len(hashes), copied=len(reserved),
                         failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0)
@@ -116,6 +114,18 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
                         "store_failed_chunks": len(failed),
                         "fingerprint_new_entries": new})
     return done
+
+
+def _register_fingerprints(sh: Shared, inst: "Instance", ns: Namespace, tokens: np.ndarray,
+                           hashes: list[bytes]) -> int:
+    """Rank 0 registers the chunks' fingerprints. Another rank registers only those the index
+    lacks: a lookup that ran while rank 0's shard was stored but this rank's was not found the
+    chunks not live and dropped their entries."""
+    if not hashes:
+        return 0
+    if inst.rank != 0 and all(sh.fingerprints.contains(h) for h in hashes):
+        return 0
+    return sh.fingerprints.register(ns, tokens, hashes)
 
 
 def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:

@@ -1,0 +1,125 @@
+"""Processes killed with SIGKILL: a client mid-call, the data plane itself (restarted, cache intact)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dataplane.client import BlendClient
+from dataplane.errors import DataPlaneUnavailable
+from shm.events import EventLog
+from shm.segment import exists as segment_exists
+from shm.store import Store
+from tests.dataplane.conftest import CHUNK, DataPlaneProc, start_dataplane
+
+L, T, D = 2, 1024, 64
+
+
+def poll(predicate: Callable[[], object], timeout: float = 30.0) -> None:
+    """Bounded poll with a deadline (the state we wait for is in another process)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.01)  # polling another process's shared state
+
+
+def seeded(kv: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15, kv.shape, generator=g,
+                                             dtype=torch.int16))
+
+
+_CLIENT = """
+import sys, numpy as np, torch
+from dataplane.client import BlendClient
+from tests.dataplane.test_faults import seeded, L, T, D
+c = BlendClient(dataplane_address=sys.argv[1])
+kv = c.cpu_kv_buffer(L, T, D, torch.float16)
+seeded(kv, 11)
+inst = c.register_kv_cache(kv, model_name="m")
+doc_a, doc_b = np.arange(16 * 16), np.arange(40 * 16) + 10_000
+assert c.store_pre_computed(inst, doc_a).wait().ok
+res = c.lookup(doc_a, "m")
+c.store_pre_computed(inst, doc_b, offset=300, request_id="killed-store")
+c.retrieve(inst, doc_a, res.matches, offset=0, request_id="killed-retrieve")
+print(inst, c._buffers[kv.data_ptr()].name, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_client_killed_mid_call_leaves_no_reservation_or_pin(dataplane: DataPlaneProc) -> None:
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, dataplane.address],
+                              env=os.environ.copy(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    assert client.stdout is not None and client.stdin is not None
+    inst_text, buf_name = client.stdout.readline().decode().split()
+    client.send_signal(signal.SIGKILL)
+    client.wait(timeout=30)
+    client.stdin.close()
+    client.stdout.close()
+
+    events = EventLog.open(dataplane.prefix)
+    ends = lambda: {e.get("request_id") for e in events.recent() if e["kind"].endswith("_end")}
+    poll(lambda: {"killed-store", "killed-retrieve"} <= ends())
+    store = Store.open(dataplane.prefix)
+    store.reclaim()
+    stats = store.stats()
+    assert stats.num_reserved == 0 and stats.num_pinned == 0
+    assert stats.num_objects == 16 + 40  # both stores committed in full
+    with BlendClient(dataplane_address=dataplane.address) as c:
+        poll(lambda: c.list_instances() == [])  # the dead owner's instance is dropped ...
+        poll(lambda: not segment_exists(buf_name))  # ... and its shm buffer unlinked
+        expect = c.cpu_kv_buffer(L, T, D, torch.float16)
+        seeded(expect, 11)
+        kv = c.cpu_kv_buffer(L, T, D, torch.float16)
+        inst = c.register_kv_cache(kv, model_name="m")
+        doc_b = np.arange(40 * 16) + 10_000
+        res = c.lookup(doc_b, "m")
+        assert len(res.matches) == 40
+        assert c.retrieve(inst, doc_b, res.matches, offset=300).wait().ok
+        assert torch.equal(kv[:, :, 300:300 + 40 * CHUNK].view(torch.int16),
+                           expect[:, :, 300:300 + 40 * CHUNK].view(torch.int16))
+        assert int(inst_text) != inst
+    events.close()
+    store.close()
+
+
+def test_dataplane_killed_and_restarted_keeps_cache_and_instances(
+        dataplane: DataPlaneProc) -> None:
+    with BlendClient(dataplane_address=dataplane.address) as c:
+        kv = c.cpu_kv_buffer(L, T, D, torch.float16)
+        seeded(kv, 5)
+        ref = kv.clone()
+        inst = c.register_kv_cache(kv, model_name="m")
+        doc = np.arange(20 * 16) + 77
+        assert c.store_pre_computed(inst, doc).wait().ok
+        pending = c.store_pre_computed(inst, np.arange(30 * 16) + 90_000, offset=400)
+        dataplane.proc.send_signal(signal.SIGKILL)  # possibly mid-store
+        assert dataplane.proc.wait(timeout=30) == -signal.SIGKILL
+        assert dataplane.proc.stdout is not None
+        dataplane.proc.stdout.close()
+        try:
+            pending.wait(timeout=30)
+        except DataPlaneUnavailable:
+            pass  # killed before it replied
+
+        restarted = start_dataplane(dataplane.prefix)
+        dataplane.proc = restarted.proc  # the fixture stops whichever runs now
+        store = Store.open(dataplane.prefix)
+        stats = store.stats()
+        assert stats.num_reserved == 0 and stats.num_pinned == 0  # reclaimed on attach
+        store.close()
+        assert [i.instance_id for i in c.list_instances()] == [inst]  # re-opened, same id
+        res = c.lookup(doc, "m")
+        assert len(res.matches) == 20
+        kv.zero_()
+        assert c.retrieve(inst, doc, res.matches, offset=0).wait().ok
+        assert torch.equal(kv[:, :, :20 * CHUNK].view(torch.int16),
+                           ref[:, :, :20 * CHUNK].view(torch.int16))
