@@ -19,7 +19,7 @@ bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
                     description="The service's API token, when it was started with one.")
 
 
-def require_token(request: Request,
+async def require_token(request: Request,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
                   ) -> None:
     """Admit the request when auth is off or its bearer token equals the service's.

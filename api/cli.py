@@ -23,6 +23,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("chunk_size", int, "tokens per chunk (default 256)"),
     ("storage_mb", int, "slab budget in MiB, pre-faulted at creation (default 1024)"),
     ("page_mb", int, "slab page in MiB; 0 = min(256, storage/8) (default 0)"),
+    ("min_slot_kb", int, "smallest chunk slot in KiB; bounds slots per page (default 64)"),
     ("shm_prefix", str, "shared-memory name prefix (default kvblend)"),
     ("api_token", str, "require 'Authorization: Bearer <token>' on /v1 and /metrics"),
     ("workers", int, "API worker processes (default 1)"),

@@ -24,6 +24,7 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,6 +70,7 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     Busy: 503,
     ShmError: 500,
     pydantic.ValidationError: 422,
+    msgspec.DecodeError: 422,
     ValueError: 422,
 }
 
@@ -120,11 +122,26 @@ def _clean_errors(raw: Any) -> list[dict[str, Any]]:
              "type": str(e.get("type", ""))} for e in raw]
 
 
+def _msgspec_errors(exc: msgspec.DecodeError) -> list[dict[str, Any]]:
+    """msgspec says ``Expected `int` >= 0 - at `$.token_ids[1]```: the same shape as pydantic's."""
+    msg, _, where = str(exc).partition(" - at `$")
+    loc: list[Any] = []
+    for part in where.rstrip("`").replace("]", "").replace("[", ".").split("."):
+        if part:
+            loc.append(int(part) if part.isdigit() else part)
+    kind = "value_error" if isinstance(exc, msgspec.ValidationError) else "json_invalid"
+    return [{"loc": loc, "msg": msg, "type": kind}]
+
+
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     status = status_of(exc)
     if status >= 500 and status not in (503, 504):
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    errors = _clean_errors(exc.errors()) if isinstance(exc, pydantic.ValidationError) else None
+    errors = None
+    if isinstance(exc, pydantic.ValidationError):
+        errors = _clean_errors(exc.errors())
+    elif isinstance(exc, msgspec.DecodeError):
+        errors = _msgspec_errors(exc)
     detail = "invalid request" if errors is not None else str(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return problem_response(status, detail, request.url.path, type(exc).__name__, errors, headers)

@@ -9,18 +9,33 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Annotated
 
+import msgspec
 import numpy as np
-from fastapi import Request
+from fastapi import Request, Response
 
 from api.errors import UnsupportedMediaType
 from api.metrics import count_lookup
-from api.schemas import LookupRequest, LookupResponse, MatchOut
 from api.services import Services
-from shm.hashing import Namespace, as_tokens
+from shm.hashing import Namespace
 from shm.lookup import lookup
 
 OCTET_STREAM = "application/octet-stream"
+
+
+class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The wire twin of ``schemas.LookupRequest`` (a test keeps the two equal): msgspec decodes a
+    32k-id body in half the time of pydantic, which is most of a JSON lookup's budget."""
+
+    model_name: Annotated[str, msgspec.Meta(min_length=1, max_length=120)]
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+_decode_body = msgspec.json.Decoder(LookupBody).decode
+_encode = msgspec.json.Encoder().encode
 
 
 class Query:
@@ -37,7 +52,7 @@ async def read_query(request: Request, model_name: str | None, world_size: int,
     """Parse the body by its content type.
 
     Raises:
-        pydantic.ValidationError: a JSON body that does not match ``LookupRequest``.
+        msgspec.ValidationError: a JSON body that does not match ``LookupRequest``.
         ValueError: a binary body whose length is not a multiple of 4, or no ``model_name``.
         UnsupportedMediaType: neither JSON nor octet-stream.
     """
@@ -53,14 +68,17 @@ async def read_query(request: Request, model_name: str | None, world_size: int,
                      np.frombuffer(body, dtype="<u4"))
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"send application/json or {OCTET_STREAM}, not {ctype!r}")
-    req = LookupRequest.model_validate_json(body)
+    req = _decode_body(body)
     return Query(Namespace(req.model_name, req.world_size, req.cache_salt),
-                 as_tokens(np.array(req.token_ids, dtype=np.int64)))
+                 np.array(req.token_ids, dtype=np.uint32))
 
 
-def run_lookup(services: Services, query: Query, request_id: str, started: float
-               ) -> LookupResponse:
-    """Match ``query`` and record its events, counters and latency."""
+def run_lookup(services: Services, query: Query, request_id: str, started: float) -> Response:
+    """Match ``query`` and record its events, counters and latency.
+
+    Returns:
+        The ``LookupResponse`` JSON, encoded here (the route documents the model).
+    """
     events = services.events
     events.record("lookup_start", request_id=request_id, model_name=query.namespace.model_name,
                   num_tokens=len(query.tokens))
@@ -70,11 +88,11 @@ def run_lookup(services: Services, query: Query, request_id: str, started: float
     events.record("lookup_end", request_id=request_id, requested_tokens=result.requested_tokens,
                   hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
                   duration_ms=round(elapsed * 1e3, 3))
-    return LookupResponse.model_construct(
-        matches=[MatchOut.model_construct(old_st=m.old_st, old_ed=m.old_ed, cur_st=m.cur_st,
-                                          cur_ed=m.cur_ed, chunk_hash=m.chunk_hash.hex())
-                 for m in result.matches],
-        hit_tokens=result.hit_tokens, requested_tokens=result.requested_tokens)
+    body = {"matches": [{"old_st": m.old_st, "old_ed": m.old_ed, "cur_st": m.cur_st,
+                         "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex()}
+                        for m in result.matches],
+            "hit_tokens": result.hit_tokens, "requested_tokens": result.requested_tokens}
+    return Response(_encode(body), media_type="application/json")
 
 
 def request_id_of(request: Request) -> str:

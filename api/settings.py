@@ -34,6 +34,8 @@ class Settings(BaseSettings):
         storage_mb: slab budget in MiB (pre-faulted at creation: about 1 s/GiB).
         page_mb: unit in which slab memory moves between layout classes; 0 picks
             ``min(256, storage_mb / 8)`` so that small stores still hold several layout classes.
+        min_slot_kb: smallest chunk slot the store plans for, in KiB; it bounds slots per page,
+            so stores of tiny chunks (small models, tests) want it lower.
         shm_prefix: names every shared-memory segment of this service (several may coexist).
         backend: ``auto``, ``cpu`` or ``cuda``.
         api_token: when set, ``/v1`` routes and ``/metrics`` require ``Authorization: Bearer``.
@@ -51,6 +53,7 @@ class Settings(BaseSettings):
     chunk_size: int = Field(256, gt=0)
     storage_mb: int = Field(1024, gt=0)
     page_mb: int = Field(0, ge=0)
+    min_slot_kb: int = Field(64, ge=4)
     shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     backend: Backend = Backend.AUTO
     api_token: SecretStr | None = None

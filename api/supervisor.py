@@ -133,7 +133,8 @@ class ProgressLine:
 
 
 def store_config(settings: Settings) -> StoreConfig:
-    return StoreConfig(capacity_bytes=settings.storage_mb << 20, page_bytes=settings.page_bytes)
+    return StoreConfig(capacity_bytes=settings.storage_mb << 20, page_bytes=settings.page_bytes,
+                       min_slot_bytes=settings.min_slot_kb << 10)
 
 
 def prepare(settings: Settings) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from api import lookup as lookups
 from api.auth import require_token
@@ -36,7 +36,7 @@ async def post_lookup(
             min_length=1, max_length=120, description="Binary bodies only.")] = None,
         world_size: Annotated[int, Query(ge=1, le=1024, description="Binary bodies only.")] = 1,
         cache_salt: Annotated[str, Query(max_length=256, description="Binary bodies only.")] = "",
-) -> LookupResponse:
+) -> Response:
     started = time.perf_counter()
     query = await lookups.read_query(request, model_name, world_size, cache_salt)
     return lookups.run_lookup(services, query, lookups.request_id_of(request), started)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api.lookup import LookupBody
+from api.schemas import LookupRequest, LookupResponse
 from shm.hashing import Namespace
 from tests.api.conftest import CHUNK, Cache, problem
 
@@ -127,3 +130,31 @@ def test_malformed_json_and_missing_fields_are_422(client: TestClient) -> None:
 def test_other_content_types_are_415(client: TestClient) -> None:
     r = client.post("/v1/lookup", content=b"1 2 3", headers={"content-type": "text/plain"})
     assert problem(r, 415)["code"] == "UnsupportedMediaType"
+
+
+def test_responses_follow_the_documented_model(client: TestClient, stored: tuple) -> None:
+    a = stored[0]
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": a.tolist()})
+    assert r.headers["content-type"] == "application/json"
+    assert LookupResponse.model_validate(r.json()).hit_tokens == len(a)
+
+
+def test_wire_decoder_matches_the_documented_request() -> None:
+    """The msgspec twin used for speed takes exactly the fields and bounds of LookupRequest."""
+    doc = LookupRequest.model_json_schema()
+    assert {f.name for f in msgspec.structs.fields(LookupBody)} == set(doc["properties"])
+    assert {f.name for f in msgspec.structs.fields(LookupBody) if f.required} == set(
+        doc["required"])
+    for f in msgspec.structs.fields(LookupBody):
+        if not f.required:
+            assert doc["properties"][f.name]["default"] == f.default
+    wire = msgspec.json.schema(LookupBody)["$defs"]["LookupBody"]["properties"]
+    assert wire["token_ids"]["items"] == {"type": "integer", "minimum": 0,
+                                          "maximum": 2**32 - 1}
+    assert doc["properties"]["token_ids"]["items"] == {"type": "integer", "minimum": 0,
+                                                       "maximum": 2**32 - 1}
+    for name in ("model_name", "cache_salt"):
+        for bound in ("minLength", "maxLength"):
+            assert wire[name].get(bound) == doc["properties"][name].get(bound)
+    for bound in ("minimum", "maximum"):
+        assert wire["world_size"][bound] == doc["properties"]["world_size"][bound]
