@@ -141,6 +141,7 @@ class BlendClient:
         self._lock = threading.Lock()
         self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
         self._instances: dict[int, _Registered] = {}
+        self._handles: dict[int, tuple[Any, bytes]] = {}  # id(event) -> (event, IPC handle)
         self._names = itertools.count()
         self._store: Any = None
         self._fingerprints: Any = None
@@ -165,10 +166,11 @@ class BlendClient:
     def _buffer_spec(self, kv: torch.Tensor) -> ShmBuffer | CudaIpcBuffer:
         if kv.is_cuda:
             storage = kv.untyped_storage()
-            shared = storage._share_cuda_()
-            handle, base_offset = shared[1], int(shared[3])
+            shared = storage._share_cuda_()  # (device, handle, size, offset in block, ...)
+            base_offset = int(shared[3])
+            handle = _ipc_mem_handle(bytes(shared[1]), storage.data_ptr() - base_offset)
             uuid_text = str(torch.cuda.get_device_properties(kv.device).uuid)
-            return CudaIpcBuffer(handle=bytes(handle), offset=base_offset +
+            return CudaIpcBuffer(handle=handle, offset=base_offset +
                                  kv.storage_offset() * kv.element_size(), device_uuid=uuid_text)
         with self._lock:
             seg = self._buffers.get(kv.data_ptr())
@@ -304,9 +306,21 @@ class BlendClient:
                 raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
             return None, None, None
         if event is None:
-            event = torch.cuda.Event(interprocess=True)
+            # One event per instance, re-recorded: the data plane keeps its IPC-opened copy, and a
+            # wait that sees a later record only waits for more of the engine's own stream.
+            event = reg.engine_event
             event.record(torch.cuda.current_stream(reg.kv.device))
-        return bytes(event.ipc_handle()), bytes(reg.done_event.ipc_handle()), event
+        return self._handle(event), self._handle(reg.done_event), event
+
+    def _handle(self, event: Any) -> bytes:
+        with self._lock:
+            handle = self._handles.get(id(event))
+            if handle is None or handle[0] is not event:
+                handle = (event, bytes(event.ipc_handle()))
+                self._handles[id(event)] = handle
+                if len(self._handles) > 256:
+                    self._handles.pop(next(iter(self._handles)))
+        return handle[1]
 
     def _done_event(self, instance_id: int) -> Any:
         with self._lock:
@@ -350,6 +364,26 @@ class BlendClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ipc_mem_handle(torch_handle: bytes, base_ptr: int) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` of the allocation at ``base_ptr``.
+
+    torch's own handle string carries a one-byte type prefix (``c``: a cudaMalloc block) in
+    recent versions; cupy, when present, asks the runtime directly.
+    """
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        return bytes(cupy.cuda.runtime.ipcGetMemHandle(base_ptr))
+    if len(torch_handle) == 65 and torch_handle[:1] == b"c":
+        return torch_handle[1:]
+    if len(torch_handle) == 64:
+        return torch_handle
+    raise BadRequest("cannot share this CUDA tensor by cudaIpc (expandable segments?); "
+                     "install cupy or allocate the KV buffer with cudaMalloc")
 
 
 def _tokens(token_ids: Any) -> np.ndarray:

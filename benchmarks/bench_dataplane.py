@@ -1,0 +1,216 @@
+"""Data-plane throughput: store and retrieve GB/s through the whole call path, against the limit.
+
+Each timed call goes client -> channel -> data plane (reserve/pin, one strided copy per chunk,
+wait for completion, commit/unpin) -> reply, for ``--chunks`` chunks. Side by side in the same run:
+
+- CUDA: a plain pinned ``copy_`` of the same bytes each way (the PCIe limit), and both directions
+  at once on two streams;
+- CPU: ``numpy.copyto`` of the same bytes (memcpy).
+
+Usage::
+
+    python benchmarks/bench_dataplane.py --backend cuda          # Llama-3-8B-like and small layouts
+    python benchmarks/bench_dataplane.py --backend cpu --layouts small
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dataplane import default_address  # noqa: E402
+from dataplane.client import BlendClient  # noqa: E402
+from shm.events import EventLog  # noqa: E402
+from shm.fingerprint import FingerprintIndex  # noqa: E402
+from shm.store import Store, StoreConfig, destroy  # noqa: E402
+
+LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128)}  # (L, D), bfloat16
+CHUNK = 256
+
+
+def median_time(fn: Callable[[], object], iters: int, before: Callable[[], object] | None = None
+                ) -> float:
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def start_dataplane(prefix: str, backend: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane", "--shm-prefix", prefix,
+                             "--chunk-size", str(CHUNK), "--backend", backend,
+                             "--log-level", "WARNING"], stdout=subprocess.PIPE,
+                            env=os.environ.copy(),
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(b"dataplane ready"):
+        raise RuntimeError(f"data plane failed to start: {line!r}")
+    return proc
+
+
+class Case:
+    def __init__(self, client: BlendClient, backend: str, L: int, D: int, chunks: int,
+                 model: str) -> None:
+        self.client, self.backend, self.chunks = client, backend, chunks
+        self.T = chunks * CHUNK
+        self.nbytes = 2 * L * self.T * D * 2
+        self.rng = np.random.default_rng(0)
+        self.kv = [self._buffer(L, D) for _ in range(2)]
+        self.inst = [client.register_kv_cache(kv, model_name=model) for kv in self.kv]
+        self.model = model
+        self.tokens = self.fresh()
+        done = client.store_pre_computed(self.inst[0], self.tokens).wait()
+        assert done.ok and done.copied == chunks, done
+        self.matches = client.lookup(self.tokens, model).matches
+        assert len(self.matches) == chunks
+
+    def _buffer(self, L: int, D: int) -> torch.Tensor:
+        if self.backend == "cuda":
+            return torch.randn((2, L, self.T, D), device="cuda").to(torch.bfloat16)
+        kv = self.client.cpu_kv_buffer(L, self.T, D, torch.bfloat16)
+        kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15, kv.shape, dtype=torch.int16))
+        return kv
+
+    def fresh(self) -> np.ndarray:
+        return self.rng.integers(0, 2**31, self.T)
+
+    def store(self, inst: int = 1) -> None:
+        tokens = self.fresh()
+        done = self.client.store_pre_computed(self.inst[inst], tokens).wait()
+        assert done.ok and done.copied == self.chunks, done
+
+    def refill(self) -> None:
+        """Re-store whatever of the retrieved set the timed stores evicted (untimed)."""
+        assert self.client.store_pre_computed(self.inst[0], self.tokens).wait().ok
+
+    def retrieve(self, inst: int = 0) -> None:
+        assert self.client.retrieve(self.inst[inst], self.tokens, self.matches).wait().ok
+
+    def both(self) -> None:
+        r = self.client.retrieve(self.inst[0], self.tokens, self.matches)
+        s = self.client.store_pre_computed(self.inst[1], self.fresh())
+        assert r.wait().ok and s.wait().ok
+
+
+def limits_cuda(nbytes: int, iters: int) -> dict[str, float]:
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    gpu2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h() -> None:
+        host.copy_(gpu, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d() -> None:
+        gpu.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            host.copy_(gpu, non_blocking=True)
+        with torch.cuda.stream(s2):
+            gpu2.copy_(host2, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h(), h2d(), both()
+    return {"store": nbytes / median_time(d2h, iters), "retrieve": nbytes / median_time(h2d, iters),
+            "both": 2 * nbytes / median_time(both, iters)}
+
+
+def limits_cpu(nbytes: int, iters: int) -> dict[str, float]:
+    a = np.ones(nbytes, np.uint8)
+    b = np.ones(nbytes, np.uint8)
+    c = np.ones(nbytes, np.uint8)
+    copy = lambda: np.copyto(b, a)
+    one = nbytes / median_time(copy, iters)
+
+    def both() -> None:
+        import threading
+        t = threading.Thread(target=np.copyto, args=(c, a))
+        t.start()
+        np.copyto(b, a)
+        t.join()
+
+    return {"store": one, "retrieve": one, "both": 2 * nbytes / median_time(both, iters)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--layouts", default="llama8b,small")
+    p.add_argument("--chunks", type=int, default=64)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--storage-gib", type=float, default=7.0)
+    p.add_argument("--page-mib", type=int, default=256)
+    args = p.parse_args()
+    prefix = f"kvbench_{os.getpid()}"
+    t0 = time.perf_counter()
+    Store.open(prefix, StoreConfig(capacity_bytes=int(args.storage_gib * (1 << 30)),
+                                   page_bytes=args.page_mib << 20)).close()
+    FingerprintIndex.open(prefix, CHUNK, capacity=1 << 16).close()
+    proc = start_dataplane(prefix, args.backend)
+    print(f"# store {args.storage_gib} GiB created and data plane ready in "
+          f"{time.perf_counter() - t0:.1f} s; backend {args.backend}; {args.chunks} chunks a call")
+    device = torch.cuda.get_device_name() if args.backend == "cuda" else f"{os.cpu_count()} CPUs"
+    print(f"# device: {device}")
+    limit_name = "pinned copy_" if args.backend == "cuda" else "memcpy"
+    print(f"{'layout':<9} {'chunk MiB':>9} {'op':<9} {'dataplane GB/s':>14} "
+          f"{limit_name + ' GB/s':>17} {'ratio':>6}")
+    events = EventLog.open(prefix)
+    try:
+        with BlendClient(dataplane_address=default_address(prefix)) as client:
+            for name in args.layouts.split(","):
+                L, D = LAYOUTS[name]
+                case = Case(client, args.backend, L, D, args.chunks, f"bench-{name}")
+                limits = (limits_cuda if args.backend == "cuda" else limits_cpu)(
+                    case.nbytes, args.iters)
+                case.store(), case.refill(), case.retrieve(), case.refill(), case.both()  # warm
+                got = {"store": case.nbytes / median_time(case.store, args.iters),
+                       "retrieve": case.nbytes / median_time(case.retrieve, args.iters,
+                                                             case.refill),
+                       "both": 2 * case.nbytes / median_time(case.both, args.iters, case.refill)}
+                chunk_mib = case.nbytes / args.chunks / (1 << 20)
+                for op in ("store", "retrieve", "both"):
+                    print(f"{name:<9} {chunk_mib:>9.1f} {op:<9} {got[op] / 1e9:>14.2f} "
+                          f"{limits[op] / 1e9:>17.2f} {got[op] / limits[op]:>6.3f}", flush=True)
+                ends = events.recent(8 * args.iters)
+                for kind in ("store_end", "retrieve_end"):
+                    ms = [1e3 * e["duration_s"] for e in ends if e["kind"] == kind]
+                    print(f"#   {name} {kind}: in-data-plane median {statistics.median(ms):.2f} ms"
+                          f" over the last timed calls")
+                for i in case.inst:
+                    client.unregister(i)
+                del case
+    finally:
+        events.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+        destroy(prefix)
+        for suffix in ("_fp", "_events"):
+            from shm.segment import unlink
+            unlink(prefix + suffix)
+        for path in (f"/dev/shm/{prefix}_fp.lock", f"/dev/shm/{prefix}_events.lock",
+                     f"/dev/shm/{prefix}_dataplane.json"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+if __name__ == "__main__":
+    main()

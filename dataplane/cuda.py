@@ -1,0 +1,146 @@
+"""The CUDA copy engine: engine buffers shared by CUDA IPC, DMA straight into host-registered slabs.
+
+This module owns the CUDA side of the data plane: host registration of the slab
+(``cudaHostRegister`` in pieces of at most 64 GiB), opening IPC buffers on the device named by
+UUID, one stream per instance, waiting on the engine's interprocess event before every store and
+retrieve, recording the completion event, and one ``cudaMemcpy2DAsync`` per chunk.
+
+A chunk in the engine buffer ``[2, L, T, D]`` is 2*L runs of C*D elements, ``T*D`` elements apart;
+in the slab it is contiguous ``[2, L, C, D]``. One strided copy moves it::
+
+    store:    dst = slab + slot      dpitch = C*D*isz   src = buf + t0*D*isz   spitch = T*D*isz
+    retrieve: dst = buf + t0*D*isz   dpitch = T*D*isz   src = slab + slot      spitch = C*D*isz
+              width = C*D*isz bytes, height = 2*L rows
+
+cupy and torch are imported lazily by ``dataplane.backend.make_engine``: CPU machines have no cupy.
+NOTE: the slab is registered with ``cudaHostRegisterPortable`` so every device and context sees it
+as pinned; a copy from an unregistered page would fall back to staged, pageable speed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import cupy
+import torch
+
+from dataplane.backend import CopyEngine, InstanceBuffer
+from dataplane.errors import BackendError, BadRequest
+from dataplane.messages import Backend, BufferSpec, CudaIpcBuffer
+from shm.layout import KVLayout
+from shm.store import Store
+
+PIECE = 64 << 30
+HOST_REGISTER_PORTABLE = 1
+IPC_LAZY_PEER_ACCESS = 1
+D2H = cupy.cuda.runtime.memcpyDeviceToHost
+H2D = cupy.cuda.runtime.memcpyHostToDevice
+EVENT_CACHE = 64
+
+
+def normalize_uuid(text: str) -> str:
+    return str(text).lower().removeprefix("gpu-").replace("-", "")
+
+
+class CudaBuffer(InstanceBuffer):
+    def __init__(self, device: int, base: int, offset: int, layout: KVLayout,
+                 slab_ptr: int) -> None:
+        self.layout = layout
+        self.device = device
+        self._base, self._ptr, self._slab = base, base + offset, slab_ptr
+        self._row = layout.hidden_dim * layout.dtype.itemsize
+        self._rows = 2 * layout.num_layers
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+        self._events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+
+    def _event(self, handle: bytes) -> Any:
+        ev = self._events.get(handle)
+        if ev is None:
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            except RuntimeError as exc:
+                raise BadRequest(f"cannot open the interprocess CUDA event: {exc}") from exc
+            self._events[handle] = ev
+            if len(self._events) > EVENT_CACHE:
+                self._events.popitem(last=False)
+        return ev
+
+    def begin(self, engine_event: bytes | None) -> None:
+        cupy.cuda.runtime.setDevice(self.device)
+        if engine_event is not None:
+            self.stream.wait_event(self._event(engine_event))
+
+    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
+        width = chunk_size * self._row
+        cupy.cuda.runtime.memcpy2DAsync(
+            self._slab + slab_offset, width, self._ptr + token_start * self._row,
+            self.layout.num_tokens * self._row, width, self._rows, D2H, self.stream.cuda_stream)
+
+    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
+        width = chunk_size * self._row
+        cupy.cuda.runtime.memcpy2DAsync(
+            self._ptr + token_start * self._row, self.layout.num_tokens * self._row,
+            self._slab + slab_offset, width, width, self._rows, H2D, self.stream.cuda_stream)
+
+    def finish(self, done_event: bytes | None) -> None:
+        if done_event is not None:
+            self._event(done_event).record(self.stream)
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        if self._base:
+            self.stream.synchronize()
+            self._events.clear()
+            cupy.cuda.runtime.setDevice(self.device)
+            cupy.cuda.runtime.ipcCloseMemHandle(self._base)
+            self._base = 0
+
+
+class CudaEngine(CopyEngine):
+    backend = Backend.CUDA
+
+    def __init__(self, store: Store) -> None:
+        if not torch.cuda.is_available():
+            raise BackendError("no CUDA device: start the data plane with --backend cpu")
+        self._devices = {normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
+                         for i in range(torch.cuda.device_count())}
+        self._slab_ptr = int(store.slab.ctypes.data)
+        self._size = int(store.size)
+        self._pieces: list[int] = []
+        self._lock = threading.Lock()
+        cupy.cuda.runtime.setDevice(0)
+        for off in range(0, self._size, PIECE):
+            ptr = self._slab_ptr + off
+            cupy.cuda.runtime.hostRegister(ptr, min(PIECE, self._size - off),
+                                           HOST_REGISTER_PORTABLE)
+            self._pieces.append(ptr)
+
+    def open(self, spec: BufferSpec, layout: KVLayout) -> InstanceBuffer:
+        if not isinstance(spec, CudaIpcBuffer):
+            raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
+        device = self._devices.get(normalize_uuid(spec.device_uuid))
+        if device is None:
+            raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
+        if len(spec.handle) != 64 or spec.offset < 0:
+            raise BadRequest("a CUDA IPC handle is 64 bytes and its offset >= 0")
+        try:
+            with self._lock:
+                cupy.cuda.runtime.setDevice(device)
+                base = cupy.cuda.runtime.ipcOpenMemHandle(spec.handle, IPC_LAZY_PEER_ACCESS)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise BackendError(f"cannot open the CUDA IPC buffer: {exc}") from exc
+        return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+
+    def close(self) -> None:
+        for ptr in self._pieces:
+            try:
+                cupy.cuda.runtime.hostUnregister(ptr)
+            except cupy.cuda.runtime.CUDARuntimeError:
+                pass
+        self._pieces = []
+
+
+__all__ = ["CudaEngine", "CudaBuffer", "normalize_uuid"]

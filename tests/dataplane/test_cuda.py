@@ -1,0 +1,92 @@
+"""The CUDA data plane on a real GPU: registration by CUDA IPC from another process, bit-exact
+store/retrieve, and event ordering (store and retrieve wait for the engine's event)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane.client import BlendClient
+from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
+
+pytestmark = pytest.mark.gpu
+L, T, D = 4, 1024, 128
+
+
+@pytest.fixture
+def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
+    create_store(shm_prefix)
+    dp = start_dataplane(shm_prefix, backend="cuda")
+    yield dp
+    if dp.proc.poll() is None:
+        assert dp.stop() == 0
+
+
+def random_kv() -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    raw = torch.randint(-2**15, 2**15, (2, L, T, D), generator=g, device="cuda",
+                        dtype=torch.int32).to(torch.int16)
+    return raw.view(torch.bfloat16)
+
+
+def test_cuda_store_retrieve_bit_exact(cuda_dataplane: DataPlaneProc) -> None:
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 30_000, n) for n in (5 * CHUNK, 3 * CHUNK + 7)]
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        src = random_kv()
+        inst = client.register_kv_cache(src, model_name="gpu-m")  # opened by IPC in the data plane
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record()
+        t = client.store_pre_computed(inst, docs[0], offset=0, event=ev)
+        assert t.wait(timeout=60).ok and t.cuda_event is not None
+        assert client.store_pre_computed(inst, docs[1], offset=200).wait(timeout=60).ok
+        prompt = np.concatenate([[1, 2, 3], docs[1], [4] * 9, docs[0], [5]])
+        res = client.lookup(prompt, "gpu-m")
+        assert len(res.matches) == 8
+        dst = torch.full((2, L, T, D), 7, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+        before = dst.view(torch.int16).clone()
+        inst2 = client.register_kv_cache(dst, model_name="gpu-m")
+        base = 33
+        r = client.retrieve(inst2, prompt, res.matches, offset=base)
+        assert r.wait(timeout=60).ok
+        torch.cuda.current_stream().wait_event(r.cuda_event)
+        expect = before.clone()
+        srcw = src.view(torch.int16)
+        for m in res.matches:
+            s = m.old_st if m.cur_st >= len(docs[1]) + 12 else 200 + m.old_st
+            expect[:, :, base + m.cur_st:base + m.cur_ed] = srcw[:, :, s:s + CHUNK]
+        assert torch.equal(dst.view(torch.int16), expect)
+        client.unregister(inst)
+        client.unregister(inst2)
+
+
+def test_store_and_retrieve_wait_for_the_engine_event(cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.arange(4 * CHUNK) + 9
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+        inst = client.register_kv_cache(kv, model_name="gpu-order")
+        side = torch.cuda.Stream()
+        ev = torch.cuda.Event(interprocess=True)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the engine writes
+            kv.view(torch.int16).fill_(1234)
+            ev.record(side)
+        # sent at once: only the event keeps the copy from reading the zeros
+        assert client.store_pre_computed(inst, doc, event=ev).wait(timeout=60).ok
+        res = client.lookup(doc, "gpu-order")
+        assert len(res.matches) == 4
+        ev2 = torch.cuda.Event(interprocess=True)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            kv.view(torch.int16).fill_(-1)  # the engine's last use of the region
+            ev2.record(side)
+        r = client.retrieve(inst, doc, res.matches, offset=0, event=ev2)
+        assert r.wait(timeout=60).ok
+        torch.cuda.synchronize()
+        region = kv.view(torch.int16)[:, :, :4 * CHUNK]
+        assert bool((region == 1234).all())  # retrieved after the fill, and stored after it
+        assert bool((kv.view(torch.int16)[:, :, 4 * CHUNK:] == -1).all())
+        client.unregister(inst)
