@@ -141,7 +141,6 @@ class BlendClient:
         self._lock = threading.Lock()
         self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
         self._instances: dict[int, _Registered] = {}
-        self._handles: dict[int, tuple[Any, bytes]] = {}  # id(event) -> (event, IPC handle)
         self._names = itertools.count()
         self._store: Any = None
         self._fingerprints: Any = None
@@ -306,21 +305,9 @@ class BlendClient:
                 raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
             return None, None, None
         if event is None:
-            # One event per instance, re-recorded: the data plane keeps its IPC-opened copy, and a
-            # wait that sees a later record only waits for more of the engine's own stream.
-            event = reg.engine_event
+            event = torch.cuda.Event(interprocess=True)
             event.record(torch.cuda.current_stream(reg.kv.device))
-        return self._handle(event), self._handle(reg.done_event), event
-
-    def _handle(self, event: Any) -> bytes:
-        with self._lock:
-            handle = self._handles.get(id(event))
-            if handle is None or handle[0] is not event:
-                handle = (event, bytes(event.ipc_handle()))
-                self._handles[id(event)] = handle
-                if len(self._handles) > 256:
-                    self._handles.pop(next(iter(self._handles)))
-        return handle[1]
+        return bytes(event.ipc_handle()), bytes(reg.done_event.ipc_handle()), event
 
     def _done_event(self, instance_id: int) -> Any:
         with self._lock:
