@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dataplane import default_address  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
+from dataplane.messages import Ping  # noqa: E402
 from shm.events import EventLog  # noqa: E402
 from shm.fingerprint import FingerprintIndex  # noqa: E402
 from shm.store import Store, StoreConfig, destroy  # noqa: E402
@@ -107,6 +108,18 @@ class Case:
         assert r.wait().ok and s.wait().ok
 
 
+def ping_round_trips(client: BlendClient, n: int) -> None:
+    """Empty-call round trip over the channel (client -> data plane -> client)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client._channel.call(Ping())
+        times.append(time.perf_counter() - t0)
+    us = np.array(times) * 1e6
+    print(f"# empty call (Ping) round trip over {n}: p50 {np.median(us):.0f} us, "
+          f"p99 {np.percentile(us, 99):.0f} us")
+
+
 def limits_cuda(nbytes: int, iters: int) -> dict[str, float]:
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     gpu2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -176,6 +189,7 @@ def main() -> None:
     events = EventLog.open(prefix)
     try:
         with BlendClient(dataplane_address=default_address(prefix)) as client:
+            ping_round_trips(client, 5000)
             for name in args.layouts.split(","):
                 L, D = LAYOUTS[name]
                 case = Case(client, args.backend, L, D, args.chunks, f"bench-{name}")
