@@ -217,6 +217,42 @@ def commit(h, classes, obj, slab, s, k0, k1, ns, rank, pid):
 
 
 @numba.njit(cache=True)
+def reserve_many(h, classes, pages, obj, table, c, words, pid, slab, tokens):
+    """``reserve`` for each key row of ``words`` with the token row of ``tokens``."""
+    out = np.empty(len(words), np.int64)
+    for k in range(len(words)):
+        out[k] = reserve(h, classes, pages, obj, table, c, words[k, 0], words[k, 1], words[k, 2],
+                         words[k, 3], pid, slab, tokens[k])
+    return out
+
+
+@numba.njit(cache=True)
+def commit_many(h, classes, obj, slab, slots, words, pid):
+    """``commit`` each slot >= 0; returns how many were no longer held by ``pid``."""
+    lost = 0
+    for k in range(len(slots)):
+        if slots[k] >= 0 and not commit(h, classes, obj, slab, slots[k], words[k, 0],
+                                        words[k, 1], words[k, 2], words[k, 3], pid):
+            lost += 1
+    return lost
+
+
+@numba.njit(cache=True)
+def abort_many(h, classes, pages, obj, table, slots, words, pid):
+    """``abort`` each slot >= 0 still held by ``pid``; returns how many were not."""
+    lost = 0
+    for k in range(len(slots)):
+        s = slots[k]
+        if s < 0:
+            continue
+        if held_by(obj, s, words[k, 0], words[k, 1], words[k, 2], words[k, 3], pid):
+            abort(h, classes, pages, obj, table, s)
+        else:
+            lost += 1
+    return lost
+
+
+@numba.njit(cache=True)
 def abort(h, classes, pages, obj, table, s):
     obj[s, STATE] = FREE
     delete(table, obj, s)

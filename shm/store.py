@@ -399,24 +399,42 @@ class Store:
             StoreFull: nothing free and every object is pinned or reserved.
             ValueError: ``token_ids`` is not exactly one chunk.
         """
-        cc = self.chunk_class(class_id)
-        tokens = as_tokens(token_ids)
-        if len(tokens) != cc.chunk_size:
-            raise ValueError(f"a chunk holds {cc.chunk_size} tokens, got {len(tokens)}")
-        words = key.words()
-        for attempt in range(2):
-            with self._guard(timeout):
-                s = slab.reserve(self._h, self._classes, self._pages, self._obj, self._table,
-                                 class_id, *words, self._pid, self.slab, tokens)
-            if s != slab.FULL:
-                break
-            if attempt == 0 and self.reclaim() == (0, 0):
-                break
-        if s == slab.EXISTS:
-            return None
+        (s,) = self.reserve_slots(class_id, [key], as_tokens(token_ids)[None, :], timeout)
         if s == slab.FULL:
-            raise StoreFull(f"no free or evictable slot for layout class {class_id} ({cc})")
-        return Reservation(self, s, class_id, key)
+            raise StoreFull(f"no free or evictable slot for layout class {class_id} "
+                            f"({self.chunk_class(class_id)})")
+        return None if s == slab.EXISTS else Reservation(self, int(s), class_id, key)
+
+    def reserve_slots(self, class_id: int, keys: Sequence[ChunkKey], token_ids: np.ndarray,
+                      timeout: float | None = None) -> np.ndarray:
+        """Reserve one slot per key in one critical section (the data plane's batch path).
+
+        Args:
+            class_id: layout class of every key.
+            keys: the objects to write.
+            token_ids: ``[len(keys), chunk_size]`` token ids, one row per key.
+
+        Returns:
+            int64 per key: the slot id, ``EXISTS`` (-1: committed or being written elsewhere,
+            nothing to copy) or ``FULL`` (-2: no free or evictable slot, even after reclaiming
+            the slots of dead processes).
+        """
+        cc = self.chunk_class(class_id)
+        tokens = np.ascontiguousarray(token_ids, dtype="<u4")
+        if tokens.shape != (len(keys), cc.chunk_size):
+            raise ValueError(f"need token ids of shape ({len(keys)}, {cc.chunk_size}), "
+                             f"got {tokens.shape} (a chunk holds {cc.chunk_size} tokens)")
+        words = key_words(keys)
+        with self._guard(timeout):
+            slots = slab.reserve_many(self._h, self._classes, self._pages, self._obj,
+                                      self._table, class_id, words, self._pid, self.slab, tokens)
+        full = np.nonzero(slots == slab.FULL)[0]
+        if len(full) and self.reclaim() != (0, 0):
+            with self._guard(timeout):
+                slots[full] = slab.reserve_many(
+                    self._h, self._classes, self._pages, self._obj, self._table, class_id,
+                    words[full], self._pid, self.slab, tokens[full])
+        return slots
 
     def commit(self, res: Reservation) -> None:
         """Make a filled reservation visible to readers.
@@ -424,17 +442,34 @@ class Store:
         Raises:
             ShmError: the reservation is no longer held by this process.
         """
+        self.commit_slots(np.array([res.slot]), [res.key])
+
+    def commit_slots(self, slots: np.ndarray, keys: Sequence[ChunkKey]) -> None:
+        """Commit the reserved slots (entries < 0 are skipped) in one critical section.
+
+        Raises:
+            ShmError: some reservation is no longer held by this process (the rest committed).
+        """
         with self._guard:
-            ok = slab.commit(self._h, self._classes, self._obj, self.slab, res.slot,
-                             *res.key.words(), self._pid)
-        if not ok:
-            raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
+            lost = slab.commit_many(self._h, self._classes, self._obj, self.slab,
+                                    np.asarray(slots, np.int64), key_words(keys), self._pid)
+        if lost:
+            raise ShmError(f"{lost} reservation(s) are no longer held by this process")
 
     def abort(self, res: Reservation) -> None:
+        self.abort_slots(np.array([res.slot]), [res.key])
+
+    def abort_slots(self, slots: np.ndarray, keys: Sequence[ChunkKey]) -> None:
+        """Give reserved slots back (entries < 0 are skipped).
+
+        Raises:
+            ShmError: some reservation is no longer held by this process (the rest freed).
+        """
         with self._guard:
-            if not slab.held_by(self._obj, res.slot, *res.key.words(), self._pid):
-                raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
-            slab.abort(self._h, self._classes, self._pages, self._obj, self._table, res.slot)
+            lost = slab.abort_many(self._h, self._classes, self._pages, self._obj, self._table,
+                                   np.asarray(slots, np.int64), key_words(keys), self._pid)
+        if lost:
+            raise ShmError(f"{lost} reservation(s) are no longer held by this process")
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -443,21 +478,33 @@ class Store:
         """Pin each key's committed object for reading; None where it is not stored.
 
         Raises:
-            CapacityError: the pin table cannot take ``len(keys)`` more pins.
+            CapacityError: the pin table cannot take the new pins (nothing was pinned).
         """
-        if not keys:
-            return []
-        with self._guard(timeout):
-            slots = slab.pin(self._h, self._obj, self._table, self._pins, key_words(keys),
-                             self._pid)
-        if slots[0] == slab.FULL:
-            raise CapacityError(f"pin table full ({self.config.max_pins} pins)")
+        slots = self.pin_slots(keys, timeout)
         return [None if s < 0 else PinnedChunk(self, int(s), k) for s, k in zip(slots, keys)]
 
+    def pin_slots(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> np.ndarray:
+        """Pin each key's committed object; int64 slot ids, -1 where it is not stored.
+
+        Raises:
+            CapacityError: the pin table cannot take the new pins (nothing was pinned).
+        """
+        if not keys:
+            return np.zeros(0, np.int64)
+        words = key_words(keys)
+        with self._guard(timeout):
+            slots = slab.pin(self._h, self._obj, self._table, self._pins, words, self._pid)
+        if slots[0] == slab.FULL:
+            raise CapacityError(f"pin table full ({self.config.max_pins // 2} pins)")
+        return slots
+
     def unpin(self, pinned: Sequence[PinnedChunk | None]) -> None:
-        slots = np.array([p.slot if p is not None else -1 for p in pinned], np.int64)
-        with self._guard():
-            slab.unpin(self._h, self._obj, self._pins, slots, self._pid)
+        self.unpin_slots(np.array([p.slot if p is not None else -1 for p in pinned], np.int64))
+
+    def unpin_slots(self, slots: np.ndarray) -> None:
+        """Drop one pin of this process on each slot (entries < 0 are skipped)."""
+        with self._guard:
+            slab.unpin(self._h, self._obj, self._pins, np.asarray(slots, np.int64), self._pid)
 
     @contextmanager
     def pinned(self, keys: Sequence[ChunkKey]) -> Iterator[list[PinnedChunk | None]]:
@@ -491,6 +538,14 @@ class Store:
         """(byte offset in the slab, bytes) of a slot's KV data, for DMA engines."""
         g, off = self._locate(slot)
         return off + g.header_bytes, g.kv_bytes
+
+    def kv_offsets(self, slots: np.ndarray) -> np.ndarray:
+        """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""
+        slots = np.asarray(slots, np.int64)
+        cls = self._obj[slots, index.CLASS]
+        page, i = np.divmod(slots, self.config.slots_per_page)
+        return (page * self.config.page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]
+                + self._classes[cls, slab.C_HEADER_BYTES])
 
     def _slot_header(self, slot: int) -> np.ndarray:
         _, off = self._locate(slot)

@@ -13,7 +13,7 @@ from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.layout import ChunkClass
 from shm.store import Store, StoreConfig, destroy
 
-from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, intact, key, put, tokens_for
+from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, fill_value, intact, key, put, tokens_for
 
 
 @pytest.fixture
@@ -205,3 +205,38 @@ def test_pin_table_reuses_rows_and_reports_when_full(shm_prefix: str) -> None:
         st.unpin(held + again)
         assert st.stats().num_pinned == 0 and intact(st, 9)
     destroy(shm_prefix)
+
+
+def test_batch_reserve_commit_abort_and_offsets(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    put(store, c, 0)
+    ks = [key(i) for i in range(40)]
+    toks = np.stack([tokens_for(i) for i in range(40)])
+    slots = store.reserve_slots(c, ks, toks)
+    assert slots[0] == slab.EXISTS                       # already stored: nothing to copy
+    assert (slots[1:SLOTS_A + 1] >= 0).all()             # 31 free slots, then key 0 is evicted
+    assert (slots[SLOTS_A + 1:] == slab.FULL).all()      # nothing evictable: all reserved
+    assert not store.contains([key(0)])[0]
+    ok = slots >= 0
+    offsets = store.kv_offsets(slots[ok])
+    assert offsets.tolist() == [store.slot_region(int(s))[0] for s in slots[ok]]
+    for off, i in zip(offsets, np.nonzero(ok)[0]):
+        store.slab[off:off + CLASS_A.kv_bytes].view(np.uint16)[:] = fill_value(int(i))
+    half = np.where(np.arange(40) < 20, slots, -1)
+    store.commit_slots(half, ks)
+    store.abort_slots(np.where(np.arange(40) >= 20, slots, -1), ks)
+    with pytest.raises(ShmError, match="no longer held"):
+        store.commit_slots(slots[20:21], ks[20:21])      # aborted already
+    stats = store.stats()
+    assert (stats.num_objects, stats.num_reserved) == (19, 0)
+    assert all(intact(store, i) for i in range(1, 20))
+    pinned = store.pin_slots([key(1), key(30), key(2)])
+    assert pinned[1] == -1 and store.stats().num_pinned == 2
+    store.unpin_slots(pinned)
+    assert store.stats().num_pinned == 0
+
+
+def test_batch_reserve_checks_the_token_shape(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    with pytest.raises(ValueError, match="shape"):
+        store.reserve_slots(c, [key(1), key(2)], np.zeros((2, 15), np.uint32))
