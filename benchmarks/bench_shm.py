@@ -33,6 +33,9 @@ def keys(n: int, salt: int = 0) -> list[ChunkKey]:
             for i in range(n)]
 
 
+BATCH = 16  # objects per batch call (reserve_slots / commit_slots / pin_slots)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -49,7 +52,11 @@ def bench_size(label: str, cc: ChunkClass, budget: int, rounds: int) -> dict[str
         tokens = np.arange(cc.chunk_size, dtype=np.uint32)
         src = np.full(cc.kv_shape, 7, cc.numpy_dtype())
         dst = np.zeros_like(src)
-        res = {"put": [], "get": [], "memcpy_in": [], "memcpy_out": []}
+        res: dict[str, list[float]] = {
+            "put": [], "get": [], "put_batch": [], "get_batch": [], "memcpy_in": [], "memcpy_out": []}
+        batch_tokens = np.tile(tokens, (BATCH, 1))
+        flat_src = src.reshape(-1).view(np.uint8)
+        flat_dst = dst.reshape(-1).view(np.uint8)
         for r in range(rounds):
             store.clear()
             ks = keys(n, r)
@@ -65,6 +72,23 @@ def bench_size(label: str, cc: ChunkClass, budget: int, rounds: int) -> dict[str
                 np.copyto(dst, chunk.kv)
                 chunk.release()
             res["get"].append(gbps(n * cc.kv_bytes, time.perf_counter() - t0))
+            store.clear()
+            ks = keys(n, rounds + r)
+            t0 = time.perf_counter()
+            for b in range(0, n, BATCH):
+                batch = ks[b:b + BATCH]
+                slots = store.reserve_slots(c, batch, batch_tokens[:len(batch)])
+                for off in store.kv_offsets(slots).tolist():
+                    np.copyto(store.slab[off:off + cc.kv_bytes], flat_src)
+                store.commit_slots(slots, batch)
+            res["put_batch"].append(gbps(n * cc.kv_bytes, time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for b in range(0, n, BATCH):
+                slots = store.pin_slots(ks[b:b + BATCH])
+                for off in store.kv_offsets(slots).tolist():
+                    np.copyto(flat_dst, store.slab[off:off + cc.kv_bytes])
+                store.unpin_slots(slots)
+            res["get_batch"].append(gbps(n * cc.kv_bytes, time.perf_counter() - t0))
             pins = store.pin(ks)
             views = [p.kv for p in pins]
             t0 = time.perf_counter()
@@ -101,7 +125,7 @@ def bench_index(n: int, ops: int) -> dict[str, float]:
         sample = [ks[i] for i in rng.integers(0, n, ops)]
         t0 = time.perf_counter()
         for k in sample:
-            store.contains([k])
+            store.contains_key(k)
         lookup = ops / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         found = store.contains(sample)
@@ -137,13 +161,15 @@ def main() -> None:
     ap.add_argument("--index-objects", type=int, default=1_000_000)
     ap.add_argument("--index-ops", type=int, default=200_000)
     args = ap.parse_args()
-    print(f"{'object':>8} {'n':>5} {'put GB/s':>9} {'memcpy in':>10} {'put/memcpy':>11} "
-          f"{'get GB/s':>9} {'memcpy out':>11} {'get/memcpy':>11}")
+    print(f"GB/s, median of {args.rounds} rounds; batch = {BATCH} objects per store call")
+    print(f"{'object':>8} {'n':>5} {'memcpy in':>10} {'put':>6} {'ratio':>6} {'put batch':>10} "
+          f"{'ratio':>6} {'memcpy out':>11} {'get':>6} {'ratio':>6} {'get batch':>10} {'ratio':>6}")
     for label, cc in SIZES.items():
         r = bench_size(label, cc, args.objects_mib << 20, args.rounds)
-        print(f"{label:>8} {r['objects']:>5} {r['put']:>9.2f} {r['memcpy_in']:>10.2f} "
-              f"{r['put'] / r['memcpy_in']:>10.0%} {r['get']:>9.2f} {r['memcpy_out']:>11.2f} "
-              f"{r['get'] / r['memcpy_out']:>10.0%}")
+        mi, mo = r["memcpy_in"], r["memcpy_out"]
+        print(f"{label:>8} {r['objects']:>5} {mi:>10.2f} {r['put']:>6.2f} {r['put'] / mi:>6.0%} "
+              f"{r['put_batch']:>10.2f} {r['put_batch'] / mi:>6.0%} {mo:>11.2f} {r['get']:>6.2f} "
+              f"{r['get'] / mo:>6.0%} {r['get_batch']:>10.2f} {r['get_batch'] / mo:>6.0%}")
     r = bench_index(args.index_objects, args.index_ops)
     print(f"index with {r.pop('objects')} objects: " +
           ", ".join(f"{k} {v / 1e3:.0f}k" for k, v in r.items()))

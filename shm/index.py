@@ -146,6 +146,12 @@ def touch(h: np.ndarray, obj: np.ndarray, s: int) -> None:
 
 
 @numba.njit(cache=True)
+def is_committed(table: np.ndarray, obj: np.ndarray, k0: int, k1: int, ns: int, rank: int) -> bool:
+    s = find(table, obj, k0, k1, ns, rank)
+    return s != NIL and obj[s, STATE] == COMMITTED
+
+
+@numba.njit(cache=True)
 def find_committed(table: np.ndarray, obj: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """For each key row (k0, k1, ns, rank): its slot when COMMITTED, else -1."""
     out = np.empty(len(keys), np.int64)

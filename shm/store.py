@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -83,15 +83,19 @@ class ChunkKey:
     namespace_id: int
     chunk_hash: bytes
     rank: int = 0
+    _words: tuple[int, int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.chunk_hash) != 16:
             raise ValueError(f"a chunk hash has 16 bytes, got {len(self.chunk_hash)}")
+        object.__setattr__(self, "_words", (
+            int.from_bytes(self.chunk_hash[:8], "little", signed=True),
+            int.from_bytes(self.chunk_hash[8:16], "little", signed=True),
+            _signed(self.namespace_id), self.rank))
 
     def words(self) -> tuple[int, int, int, int]:
-        return (int.from_bytes(self.chunk_hash[:8], "little", signed=True),
-                int.from_bytes(self.chunk_hash[8:16], "little", signed=True),
-                _signed(self.namespace_id), self.rank)
+        """The key as the four int64 words the kernels compare."""
+        return self._words
 
 
 def key_words(keys: Sequence[ChunkKey]) -> np.ndarray:
@@ -522,6 +526,11 @@ class Store:
         found = self._guard.read_stable(
             lambda: index.find_committed(self._table, self._obj, words))
         return found >= 0
+
+    def contains_key(self, key: ChunkKey) -> bool:
+        """True when ``key`` is committed now (lock-free; the single-key fast path)."""
+        table, obj, words = self._table, self._obj, key.words()
+        return bool(self._guard.read_stable(lambda: index.is_committed(table, obj, *words)))
 
     def slot_kv(self, slot: int) -> np.ndarray:
         """The KV bytes of a slot, viewed as ``[2, L, C, D]`` of the class's element type."""

@@ -240,3 +240,13 @@ def test_batch_reserve_checks_the_token_shape(store: Store) -> None:
     c = store.register_class(CLASS_A)
     with pytest.raises(ValueError, match="shape"):
         store.reserve_slots(c, [key(1), key(2)], np.zeros((2, 15), np.uint32))
+
+
+def test_contains_key_sees_only_committed_objects(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    res = store.reserve(c, key(1), tokens_for(1))
+    assert not store.contains_key(key(1))
+    res.commit()
+    assert store.contains_key(key(1)) and not store.contains_key(key(2))
+    store.clear()
+    assert not store.contains_key(key(1))
