@@ -1,7 +1,7 @@
 # kvblend service image.
 #   CPU (default):  docker build -t kvblend .
 #   CUDA:           docker build -t kvblend:cuda \
-#                     --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 --build-arg EXTRAS=gpu .
+#                     --build-arg BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 --build-arg EXTRAS=gpu .
 # Run (see README: --ipc=host for CUDA IPC, a large /dev/shm for the cache):
 #   docker run --rm --ipc=host -p 8780:8780 kvblend serve --host 0.0.0.0
 ARG BASE=python:3.11-slim
