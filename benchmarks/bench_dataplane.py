@@ -4,7 +4,9 @@ Each timed call goes client -> channel -> data plane (reserve/pin, one strided c
 wait for completion, commit/unpin) -> reply, for ``--chunks`` chunks. Side by side in the same run:
 
 - CUDA: a plain pinned ``copy_`` of the same bytes each way (the PCIe limit), and both directions
-  at once on two streams;
+  at once on two streams; and, for reference only, the same strided copies the data plane issues
+  (one ``cudaMemcpy2DAsync`` per chunk between the ``[2, L, T, D]`` buffer and a pinned host
+  buffer), from this process with nothing else around them: the DMA's own cost of the layout;
 - CPU: ``numpy.copyto`` of the same bytes (memcpy).
 
 Usage::
@@ -120,7 +122,7 @@ def ping_round_trips(client: BlendClient, n: int) -> None:
           f"p99 {np.percentile(us, 99):.0f} us")
 
 
-def limits_cuda(nbytes: int, iters: int) -> dict[str, float]:
+def limits_cuda(nbytes: int, iters: int, L: int, D: int, chunks: int) -> dict[str, float]:
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     gpu2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -142,9 +144,30 @@ def limits_cuda(nbytes: int, iters: int) -> dict[str, float]:
             gpu2.copy_(host2, non_blocking=True)
         torch.cuda.synchronize()
 
-    d2h(), h2d(), both()
+    import cupy
+    rt = cupy.cuda.runtime
+    row, T = D * 2, chunks * CHUNK
+    width, pitch = CHUNK * row, T * row
+    chunk_bytes = 2 * L * width
+    g, h, stream = gpu.data_ptr(), host.data_ptr(), s1.cuda_stream
+
+    def d2h_2d() -> None:
+        for i in range(chunks):
+            rt.memcpy2DAsync(h + i * chunk_bytes, width, g + i * width, pitch, width, 2 * L,
+                             rt.memcpyDeviceToHost, stream)
+        s1.synchronize()
+
+    def h2d_2d() -> None:
+        for i in range(chunks):
+            rt.memcpy2DAsync(g + i * width, pitch, h + i * chunk_bytes, width, width, 2 * L,
+                             rt.memcpyHostToDevice, stream)
+        s1.synchronize()
+
+    d2h(), h2d(), both(), d2h_2d(), h2d_2d()
     return {"store": nbytes / median_time(d2h, iters), "retrieve": nbytes / median_time(h2d, iters),
-            "both": 2 * nbytes / median_time(both, iters)}
+            "both": 2 * nbytes / median_time(both, iters),
+            "store_2d": nbytes / median_time(d2h_2d, iters),
+            "retrieve_2d": nbytes / median_time(h2d_2d, iters)}
 
 
 def limits_cpu(nbytes: int, iters: int) -> dict[str, float]:
@@ -193,8 +216,8 @@ def main() -> None:
             for name in args.layouts.split(","):
                 L, D = LAYOUTS[name]
                 case = Case(client, args.backend, L, D, args.chunks, f"bench-{name}")
-                limits = (limits_cuda if args.backend == "cuda" else limits_cpu)(
-                    case.nbytes, args.iters)
+                limits = (limits_cuda(case.nbytes, args.iters, L, D, args.chunks)
+                          if args.backend == "cuda" else limits_cpu(case.nbytes, args.iters))
                 case.store(), case.refill(), case.retrieve(), case.refill(), case.both()  # warm
                 got = {"store": case.nbytes / median_time(case.store, args.iters),
                        "retrieve": case.nbytes / median_time(case.retrieve, args.iters,
@@ -204,6 +227,12 @@ def main() -> None:
                 for op in ("store", "retrieve", "both"):
                     print(f"{name:<9} {chunk_mib:>9.1f} {op:<9} {got[op] / 1e9:>14.2f} "
                           f"{limits[op] / 1e9:>17.2f} {got[op] / limits[op]:>6.3f}", flush=True)
+                for op in ("store", "retrieve"):
+                    if op + "_2d" in limits:
+                        lim = limits[op + "_2d"]
+                        print(f"#   {name} {op}: the same strided copies alone {lim / 1e9:.2f} GB/s"
+                              f" ({lim / limits[op]:.3f} of copy_; data plane at "
+                              f"{got[op] / lim:.3f} of them)", flush=True)
                 ends = events.recent(8 * args.iters)
                 for kind in ("store_end", "retrieve_end"):
                     ms = [1e3 * e["duration_s"] for e in ends if e["kind"] == kind]

@@ -3,21 +3,24 @@
 This module owns the interface and the backend choice; the implementations live in
 ``dataplane.cpu`` (POSIX shm buffers, memcpy) and ``dataplane.cuda`` (CUDA IPC buffers, DMA into
 host-registered slabs). The store logic (keys, reservations, pins, commit order) lives in
-``dataplane.server`` and is the same for both.
+``dataplane.transfer`` and is the same for both.
 
 Life of one call on an ``InstanceBuffer`` (all on the instance's own worker thread, in order)::
 
     begin(engine_event)        wait (on the instance's stream) for the engine's event, if any
-    to_slab(...) / from_slab(...)  enqueue one copy per chunk (CPU: done at once)
-    finish(done_event)         record the completion event, block until every copy completed
+    to_slab_many(...) / from_slab_many(...)  enqueue one copy per chunk (CPU: done at once)
+    mark()                     a marker for the copies enqueued so far (any number per call)
+    end(done_event)            record the completion event after the last copy; a marker for all
+    wait(marker)               block until the copies before that marker completed
 
-NOTE: ``finish`` returns only after every copy of the call completed; the data plane commits
-reservations and drops pins after it, never before.
+NOTE: the data plane commits a reservation (and drops a pin) only after ``wait`` returned for a
+marker taken after that chunk's copy, never before. ``finish`` = ``wait(end(done_event))``.
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 from dataplane.messages import Backend, BufferSpec
 from shm.layout import KVLayout
@@ -42,9 +45,32 @@ class InstanceBuffer(abc.ABC):
     def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
         """The reverse of ``to_slab``."""
 
-    @abc.abstractmethod
+    def to_slab_many(self, token_starts: list[int], chunk_size: int,
+                     slab_offsets: list[int]) -> None:
+        """``to_slab`` for each (token start, slab offset) pair, in order."""
+        for t, off in zip(token_starts, slab_offsets):
+            self.to_slab(t, chunk_size, off)
+
+    def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
+                       token_starts: list[int]) -> None:
+        """``from_slab`` for each (slab offset, token start) pair, in order."""
+        for off, t in zip(slab_offsets, token_starts):
+            self.from_slab(off, chunk_size, t)
+
+    def mark(self) -> Any:
+        """A marker for every copy enqueued so far (CPU: they are done already)."""
+        return None
+
+    def end(self, done_event: bytes | None) -> Any:
+        """Record ``done_event`` (CUDA) after every copy enqueued so far; a marker for them."""
+        return self.mark()
+
+    def wait(self, marker: Any) -> None:
+        """Block until every copy enqueued before ``marker`` completed."""
+
     def finish(self, done_event: bytes | None) -> None:
         """Record ``done_event`` (CUDA) and return once every copy enqueued so far completed."""
+        self.wait(self.end(done_event))
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -17,9 +17,18 @@ Example::
     client.unregister(inst); client.close()
 
 CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recorded after it wrote
-(store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream.
-When ``event`` is None for a CUDA buffer, the client records one on the current stream. The data
-plane records ``Transfer.cuda_event`` after the copies; ``wait()`` returns once they completed.
+(store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream
+before its first copy. When ``event`` is None for a CUDA buffer, the client records one of the
+instance's own interprocess events on the current stream (a small pool per instance: an event is
+reused only once the call that carried it completed, so the data plane keeps it opened).
+
+``Transfer.cuda_event`` (CUDA buffers; None otherwise) is an interprocess event of this call
+alone, which the data plane records on the instance's stream right after the call's last copy
+and before it replies. So once ``wait()`` returned (or ``done()`` is True) it marks exactly the
+completion of this call's copies (already complete: ``stream.wait_event(t.cuda_event)`` then
+orders the stream after them without stalling it). Before the reply it may not be recorded yet,
+and waiting on it then orders after nothing: use ``wait()``. It stays this call's event while
+the ``Transfer`` is referenced; afterwards a later call of the same instance may re-record it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -77,10 +86,12 @@ class TransferResult:
 class Transfer:
     """A store or retrieve in flight."""
 
-    def __init__(self, pending: Pending, cuda_event: Any = None, keep: Any = None) -> None:
+    def __init__(self, pending: Pending, cuda_event: Any = None,
+                 events: "list[_IpcEvent] | None" = None,
+                 pool: "list[_IpcEvent] | None" = None) -> None:
         self._pending = pending
         self.cuda_event = cuda_event
-        self._keep = keep  # the engine event we recorded, alive until the call completed
+        self._events, self._pool = events, pool  # ours until the call completed
         self._result: TransferResult | None = None
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -94,18 +105,38 @@ class Transfer:
             done: TransferDone = self._pending.result(timeout)
             self._result = TransferResult(not done.failed, done.num_chunks, list(done.failed),
                                           done.copied, done.nbytes)
-            self._keep = None
         return self._result
 
     def done(self) -> bool:
         return self._pending.done()
 
+    def __del__(self) -> None:
+        # the data plane is done with the events only once the call completed; otherwise they
+        # are dropped, never reused
+        try:
+            if self._events and self._pool is not None and self._pending.done():
+                self._pool.extend(self._events)
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class _IpcEvent:
+    event: Any
+    handle: bytes
+
 
 @dataclass
 class _Registered:
     kv: torch.Tensor
-    engine_event: Any = None
-    done_event: Any = None
+    events: list[_IpcEvent] = field(default_factory=list)  # free interprocess events
+
+    def take(self) -> _IpcEvent:
+        try:
+            return self.events.pop()
+        except IndexError:
+            ev = torch.cuda.Event(interprocess=True)
+            return _IpcEvent(ev, bytes(ev.ipc_handle()))
 
 
 class BlendClient:
@@ -215,9 +246,6 @@ class BlendClient:
                 owner_pid=os.getpid(), request_id=request_id), self._timeout)
             iid = reply.instance_id
         reg = _Registered(kv)
-        if kv.is_cuda:
-            reg.engine_event = torch.cuda.Event(interprocess=True)
-            reg.done_event = torch.cuda.Event(interprocess=True)
         with self._lock:
             self._instances[iid] = reg
         return iid
@@ -279,40 +307,39 @@ class BlendClient:
 
     def _store_call(self, kind: StoreKind, instance_id: int, token_ids: Any, offset: int,
                     event: Any, cache_salt: str, request_id: str | None) -> Transfer:
-        ev, done, keep = self._events(instance_id, event)
+        ev, done, used, pool = self._events(instance_id, event)
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                           offset=offset, kind=kind, cache_salt=cache_salt, event=ev,
                           done_event=done, request_id=request_id)
-        return Transfer(self._channel.submit(msg), self._done_event(instance_id), keep)
+        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
                  event: Any = None, *, cache_salt: str = "",
                  request_id: str | None = None) -> Transfer:
         """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]``."""
-        ev, done, keep = self._events(instance_id, event)
+        ev, done, used, pool = self._events(instance_id, event)
         specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
                            bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                              matches=specs, offset=offset, cache_salt=cache_salt, event=ev,
                              done_event=done, request_id=request_id)
-        return Transfer(self._channel.submit(msg), self._done_event(instance_id), keep)
+        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
 
-    def _events(self, instance_id: int, event: Any) -> tuple[bytes | None, bytes | None, Any]:
+    def _events(self, instance_id: int, event: Any
+                ) -> tuple[bytes | None, bytes | None, list[_IpcEvent], list[_IpcEvent] | None]:
+        """(engine event handle, done event handle, events this call holds, their pool)."""
         with self._lock:
             reg = self._instances.get(instance_id)
         if reg is None or not reg.kv.is_cuda:
             if event is not None:
                 raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
-            return None, None, None
+            return None, None, [], None
+        done = reg.take()
         if event is None:
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(reg.kv.device))
-        return bytes(event.ipc_handle()), bytes(reg.done_event.ipc_handle()), event
-
-    def _done_event(self, instance_id: int) -> Any:
-        with self._lock:
-            reg = self._instances.get(instance_id)
-        return reg.done_event if reg is not None else None
+            mine = reg.take()
+            mine.event.record(torch.cuda.current_stream(reg.kv.device))
+            return mine.handle, done.handle, [mine, done], reg.events
+        return bytes(event.ipc_handle()), done.handle, [done], reg.events
 
     # -- plumbing ---------------------------------------------------------------------------
 

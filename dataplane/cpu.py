@@ -43,7 +43,7 @@ class CpuBuffer(InstanceBuffer):
         np.copyto(self._buf[:, :, token_start:token_start + chunk_size],
                   self._slot(slab_offset, chunk_size))
 
-    def finish(self, done_event: bytes | None) -> None:
+    def end(self, done_event: bytes | None) -> None:
         if done_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
 

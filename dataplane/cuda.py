@@ -38,6 +38,7 @@ IPC_LAZY_PEER_ACCESS = 1
 D2H = cupy.cuda.runtime.memcpyDeviceToHost
 H2D = cupy.cuda.runtime.memcpyHostToDevice
 EVENT_CACHE = 64
+MARK_POOL = 256
 
 
 def normalize_uuid(text: str) -> str:
@@ -55,6 +56,7 @@ class CudaBuffer(InstanceBuffer):
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
         self._events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._marks: list[Any] = []  # completed group events, re-recorded by later calls
 
     def _event(self, handle: bytes) -> Any:
         ev = self._events.get(handle)
@@ -74,21 +76,41 @@ class CudaBuffer(InstanceBuffer):
             self.stream.wait_event(self._event(engine_event))
 
     def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        width = chunk_size * self._row
-        cupy.cuda.runtime.memcpy2DAsync(
-            self._slab + slab_offset, width, self._ptr + token_start * self._row,
-            self.layout.num_tokens * self._row, width, self._rows, D2H, self.stream.cuda_stream)
+        self.to_slab_many([token_start], chunk_size, [slab_offset])
 
     def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        width = chunk_size * self._row
-        cupy.cuda.runtime.memcpy2DAsync(
-            self._ptr + token_start * self._row, self.layout.num_tokens * self._row,
-            self._slab + slab_offset, width, width, self._rows, H2D, self.stream.cuda_stream)
+        self.from_slab_many([slab_offset], chunk_size, [token_start])
 
-    def finish(self, done_event: bytes | None) -> None:
+    def to_slab_many(self, token_starts: list[int], chunk_size: int,
+                     slab_offsets: list[int]) -> None:
+        width, pitch, row = chunk_size * self._row, self.layout.num_tokens * self._row, self._row
+        buf, slab, rows, stream = self._ptr, self._slab, self._rows, self.stream.cuda_stream
+        copy = cupy.cuda.runtime.memcpy2DAsync
+        for t, off in zip(token_starts, slab_offsets):
+            copy(slab + off, width, buf + t * row, pitch, width, rows, D2H, stream)
+
+    def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
+                       token_starts: list[int]) -> None:
+        width, pitch, row = chunk_size * self._row, self.layout.num_tokens * self._row, self._row
+        buf, slab, rows, stream = self._ptr, self._slab, self._rows, self.stream.cuda_stream
+        copy = cupy.cuda.runtime.memcpy2DAsync
+        for off, t in zip(slab_offsets, token_starts):
+            copy(buf + t * row, pitch, slab + off, width, width, rows, H2D, stream)
+
+    def mark(self) -> Any:
+        ev = self._marks.pop() if self._marks else torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def end(self, done_event: bytes | None) -> Any:
         if done_event is not None:
             self._event(done_event).record(self.stream)
-        self.stream.synchronize()
+        return self.mark()
+
+    def wait(self, marker: Any) -> None:
+        marker.synchronize()  # releases the GIL while it waits
+        if len(self._marks) < MARK_POOL:
+            self._marks.append(marker)
 
     def close(self) -> None:
         if self._base:

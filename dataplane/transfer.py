@@ -2,36 +2,45 @@
 
 This module owns the order of operations that keeps the store consistent whatever the backend:
 
-- store: compute the chunk keys, reserve a slot per full chunk (None = already stored or being
-  stored elsewhere: not copied again), enqueue its copy, wait until every copy completed, then
-  commit; on any failure abort every reservation of the call. Rank 0 (``worker_id`` 0 or None)
-  registers the chunks' fingerprints (the index deduplicates content).
-- retrieve: pin every matched chunk, copy each into ``offset + cur_st`` of the buffer, wait until
-  the copies completed, then unpin. A chunk evicted meanwhile, of another layout, or whose tokens
-  differ from the prompt's at ``cur_st`` is reported failed by match index; nothing is written
-  for it.
+- store: compute the chunk keys, reserve the call's slots in batches (``Store.reserve_slots``:
+  EXISTS = already stored or being stored elsewhere, not copied again; FULL = failed), enqueue
+  the copies in groups of about ``GROUP_BYTES`` with a completion marker after each group, and
+  commit each group once its marker completed, while later groups are still copying; on any
+  failure wait for the copies in flight, then abort every reservation not yet committed. Rank 0
+  (``worker_id`` 0 or None) then registers the chunks' fingerprints (after the last commit: the
+  index only keeps entries of committed chunks).
+- retrieve: pin the matched chunks in batches (``Store.pin_slots``), check them against the
+  prompt, copy each into ``offset + cur_st`` of the buffer, wait until the copies completed,
+  then unpin. A chunk evicted meanwhile, of another layout, or whose tokens differ from the
+  prompt's at ``cur_st`` is reported failed by match index; nothing is written for it.
+
+The first batch of a call is small (about ``FIRST_BYTES``): its copies start while the rest is
+reserved or pinned. No per-chunk Python object is built past the chunk keys.
 
 It does not own threads or sockets (``dataplane.server``) or how bytes move (``dataplane.backend``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dataplane.errors import BadRequest, OutOfRange
 from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
-from shm.errors import StoreFull
+from shm.errors import ShmError
 from shm.events import EventLog
 from shm.fingerprint import H_CAP, FingerprintIndex
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.segment import Segment
-from shm.store import ChunkKey, PinnedChunk, Reservation, Store
+from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
+from shm.store import ChunkKey, Store, key_words
 
 if TYPE_CHECKING:
+    from dataplane.backend import InstanceBuffer
     from dataplane.instances import Instance
 
 
@@ -67,6 +76,35 @@ def _namespace(inst: "Instance", cache_salt: str) -> Namespace:
     return Namespace(inst.request.model_name, inst.request.world_size, cache_salt)
 
 
+
+# Tuning (MiB, read at start): the first batch of a call, whose copies start while the rest is
+# reserved or pinned; and the chunks per completion marker, whose commits overlap later copies.
+FIRST_BYTES = int(float(os.environ.get("KVBLEND_DP_FIRST_MIB", "8")) * (1 << 20))
+GROUP_BYTES = int(float(os.environ.get("KVBLEND_DP_GROUP_MIB", "32")) * (1 << 20))
+# the slot header's int64 words (``shm.store``): SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, ...
+_HDR_WORDS = 7
+_W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
+
+
+def _batches(n: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Chunk index ranges of the call's reserve/pin batches: a small first one, then the rest."""
+    first = min(n, max(1, FIRST_BYTES // max(1, chunk_bytes)))
+    return [(lo, hi) for lo, hi in ((0, first), (first, n)) if hi > lo]
+
+
+def _keys(ns_id: int, hashes: list[bytes], rank: int) -> list[ChunkKey]:
+    return [ChunkKey(ns_id, h, rank) for h in hashes]
+
+
+def _drain(buf: "InstanceBuffer") -> None:
+    """Wait for every copy in flight before giving its slots back (best effort: on a broken
+    device the slots are given back anyway)."""
+    try:
+        buf.wait(buf.mark())
+    except BaseException:
+        pass
+
+
 def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
@@ -74,46 +112,65 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     if msg.offset < 0 or msg.offset + len(tokens) > T:
         raise OutOfRange(f"offset {msg.offset} + {len(tokens)} tokens exceeds the buffer's {T}")
     ns = _namespace(inst, msg.cache_salt)
-    hashes = chunk_hashes(ns, tokens, C)
+    n = len(tokens) // C
+    chunk_bytes = inst.layout.chunk_bytes(C)
+    per = max(1, GROUP_BYTES // max(1, chunk_bytes))
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
-                tokens=len(tokens), chunks=len(hashes))
+                tokens=len(tokens), chunks=n)
     sh.events.record("store_start", **base)
-    reserved: list[Reservation] = []
-    failed: list[int] = []
-    skipped = 0
+    buf, store = inst.buffer, sh.store
+    rows = tokens[:n * C].reshape(n, C)
+    starts = msg.offset + C * np.arange(n, dtype=np.int64)
+    slots = np.full(n, EXISTS, np.int64)
+    keys: list[ChunkKey] = []
+    hashes: list[bytes] = []
+    groups: list[tuple[int, int, Any]] = []
+    done = 0  # chunks [0, done) are committed (or were lost to reclaim)
     try:
-        inst.buffer.begin(msg.event)
-        for i, h in enumerate(hashes):
+        buf.begin(msg.event)
+        for lo, hi in _batches(n, chunk_bytes):
+            hashes = chunk_hashes(ns, tokens[:hi * C], C)  # a prefix's keys are the same keys
+            keys += _keys(ns.id, hashes[lo:hi], inst.rank)
+            slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
+            for a in range(lo, hi, per):
+                b = min(a + per, hi)
+                idx = a + np.flatnonzero(slots[a:b] >= 0)
+                if len(idx):
+                    buf.to_slab_many(starts[idx].tolist(), C, store.kv_offsets(slots[idx]).tolist())
+                groups.append((a, b, buf.end(msg.done_event) if b == n else buf.mark()))
+        if not groups:
+            groups.append((0, 0, buf.end(msg.done_event)))
+        for a, b, marker in groups:
+            buf.wait(marker)  # only then may the group's chunks become visible
             try:
-                res = sh.store.reserve(inst.class_id, ChunkKey(ns.id, h, inst.rank),
-                                       tokens[i * C:(i + 1) * C])
-            except StoreFull:
-                failed.append(i)
-                continue
-            if res is None:
-                skipped += 1
-                continue
-            reserved.append(res)
-            inst.buffer.to_slab(msg.offset + i * C, C, sh.store.slot_region(res.slot)[0])
-        inst.buffer.finish(msg.done_event)
+                if (slots[a:b] >= 0).any():
+                    store.commit_slots(slots[a:b], keys[a:b])
+            finally:
+                done = b
     except BaseException:
-        for res in reserved:
-            res.abort()
+        _drain(buf)
+        k = len(keys)
+        if (slots[done:k] >= 0).any():
+            try:
+                store.abort_slots(slots[done:k], keys[done:k])
+            except ShmError:
+                pass  # reclaimed meanwhile: nothing of ours to give back
         raise
-    for res in reserved:
-        res.commit()
-    new = _register_fingerprints(sh, inst, ns, tokens[:len(hashes) * C], hashes)
-    nbytes = len(reserved) * inst.layout.chunk_bytes(C)
-    done = TransferDone(instance_id=inst.id, num_chunks=len(hashes), copied=len(reserved),
-                        failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0)
-    sh.events.record("store_end", **base, copied=len(reserved), storage_hits=skipped,
+    copied = int(np.count_nonzero(slots >= 0))
+    failed = np.flatnonzero(slots == FULL).tolist()
+    skipped = n - copied - len(failed)
+    new = _register_fingerprints(sh, inst, ns, tokens[:n * C], hashes)
+    nbytes = copied * chunk_bytes
+    reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
+                         nbytes=nbytes, duration_s=time.monotonic() - t0)
+    sh.events.record("store_end", **base, copied=copied, storage_hits=skipped,
                      failed=failed, fingerprint_new=new, bytes=nbytes,
-                     duration_s=done.duration_s, ok=not failed)
-    sh.events.add_many({"stores": 1, "store_chunks": len(reserved),
+                     duration_s=reply.duration_s, ok=not failed)
+    sh.events.add_many({"stores": 1, "store_chunks": copied,
                         "store_skipped_chunks": skipped, "store_bytes": nbytes,
                         "store_failed_chunks": len(failed),
                         "fingerprint_new_entries": new})
-    return done
+    return reply
 
 
 def _register_fingerprints(sh: Shared, inst: "Instance", ns: Namespace, tokens: np.ndarray,
@@ -147,25 +204,35 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     C = sh.chunk_size
     _check_matches(msg, len(tokens), C, inst.layout.num_tokens)
     ns = _namespace(inst, msg.cache_salt)
-    base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens),
-                chunks=len(msg.matches))
+    n = len(msg.matches)
+    base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
     sh.events.record("retrieve_start", **base)
-    pins = sh.store.pin([ChunkKey(ns.id, m.chunk_hash, inst.rank) for m in msg.matches])
-    failed: list[int] = []
+    buf, store = inst.buffer, sh.store
+    keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+    slots = np.full(n, -1, np.int64)
+    usable = np.zeros(n, bool)
+    pinned = 0  # matches [0, pinned) went through pin_slots
     try:
-        inst.buffer.begin(msg.event)
-        for j, (m, p) in enumerate(zip(msg.matches, pins)):
-            if not _usable(p, inst, tokens[m.cur_st:m.cur_ed]):
-                failed.append(j)
-                continue
-            assert p is not None
-            inst.buffer.from_slab(sh.store.slot_region(p.slot)[0], C, msg.offset + m.cur_st)
-        inst.buffer.finish(msg.done_event)
+        buf.begin(msg.event)
+        for lo, hi in _batches(n, inst.layout.chunk_bytes(C)):
+            slots[lo:hi] = store.pin_slots(keys[lo:hi])
+            pinned = hi
+            usable[lo:hi] = _usable(sh, inst, ns, slots[lo:hi], keys[lo:hi], tokens, cur[lo:hi])
+            idx = lo + np.flatnonzero(usable[lo:hi])
+            if len(idx):
+                buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
+                                   (msg.offset + cur[idx]).tolist())
+        buf.wait(buf.end(msg.done_event))
+    except BaseException:
+        _drain(buf)
+        raise
     finally:
-        sh.store.unpin(pins)
-    copied = len(msg.matches) - len(failed)
+        store.unpin_slots(slots[:pinned])
+    failed = np.flatnonzero(~usable).tolist()
+    copied = n - len(failed)
     nbytes = copied * inst.layout.chunk_bytes(C)
-    done = TransferDone(instance_id=inst.id, num_chunks=len(msg.matches), copied=copied,
+    done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
                         failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0)
     sh.events.record("retrieve_end", **base, copied=copied, failed=failed, bytes=nbytes,
                      duration_s=done.duration_s, ok=not failed)
@@ -174,15 +241,28 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     return done
 
 
-def _usable(p: PinnedChunk | None, inst: "Instance", want_tokens: np.ndarray) -> bool:
-    """Pinned, of this instance's layout, and holding exactly the prompt's tokens there."""
-    if p is None:
-        return False
-    lay = inst.layout
-    if p.kv.shape[1] != lay.num_layers or p.kv.shape[3] != lay.hidden_dim or \
-            p.kv.dtype.itemsize != lay.dtype.itemsize:
-        return False
-    return bool(np.array_equal(p.token_ids, want_tokens))
+def _usable(sh: Shared, inst: "Instance", ns: Namespace, slots: np.ndarray,
+            keys: list[ChunkKey], tokens: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """Per pinned slot: of this instance's layout class, holding this key, and holding exactly
+    the prompt's tokens at ``cur``. Reads the pinned slots' headers (which do not change while
+    pinned) in one gather; a slot of another class fails the header check."""
+    ok = slots >= 0
+    if not ok.any():
+        return ok
+    store, C = sh.store, sh.chunk_size
+    hb = store.chunk_class(inst.class_id).header_bytes
+    start = np.where(ok, store.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
+    ok &= start >= 0
+    start = np.where(ok, start, 0)
+    words = store.slab.view(np.int64)[(start // 8)[:, None] + np.arange(_HDR_WORDS)]
+    want = key_words(keys)
+    ok &= (words[:, _W_MAGIC] == SLOT_MAGIC) & (words[:, _W_CLASS] == inst.class_id)
+    ok &= (words[:, _W_K0:_W_RANK + 1] == want).all(axis=1)
+    if not ok.any():
+        return ok
+    have = store.slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None] + np.arange(C)]
+    ok &= (have == tokens[cur[:, None] + np.arange(C)]).all(axis=1)
+    return ok
 
 
 __all__ = ["Shared", "open_fingerprints", "run_store", "run_retrieve", "tokens_of"]

@@ -16,8 +16,13 @@ pytestmark = pytest.mark.gpu
 L, T, D = 4, 1024, 128
 
 
-@pytest.fixture
-def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
+@pytest.fixture(params=["one-group", "small-groups"])
+def cuda_dataplane(shm_prefix: str, request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> Iterator[DataPlaneProc]:
+    if request.param == "small-groups":  # a first batch of 1 chunk, then markers every 2 chunks
+        chunk_mib = 2 * L * CHUNK * D * 2 / (1 << 20)
+        monkeypatch.setenv("KVBLEND_DP_FIRST_MIB", str(chunk_mib))
+        monkeypatch.setenv("KVBLEND_DP_GROUP_MIB", str(2 * chunk_mib))
     create_store(shm_prefix)
     dp = start_dataplane(shm_prefix, backend="cuda")
     yield dp
@@ -51,7 +56,9 @@ def test_cuda_store_retrieve_bit_exact(cuda_dataplane: DataPlaneProc) -> None:
         inst2 = client.register_kv_cache(dst, model_name="gpu-m")
         base = 33
         r = client.retrieve(inst2, prompt, res.matches, offset=base)
-        assert r.wait(timeout=60).ok
+        r2 = client.retrieve(inst2, prompt, res.matches, offset=base)  # two in flight
+        assert r.cuda_event is not r2.cuda_event  # each call has its own completion event
+        assert r.wait(timeout=60).ok and r2.wait(timeout=60).ok
         torch.cuda.current_stream().wait_event(r.cuda_event)
         expect = before.clone()
         srcw = src.view(torch.int16)

@@ -1,0 +1,182 @@
+"""The store/retrieve order of operations in-process, with a recording copy engine: batched
+reservations and pins, commits only after their group's copies completed, abort on failure, and
+the checks of pinned chunks (tokens, layout class) before anything is copied."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dataplane.transfer as tr
+from dataplane.backend import InstanceBuffer
+from dataplane.messages import MatchSpec, RetrieveChunks, StoreChunks, StoreKind
+from shm.events import EventLog
+from shm.fingerprint import FingerprintIndex
+from shm.hashing import Namespace, chunk_hashes
+from shm.layout import ChunkClass, DType, KVLayout
+from shm.store import ChunkKey, Store
+from tests.dataplane.conftest import CHUNK, create_store
+
+L, D, N = 2, 64, 12
+
+
+class Recorder(InstanceBuffer):
+    """Copies with numpy like the CPU engine, but logs every step; copies 'complete' only at
+    ``wait`` (a copy's bytes land in the slab when its marker is waited for)."""
+
+    def __init__(self, layout: KVLayout, store: Store, fail_at: int | None = None) -> None:
+        self.layout, self.store, self.fail_at = layout, store, fail_at
+        self.log: list[tuple[Any, ...]] = []
+        self.pending: list[int] = []
+        self.marks = 0
+
+    def begin(self, engine_event: bytes | None) -> None:
+        self.log.append(("begin",))
+
+    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
+        if self.fail_at is not None and token_start // chunk_size == self.fail_at:
+            raise RuntimeError("copy failed")
+        self.pending.append(token_start // chunk_size)
+        self.log.append(("copy", token_start // chunk_size))
+
+    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
+        self.log.append(("copy", token_start // chunk_size))
+
+    def mark(self) -> Any:
+        self.marks += 1
+        self.log.append(("mark", self.marks, tuple(self.pending)))
+        return self.marks, tuple(self.pending)
+
+    def wait(self, marker: Any) -> None:
+        self.log.append(("wait", marker[0]))
+        self.done = set(getattr(self, "done", set())) | set(marker[1])
+
+    def close(self) -> None:
+        pass
+
+
+class FakeInst:
+    def __init__(self, model: str, class_id: int, layout: KVLayout, buffer: InstanceBuffer
+                 ) -> None:
+        self.id, self.class_id, self.layout, self.buffer, self.rank = 1, class_id, layout, buffer, 0
+        self.request = type("R", (), {"model_name": model, "world_size": 1})()
+
+
+@pytest.fixture
+def shared(shm_prefix: str) -> Iterator[tr.Shared]:
+    create_store(shm_prefix)
+    store = Store.open(shm_prefix)
+    fp = tr.open_fingerprints(shm_prefix, CHUNK)
+    events = EventLog.open(shm_prefix)
+    yield tr.Shared(store, fp, events, CHUNK)
+    events.close()
+    fp.close()
+    store.close()
+
+
+def make_inst(sh: tr.Shared, model: str = "m", hidden: int = D, fail_at: int | None = None
+              ) -> FakeInst:
+    layout = KVLayout(L, (N + 1) * CHUNK, hidden, DType.parse("bfloat16"))
+    cid = sh.store.register_class(ChunkClass.of(model, 1, layout, CHUNK))
+    return FakeInst(model, cid, layout, Recorder(layout, sh.store, fail_at))
+
+
+def store_msg(tokens: np.ndarray) -> StoreChunks:
+    return StoreChunks(instance_id=1, token_ids=tokens.astype("<u4").tobytes(), offset=0,
+                       kind=StoreKind.PRE_COMPUTED, cache_salt="", event=None, done_event=None,
+                       request_id="r")
+
+
+@pytest.fixture
+def small_groups(monkeypatch: pytest.MonkeyPatch) -> int:
+    chunk_bytes = 2 * L * CHUNK * D * 2
+    monkeypatch.setattr(tr, "FIRST_BYTES", 2 * chunk_bytes)  # a first batch of 2 chunks
+    monkeypatch.setattr(tr, "GROUP_BYTES", 3 * chunk_bytes)  # then groups of 3
+    return chunk_bytes
+
+
+def test_commits_each_group_only_after_its_copies_completed(
+        shared: tr.Shared, small_groups: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    inst = make_inst(shared)
+    buf = inst.buffer
+    assert isinstance(buf, Recorder)
+    commits: list[list[int]] = []
+    real_commit = shared.store.commit_slots
+
+    def commit_slots(slots: np.ndarray, keys: list[ChunkKey]) -> None:
+        hashes = [k.chunk_hash for k in keys]
+        idx = [all_hashes.index(h) for h, s in zip(hashes, slots) if s >= 0]
+        assert set(idx) <= buf.done, "a chunk was committed before its copy completed"
+        commits.append(idx)
+        real_commit(slots, keys)
+
+    monkeypatch.setattr(shared.store, "commit_slots", commit_slots)
+    tokens = np.arange(N * CHUNK + 5) + 100
+    ns = Namespace("m", 1, "")
+    all_hashes = chunk_hashes(ns, tokens, CHUNK)
+    done = tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
+    assert done.copied == N and done.failed == [] and done.num_chunks == N
+    # first batch [0, 2) in one group, then [2, 12) in groups of 3: five commits, in order
+    assert commits == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9, 10], [11]]
+    assert sum(1 for e in buf.log if e[0] == "mark") == 5
+    assert shared.store.contains([ChunkKey(ns.id, h) for h in all_hashes]).all()
+    assert shared.store.stats().num_reserved == 0
+    # stored again: every chunk exists, nothing copied or committed
+    commits.clear()
+    again = tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
+    assert again.copied == 0 and again.failed == [] and commits == []
+
+
+def test_a_failed_copy_aborts_every_reservation(shared: tr.Shared, small_groups: int) -> None:
+    inst = make_inst(shared, fail_at=7)
+    tokens = np.arange(N * CHUNK) + 7
+    with pytest.raises(RuntimeError, match="copy failed"):
+        tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
+    ns = Namespace("m", 1, "")
+    keys = [ChunkKey(ns.id, h) for h in chunk_hashes(ns, tokens, CHUNK)]
+    assert not shared.store.contains(keys).any()
+    stats = shared.store.stats()
+    assert stats.num_reserved == 0 and stats.num_objects == 0
+    assert isinstance(inst.buffer, Recorder) and inst.buffer.log[-1][0] == "wait"  # drained
+
+
+def _retrieve(sh: tr.Shared, inst: FakeInst, prompt: np.ndarray, hashes: list[bytes],
+              at: list[int]) -> Any:
+    specs = [MatchSpec(0, CHUNK, s, s + CHUNK, h) for s, h in zip(at, hashes)]
+    msg = RetrieveChunks(instance_id=1, token_ids=prompt.astype("<u4").tobytes(), matches=specs,
+                         offset=0, cache_salt="", event=None, done_event=None, request_id="q")
+    return tr.run_retrieve(sh, inst, msg)  # type: ignore[arg-type]
+
+
+def test_retrieve_checks_tokens_and_layout_of_each_pinned_chunk(
+        shared: tr.Shared, small_groups: int) -> None:
+    inst = make_inst(shared)
+    tokens = np.arange(6 * CHUNK) + 1
+    assert tr.run_store(shared, inst, store_msg(tokens)).copied == 6  # type: ignore[arg-type]
+    ns = Namespace("m", 1, "")
+    hashes = chunk_hashes(ns, tokens, CHUNK)
+    # a chunk of the same key space stored under another layout class (D differs)
+    other = make_inst(shared, model="other", hidden=2 * D)
+    foreign = tokens[:CHUNK] + 10**6
+    fh = chunk_hashes(ns, foreign, CHUNK)[0]
+    res = shared.store.reserve(other.class_id, ChunkKey(ns.id, fh), foreign)
+    assert res is not None
+    res.commit()
+    prompt = np.concatenate([tokens, foreign])
+    bad_tokens = prompt.copy()
+    bad_tokens[3 * CHUNK + 2] += 1  # the prompt differs from chunk 3's tokens
+    absent = b"\x01" * 16
+    at = [0, CHUNK, 2 * CHUNK, 3 * CHUNK, 4 * CHUNK, 5 * CHUNK, 6 * CHUNK, 0]
+    buf = inst.buffer
+    assert isinstance(buf, Recorder)
+    buf.log.clear()
+    done = _retrieve(shared, inst, bad_tokens, hashes + [fh, absent], at)
+    assert done.failed == [3, 6, 7] and done.copied == 5
+    assert [e[1] for e in buf.log if e[0] == "copy"] == [0, 1, 2, 4, 5]  # nothing for the rest
+    assert shared.store.stats().num_pinned == 0
+    ok = _retrieve(shared, inst, prompt, hashes, at[:6])
+    assert ok.failed == [] and ok.copied == 6
+    assert shared.store.stats().num_pinned == 0
