@@ -79,7 +79,7 @@ def _namespace(inst: "Instance", cache_salt: str) -> Namespace:
 
 # Tuning (MiB, read at start): the first batch of a call, whose copies start while the rest is
 # reserved or pinned; and the chunks per completion marker, whose commits overlap later copies.
-FIRST_BYTES = int(float(os.environ.get("KVBLEND_DP_FIRST_MIB", "8")) * (1 << 20))
+FIRST_BYTES = int(float(os.environ.get("KVBLEND_DP_FIRST_MIB", "16")) * (1 << 20))
 GROUP_BYTES = int(float(os.environ.get("KVBLEND_DP_GROUP_MIB", "32")) * (1 << 20))
 # the slot header's int64 words (``shm.store``): SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, ...
 _HDR_WORDS = 7
