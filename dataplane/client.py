@@ -135,8 +135,9 @@ class _Registered:
         try:
             return self.events.pop()
         except IndexError:
-            ev = torch.cuda.Event(interprocess=True)
-            return _IpcEvent(ev, bytes(ev.ipc_handle()))
+            with torch.cuda.device(self.kv.device):  # created on the buffer's device
+                ev = torch.cuda.Event(interprocess=True)
+                return _IpcEvent(ev, bytes(ev.ipc_handle()))
 
 
 class BlendClient:
