@@ -13,8 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.types import ASGIApp
 
 from api import errors, kvblend_version
+from api.lookup import LookupFastPath
 from api.metrics import build_registry
 from api.routes import chunks, events, health, instances, lookup, metrics, status
 from api.schemas import LookupRequest
@@ -40,6 +42,13 @@ TAGS = [
 ]
 
 
+class KvblendApp(FastAPI):
+    """FastAPI with the lookup fast path in front of its middleware stack (``api.lookup``)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return LookupFastPath(super().build_middleware_stack(), self)
+
+
 def create_app(settings: Settings) -> FastAPI:
     """Build the service's app for ``settings``.
 
@@ -57,8 +66,8 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             services.close()
 
-    app = FastAPI(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
-                  openapi_tags=TAGS, lifespan=lifespan)
+    app = KvblendApp(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
+                     openapi_tags=TAGS, lifespan=lifespan)
     token = settings.token()
     app.state.api_token = token.encode() if token is not None else None
     app.state.settings = settings

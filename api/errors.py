@@ -147,6 +147,16 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(status, detail, request.url.path, type(exc).__name__, errors, headers)
 
 
+async def problem_for(request: Request, exc: Exception) -> JSONResponse:
+    """The problem+json response the app's handlers give for ``exc`` (for code that runs in front
+    of the app, like the lookup fast path)."""
+    if isinstance(exc, RequestValidationError):
+        return await _on_validation(request, exc)
+    if isinstance(exc, StarletteHTTPException):
+        return await _on_http(request, exc)
+    return await _on_error(request, exc)
+
+
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError), "handler registered for the wrong type"
     return problem_response(422, "invalid request", request.url.path, "RequestValidationError",

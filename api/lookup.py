@@ -3,19 +3,34 @@
 A lookup pins nothing: it reads the fingerprint index and asks the store which chunks are committed,
 so a lookup that no retrieve follows leaves no trace in the store (LMCache's matcher pinned on
 lookup, and hit rates decayed to zero when engines skipped the retrieve).
+
+``LookupFastPath`` serves ``POST /v1/lookup`` in front of the framework. The FastAPI route stays
+(it documents the operation, and it answers every request the fast path does not take), but a
+well-formed lookup skips routing, the middleware stack and dependency resolution, which together
+cost more than the match itself (measured: about 0.8 ms of a 1.4 ms binary lookup, in-process).
+The fast path only says yes: a request it does not fully accept (another path or method, a bearer
+header other than exactly ``Bearer <token>``, a query parameter it cannot parse and bound, a body
+that does not decode) goes to the app unchanged, its body replayed, so every error is still the
+route's own problem+json answer and the accepted requests are a subset of what the route accepts.
 """
 
 from __future__ import annotations
 
+import array
+import hmac
+import re
 import time
 import uuid
-from typing import Annotated
+from functools import lru_cache
+from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 import msgspec
 import numpy as np
-from fastapi import Request, Response
+from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import UnsupportedMediaType
+from api.errors import UnsupportedMediaType, problem_for
 from api.metrics import count_lookup
 from api.services import Services
 from shm.hashing import Namespace
@@ -36,6 +51,19 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
 
 _decode_body = msgspec.json.Decoder(LookupBody).decode
 _encode = msgspec.json.Encoder().encode
+_U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
+
+
+def _ids_array(token_ids: list[int]) -> np.ndarray:
+    """Decoded (hence bounded) token ids as uint32: through ``array.array``, which converts a list
+    of ints about 3x faster than ``np.array(..., dtype=np.uint32)`` (0.25 vs 0.8 ms for 32k)."""
+    return np.frombuffer(array.array(_U32_CODE, token_ids), dtype=np.uint32)
+
+
+@lru_cache(maxsize=256)
+def namespace_of(model_name: str, world_size: int, cache_salt: str) -> Namespace:
+    """The namespace of a lookup, cached (building one hashes its root)."""
+    return Namespace(model_name, world_size, cache_salt)
 
 
 class Query:
@@ -64,13 +92,13 @@ async def read_query(request: Request, model_name: str | None, world_size: int,
                              "bytes is not a multiple of 4")
         if not model_name:
             raise ValueError("binary lookups need the model_name query parameter")
-        return Query(Namespace(model_name, world_size, cache_salt),
+        return Query(namespace_of(model_name, world_size, cache_salt),
                      np.frombuffer(body, dtype="<u4"))
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"send application/json or {OCTET_STREAM}, not {ctype!r}")
     req = _decode_body(body)
-    return Query(Namespace(req.model_name, req.world_size, req.cache_salt),
-                 np.array(req.token_ids, dtype=np.uint32))
+    return Query(namespace_of(req.model_name, req.world_size, req.cache_salt),
+                 _ids_array(req.token_ids))
 
 
 def run_lookup(services: Services, query: Query, request_id: str, started: float) -> Response:
@@ -79,6 +107,11 @@ def run_lookup(services: Services, query: Query, request_id: str, started: float
     Returns:
         The ``LookupResponse`` JSON, encoded here (the route documents the model).
     """
+    return Response(answer(services, query, request_id, started), media_type="application/json")
+
+
+def answer(services: Services, query: Query, request_id: str, started: float) -> bytes:
+    """Match ``query``, record its events, counters and latency; the ``LookupResponse`` JSON."""
     events = services.events
     events.record("lookup_start", request_id=request_id, model_name=query.namespace.model_name,
                   num_tokens=len(query.tokens))
@@ -92,9 +125,132 @@ def run_lookup(services: Services, query: Query, request_id: str, started: float
                          "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex()}
                         for m in result.matches],
             "hit_tokens": result.hit_tokens, "requested_tokens": result.requested_tokens}
-    return Response(_encode(body), media_type="application/json")
+    return _encode(body)
 
 
 def request_id_of(request: Request) -> str:
     """The caller's ``X-Request-ID``, or a fresh one."""
     return (request.headers.get("x-request-id") or uuid.uuid4().hex[:16])[:128]
+
+
+# -- the fast path ------------------------------------------------------------------------------
+
+_PATH = "/v1/lookup"
+_WORLD_SIZE = re.compile(r"[1-9][0-9]{0,3}")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def _query_fields(raw: bytes) -> tuple[str | None, int, str] | None:
+    """``(model_name, world_size, cache_salt)`` from a query string, as the route would read them;
+    None when any of them is repeated or not plainly within the route's bounds."""
+    model_name, world_size, cache_salt = None, 1, ""
+    if not raw:
+        return model_name, world_size, cache_salt
+    seen = set()
+    for name, value in parse_qsl(raw.decode("latin-1"), keep_blank_values=True):
+        if name in seen:
+            return None
+        seen.add(name)
+        if name == "model_name":
+            if not 1 <= len(value) <= 120:
+                return None
+            model_name = value
+        elif name == "world_size":
+            if _WORLD_SIZE.fullmatch(value) is None or int(value) > 1024:
+                return None
+            world_size = int(value)
+        elif name == "cache_salt":
+            if len(value) > 256:
+                return None
+            cache_salt = value
+    return model_name, world_size, cache_salt
+
+
+class LookupFastPath:
+    """ASGI wrapper: serves well-formed ``POST /v1/lookup`` requests itself, hands everything else
+    (and every request it has doubts about) to ``app``. See the module docstring."""
+
+    def __init__(self, app: ASGIApp, owner: FastAPI) -> None:
+        self.app, self.owner = app, owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["path"] != _PATH or scope["method"] != "POST"
+                or scope.get("root_path")):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        raw_ctype = auth = request_id = None
+        for name, value in scope["headers"]:  # the first of each, as ``request.headers`` gives
+            name = name.lower()
+            if name == b"content-type" and raw_ctype is None:
+                raw_ctype = value
+            elif name == b"authorization" and auth is None:
+                auth = value
+            elif name == b"x-request-id" and request_id is None:
+                request_id = value.decode("latin-1")
+        ctype = ("application/json" if raw_ctype is None
+                 else raw_ctype.decode("latin-1").split(";")[0].strip().lower())
+        token: bytes | None = self.owner.state.api_token
+        fields = _query_fields(scope["query_string"])
+        binary = ctype == OCTET_STREAM
+        if (fields is None or (binary and fields[0] is None)
+                or not (binary or ctype == "application/json")
+                or (token is not None and (auth is None
+                                           or not hmac.compare_digest(auth, b"Bearer " + token)))):
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away
+        try:
+            if binary:
+                model_name, world_size, cache_salt = fields
+                if len(body) % 4 or model_name is None:
+                    raise ValueError("not whole uint32 ids")
+                query = Query(namespace_of(model_name, world_size, cache_salt),
+                              np.frombuffer(body, dtype="<u4"))
+            else:
+                req = _decode_body(body)
+                query = Query(namespace_of(req.model_name, req.world_size, req.cache_salt),
+                              _ids_array(req.token_ids))
+        except (ValueError, msgspec.DecodeError):
+            await self.app(scope, _replay(body, receive), send)  # the route names the error
+            return
+        rid = (request_id or uuid.uuid4().hex[:16])[:128]
+        try:
+            payload = answer(self.owner.state.services, query, rid, started)
+        except Exception as exc:  # the same problem+json the route's handlers give
+            response = await problem_for(Request(scope, _replay(body, receive)), exc)
+            await response(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(payload)).encode()),
+                                *_JSON_HEADERS]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields ``body`` once, then defers to the real one."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: dict[str, Any] = await receive()
+        return message
+
+    return replay

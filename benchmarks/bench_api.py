@@ -196,6 +196,7 @@ def main() -> None:
     settings = Settings(shm_prefix=f"kvbbench_{os.getpid()}", storage_mb=storage_mb,
                         backend="cpu", chunk_size=CHUNK, min_slot_kb=4, log_level="warning",
                         fingerprint_capacity=max(1 << 20, 2 * args.chunks))
+    load_before = os.getloadavg()
     try:
         prepare(settings)
         t0 = time.perf_counter()
@@ -218,7 +219,8 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(90)
         print(f"\n{args.chunks:,} registered chunks, {PROMPT:,}-token prompt, {HITS} hits, "
-              f"{args.iters} timed lookups; {args.clients} clients for {args.seconds:.0f} s\n")
+              f"{args.iters} timed lookups; {args.clients} clients for {args.seconds:.0f} s; "
+              f"1-min load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")
         print(f"| path | API workers | p50 (1 client) | p99 (1 client) | lookups/s "
               f"({args.clients} clients) |")
         print("|---|---:|---:|---:|---:|")

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from shm.fingerprint import FingerprintIndex, Match
 from shm.hashing import Namespace, as_tokens
 from shm.store import ChunkKey, Store
@@ -34,10 +32,10 @@ class LookupResult:
 
 def live_checker(store: Store, namespace: Namespace):
     """``is_live(hashes) -> list[bool]``: True where every rank's shard of the chunk is committed."""
-    ws = namespace.world_size
+    ws, nsid = namespace.world_size, namespace.id
 
     def is_live(hashes: Sequence[bytes]) -> list[bool]:
-        keys = [ChunkKey(namespace.id, h, r) for h in hashes for r in range(ws)]
+        keys = [ChunkKey(nsid, h, r) for h in hashes for r in range(ws)]
         found = store.contains(keys).reshape(len(hashes), ws)
         return found.all(axis=1).tolist()
 
@@ -54,7 +52,15 @@ def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
     tokens = as_tokens(token_ids)
     chunk = fingerprints.chunk_size
     matches = fingerprints.match(namespace, tokens, is_live=live_checker(store, namespace))
-    covered = np.zeros(len(tokens), bool)
+    return LookupResult(matches, covered_tokens(matches), len(tokens) // chunk * chunk)
+
+
+def covered_tokens(matches: Sequence[Match]) -> int:
+    """Distinct query tokens inside ``matches`` (sorted by ``cur_st``; overlaps count once)."""
+    total, end = 0, 0
     for m in matches:
-        covered[m.cur_st:m.cur_ed] = True
-    return LookupResult(matches, int(covered.sum()), len(tokens) // chunk * chunk)
+        start = max(m.cur_st, end)
+        if m.cur_ed > start:
+            total += m.cur_ed - start
+            end = m.cur_ed
+    return total

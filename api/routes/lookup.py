@@ -1,4 +1,9 @@
-"""``POST /v1/lookup``: which stored chunks appear where in a prompt (JSON or binary body)."""
+"""``POST /v1/lookup``: which stored chunks appear where in a prompt (JSON or binary body).
+
+Well-formed lookups are answered before they reach this route, by ``api.lookup.LookupFastPath``;
+the route documents the operation and answers the rest (every error included), so a change to the
+parameters or the checks here belongs in the fast path too.
+"""
 
 from __future__ import annotations
 

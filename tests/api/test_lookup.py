@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api import lookup as lookups
 from api.lookup import LookupBody
 from api.schemas import LookupRequest, LookupResponse
+from shm.errors import Busy
+from shm.fingerprint import Match
 from shm.hashing import Namespace
-from tests.api.conftest import CHUNK, Cache, problem
+from shm.lookup import covered_tokens
+from tests.api.conftest import CHUNK, TOKEN, Cache, problem
 
 NS = Namespace("model-a", 1)
 
@@ -158,3 +162,79 @@ def test_wire_decoder_matches_the_documented_request() -> None:
             assert wire[name].get(bound) == doc["properties"][name].get(bound)
     for bound in ("minimum", "maximum"):
         assert wire["world_size"][bound] == doc["properties"]["world_size"][bound]
+
+
+# -- the fast path in front of the framework (api.lookup.LookupFastPath) --------------------------
+
+
+def binary(client: TestClient, q: np.ndarray, **params: object) -> object:
+    return client.post("/v1/lookup", content=q.astype("<u4").tobytes(),
+                       params={"model_name": "model-a", **params},
+                       headers={"content-type": "application/octet-stream"})
+
+
+def test_well_formed_lookups_skip_the_route(client: TestClient, stored: tuple,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON and binary lookups are answered in front of the framework: the route never runs."""
+    def not_here(*args: object) -> None:
+        raise AssertionError("the route served a lookup the fast path should have taken")
+
+    monkeypatch.setattr(lookups, "read_query", not_here)
+    a = stored[0]
+    assert binary(client, a).json()["hit_tokens"] == len(a)
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": a.tolist()})
+    assert r.json()["hit_tokens"] == len(a)
+    assert r.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("how", [
+    {"headers": {"content-type": "application/vnd.kvblend+json"}},   # a content type it leaves
+    {"params": {"world_size": "01"}},                                # a number it does not parse
+    {"params": {"model_name": ["x", "model-a"]}},                    # a repeated parameter
+])
+def test_requests_the_fast_path_leaves_get_the_same_answer(client: TestClient, stored: tuple,
+                                                           how: dict) -> None:
+    a, b, _, _ = stored
+    q = prompt_with(np.arange(9), a, b)
+    body = {"model_name": "model-a", "token_ids": q.tolist()}
+    fast = client.post("/v1/lookup", json=body)
+    params = {"model_name": "model-a", **how.get("params", {})}
+    if "content-type" in how.get("headers", {}):
+        slow = client.post("/v1/lookup", content=msgspec.json.encode(body), headers=how["headers"])
+    else:
+        slow = client.post("/v1/lookup", content=q.astype("<u4").tobytes(), params=params,
+                           headers={"content-type": "application/octet-stream"})
+    assert slow.status_code == 200, slow.text
+    assert slow.json() == fast.json() and fast.json()["hit_tokens"] == len(a) + len(b)
+
+
+def test_bearer_scheme_in_any_case_is_admitted(auth_client: TestClient) -> None:
+    """Only ``Bearer <token>`` exactly is taken by the fast path; the route admits the rest."""
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        r = auth_client.post("/v1/lookup", headers={"authorization": f"{scheme} {TOKEN}"},
+                             json={"model_name": "m", "token_ids": [1, 2, 3]})
+        assert r.status_code == 200, r.text
+
+
+def test_query_parameters_are_checked_for_json_bodies_too(client: TestClient) -> None:
+    r = client.post("/v1/lookup", params={"world_size": 0},
+                    json={"model_name": "m", "token_ids": [1, 2, 3]})
+    assert problem(r, 422)["code"] == "RequestValidationError"
+
+
+def test_store_errors_in_the_fast_path_are_problems(client: TestClient,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def busy(*args: object) -> None:
+        raise Busy("the fingerprint index stayed locked")
+
+    monkeypatch.setattr(lookups, "lookup", busy)
+    r = binary(client, np.arange(3, dtype=np.uint32))
+    body = problem(r, 503)
+    assert body["code"] == "Busy" and body["instance"] == "/v1/lookup"
+
+
+def test_covered_tokens_counts_overlaps_once() -> None:
+    m = [Match(0, 16, 0, 16, b"a" * 16), Match(0, 16, 8, 24, b"b" * 16),
+         Match(0, 16, 40, 56, b"c" * 16)]
+    assert covered_tokens(m) == 24 + 16
+    assert covered_tokens([]) == 0
