@@ -26,6 +26,7 @@ Segment ``{prefix}_fp`` (created zeroed; all offsets in bytes, S = table_slots, 
               [4] table_slots S      [5] live entries     [6] high water   [7] free-stack top
               [8] next sequence id   [9] dirty (the Guarded word)
               [10] removals since the presence filter was rebuilt
+              [11] words of the presence filter in use (0 = all of it)
     4096    entries, N x 64 bytes, uint64 words:
               [0] state (low 32 bits) | old_st (high 32 bits)
               [1] key: rolling fingerprint ^ namespace id
@@ -37,7 +38,10 @@ Segment ``{prefix}_fp`` (created zeroed; all offsets in bytes, S = table_slots, 
     +S*8    chunk-hash table, S x uint32: entry id + 1; 0 = empty
     +S*4    free stack, N x uint32: reclaimed entry ids (ids >= high water were never used)
     +N*4    presence filter (start rounded up to 64), S/8 x uint64: two bits per LIVE key in one
-            word; removals leave their bits set until a rebuild (after N/4 + 64 removals)
+            word; removals leave their bits set until a rebuild (after N/4 + 64 removals). Only
+            the first [11] words are in use: about 16 bits per live entry, grown (and rebuilt) by
+            doubling as entries are registered, so a partly filled index probes a filter that
+            stays in cache instead of one sized for its capacity
 
 Both tables use linear probing with backward-shift deletion, at most half full (S >= 2N); a key may
 occur in several slots (colliding fingerprints, or one chunk_hash given twice), all stay findable.
@@ -86,7 +90,10 @@ FREE = 0
 LIVE = 1
 
 (H_MAGIC, H_VERSION, H_CHUNK, H_CAP, H_SLOTS, H_LIVE, H_HIGH, H_FREE_TOP, H_SEQ, H_DIRTY,
- H_STALE) = range(11)
+ H_STALE, H_FILTER_WORDS) = range(12)
+# the active part of the presence filter: 16 bits per live entry, a power of two of words, at least
+# this many (32 KiB), at most the whole reserved filter
+MIN_FILTER_WORDS = 4096
 E_STATE, E_KEY, E_SEQ, E_DIG0, E_DIG1, E_HASH0, E_HASH1, E_STAMP = range(ENTRY_WORDS)
 
 _U32 = np.uint64(32)
@@ -687,9 +694,10 @@ class FingerprintIndex:
         dig = np.frombuffer(b"".join(digs), np.uint64).reshape(-1, 2)
         olds = (np.arange(n, dtype=np.int64) * k)[idx]
         with self._guard(self._timeout):
+            self._fit_filter(int(self._hdr[H_LIVE]) + len(keys), grow_only=True)
             seq = int(self._hdr[H_SEQ])
             self._hdr[H_SEQ] = seq + 1
-            got = _register(self._hdr, self._E, self._fpt, self._idt, self._free, self._bloom,
+            got = _register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
                             keys, dig,
                             np.ascontiguousarray(hashes[idx]), olds, seq)
             if got < 0:
@@ -708,8 +716,8 @@ class FingerprintIndex:
             return 0
         hashes = _hash_words(chunk_hashes)
         with self._guard(self._timeout):
-            return int(_remove(self._hdr, self._E, self._fpt, self._idt, self._free, self._bloom,
-                               hashes))
+            return int(_remove(self._hdr, self._E, self._fpt, self._idt, self._free,
+                               self._filter(), hashes))
 
     def clear(self) -> None:
         """Drop every entry (sequence ids keep counting up)."""
@@ -719,10 +727,27 @@ class FingerprintIndex:
             self._idt[:] = 0
             self._bloom[:] = 0
             self._hdr[[H_LIVE, H_HIGH, H_FREE_TOP, H_STALE]] = 0
+            self._hdr[H_FILTER_WORDS] = min(MIN_FILTER_WORDS, len(self._bloom))
 
     def repair(self) -> None:
         """Rebuild tables, free stack and counters from the entries. Call with the lock held."""
-        _rebuild(self._hdr, self._E, self._fpt, self._idt, self._free, self._bloom)
+        _rebuild(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter())
+        self._fit_filter(int(self._hdr[H_LIVE]), grow_only=False)
+
+    def _filter(self) -> np.ndarray:
+        """The part of the presence filter in use (read under the lock)."""
+        words = int(self._hdr[H_FILTER_WORDS])
+        return self._bloom[:words] if words else self._bloom
+
+    def _fit_filter(self, live: int, grow_only: bool) -> None:
+        """Size the filter in use for ``live`` entries (16 bits each) and rebuild it when the
+        size changes. Call with the lock held."""
+        want = min(len(self._bloom), max(MIN_FILTER_WORDS, 1 << max(0, (live // 4).bit_length())))
+        have = len(self._filter())
+        if want == have or (grow_only and want < have):
+            return
+        self._hdr[H_FILTER_WORDS] = want
+        _bloom_rebuild(self._hdr, self._E, self._filter())
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -779,7 +804,7 @@ class FingerprintIndex:
                 if len(self._near) < len(tokens):
                     self._near = np.empty(len(tokens), np.int64)
                     self._keys = np.empty(len(tokens), np.uint64)
-                n = _probe(tokens, self.chunk_size, nsid, self._E, self._fpt, self._bloom,
+                n = _probe(tokens, self.chunk_size, nsid, self._E, self._fpt, self._filter(),
                            self._near, self._keys, out_pos, out_ent)
                 if n <= size:
                     rows = np.empty((n, ENTRY_WORDS + 1), np.uint64)
@@ -801,7 +826,7 @@ class FingerprintIndex:
             gone = rows[~keep]
             ents = np.unique(gone[:, ENTRY_WORDS].astype(np.int64), return_index=True)[1]
             with self._guard(self._timeout):
-                _remove_unchanged(self._hdr, self._E, self._fpt, self._idt, self._free, self._bloom,
+                _remove_unchanged(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
                                   gone[ents, ENTRY_WORDS].astype(np.int64),
                                   np.ascontiguousarray(gone[ents, E_STAMP]))
         return pos[keep], rows[keep]
@@ -856,6 +881,7 @@ def _create(name: str, lay: _Layout, chunk_size: int) -> segment.Segment:
     seg = segment.Segment(name, lay.size, create=True)
     hdr = np.ndarray((16,), np.int64, seg.buf)
     hdr[[H_VERSION, H_CHUNK, H_CAP, H_SLOTS]] = (VERSION, chunk_size, lay.capacity, lay.slots)
+    hdr[H_FILTER_WORDS] = min(MIN_FILTER_WORDS, lay.slots // 8)
     hdr[H_MAGIC] = MAGIC  # last: a segment without magic is an unfinished creation
     return seg
 

@@ -651,3 +651,31 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
 test_index_against_model = IndexMachine.TestCase
+
+
+def test_filter_in_use_grows_with_live_entries_and_keeps_every_chunk(make: Make) -> None:
+    idx = make(capacity=1 << 16)
+    assert len(idx._filter()) == F.MIN_FILTER_WORDS      # 32 KiB, not the 128 KiB reserved
+    docs = [toks(C * 64, seed) for seed in range(100)]  # 6400 entries: 1600 words needed
+    for d in docs[:50]:
+        reg(idx, d)
+    small = len(idx._filter())
+    for d in docs[50:]:
+        reg(idx, d)
+    assert len(idx) == 6400 and len(idx._filter()) >= small
+    for d in docs[::7]:                                 # everything stays findable
+        assert len(idx.match(NS, d)) == 64
+    idx.clear()
+    assert len(idx._filter()) == F.MIN_FILTER_WORDS and idx.match(NS, docs[0]) == []
+
+
+def test_filter_size_follows_live_entries_after_repair(make: Make) -> None:
+    idx = make(capacity=1 << 16)
+    docs = [toks(C * 1024, seed) for seed in range(20)]  # 20480 entries: 5120 words needed
+    for d in docs:
+        reg(idx, d)
+    assert len(idx._filter()) == 8192
+    idx._hdr[F.H_FILTER_WORDS] = F.MIN_FILTER_WORDS      # as if a holder died mid-resize
+    idx._hdr[F.H_DIRTY] = 1
+    assert len(idx.match(NS, docs[3])) == 1024           # repair ran first: nothing missed
+    assert len(idx._filter()) == 8192
