@@ -40,7 +40,7 @@ class Settings(BaseSettings):
         backend: ``auto``, ``cpu`` or ``cuda``.
         api_token: when set, ``/v1`` routes and ``/metrics`` require ``Authorization: Bearer``.
         workers: API worker processes.
-        fingerprint_capacity: entries of the fingerprint index (about 88 bytes each).
+        fingerprint_capacity: entries of the fingerprint index (94-124 bytes each).
         dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
         wipe: drop the existing cache at start-up.
         log_level: uvicorn and supervisor log level.
