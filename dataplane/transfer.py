@@ -33,7 +33,7 @@ from dataplane.errors import BadRequest, OutOfRange
 from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
 from shm.errors import ShmError
 from shm.events import EventLog
-from shm.fingerprint import H_CAP, FingerprintIndex
+from shm.fingerprint import H_CAP, FingerprintIndex, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.segment import Segment
 from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
@@ -140,6 +140,8 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
                 groups.append((a, b, buf.end(msg.done_event) if b == n else buf.mark()))
         if not groups:
             groups.append((0, 0, buf.end(msg.done_event)))
+        # digests and fingerprints while the copies run; inserted once the chunks are committed
+        prepared = sh.fingerprints.prepare(ns, tokens[:n * C], hashes)
         for a, b, marker in groups:
             buf.wait(marker)  # only then may the group's chunks become visible
             try:
@@ -159,7 +161,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     copied = int(np.count_nonzero(slots >= 0))
     failed = np.flatnonzero(slots == FULL).tolist()
     skipped = n - copied - len(failed)
-    new = _register_fingerprints(sh, inst, ns, tokens[:n * C], hashes)
+    new = _register_fingerprints(sh, inst, hashes, prepared)
     nbytes = copied * chunk_bytes
     reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
                          nbytes=nbytes, duration_s=time.monotonic() - t0)
@@ -173,8 +175,8 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     return reply
 
 
-def _register_fingerprints(sh: Shared, inst: "Instance", ns: Namespace, tokens: np.ndarray,
-                           hashes: list[bytes]) -> int:
+def _register_fingerprints(sh: Shared, inst: "Instance", hashes: list[bytes],
+                           prepared: Registration) -> int:
     """Rank 0 registers the chunks' fingerprints. Another rank registers only those the index
     lacks: a lookup that ran while rank 0's shard was stored but this rank's was not found the
     chunks not live and dropped their entries."""
@@ -182,7 +184,7 @@ def _register_fingerprints(sh: Shared, inst: "Instance", ns: Namespace, tokens: 
         return 0
     if inst.rank != 0 and all(sh.fingerprints.contains(h) for h in hashes):
         return 0
-    return sh.fingerprints.register(ns, tokens, hashes)
+    return sh.fingerprints.register_prepared(prepared)
 
 
 def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:

@@ -563,6 +563,16 @@ def _hash_words(chunk_hashes: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(chunk_hashes), np.uint64).reshape(-1, 2)
 
 
+@dataclass(frozen=True)
+class Registration:
+    """Chunks ready to insert (``FingerprintIndex.prepare``), one row per distinct content."""
+
+    keys: np.ndarray      # uint64 probe keys (fingerprint ^ namespace id)
+    digests: np.ndarray   # uint64 [n, 2]: blake2b-128 of namespace root + tokens
+    hashes: np.ndarray    # uint64 [n, 2]: the chunk hashes (store keys)
+    old_st: np.ndarray    # int64 positions in the registered sequence
+
+
 class FingerprintIndex:
     """The shared-memory fingerprint index of one store prefix; create with ``open``.
 
@@ -671,13 +681,24 @@ class FingerprintIndex:
             ValueError: ``chunk_hashes`` does not have one key per full chunk.
             CapacityError: the new entries do not fit; nothing is registered then.
         """
+        return self.register_prepared(self.prepare(namespace, token_ids, chunk_hashes))
+
+    def prepare(self, namespace: Namespace, token_ids: Any,
+                chunk_hashes: Sequence[bytes]) -> "Registration":
+        """The lock-free half of ``register``: digests and fingerprints of the chunks, computed
+        while nothing is held (a data plane computes them while its copies run).
+
+        Raises:
+            ValueError: ``chunk_hashes`` does not have one key per full chunk.
+        """
         tokens = as_tokens(token_ids)
         k = self.chunk_size
         n = len(tokens) // k
         if len(chunk_hashes) != n:
             raise ValueError(f"{n} full chunks but {len(chunk_hashes)} chunk hashes")
         if n == 0:
-            return 0
+            empty = np.zeros((0, 2), np.uint64)
+            return Registration(np.zeros(0, np.uint64), empty, empty, np.zeros(0, np.int64))
         hashes = _hash_words(chunk_hashes)
         raw = tokens[: n * k].tobytes()
         step = 4 * k
@@ -690,16 +711,26 @@ class FingerprintIndex:
         if len(keep) < n:
             digs = [digs[i] for i in keep]
         idx = np.asarray(keep, np.int64) if len(keep) < n else slice(None)
-        keys = chunk_fingerprints(tokens, k)[idx] ^ np.uint64(namespace.id)
-        dig = np.frombuffer(b"".join(digs), np.uint64).reshape(-1, 2)
-        olds = (np.arange(n, dtype=np.int64) * k)[idx]
+        return Registration(
+            keys=chunk_fingerprints(tokens, k)[idx] ^ np.uint64(namespace.id),
+            digests=np.frombuffer(b"".join(digs), np.uint64).reshape(-1, 2),
+            hashes=np.ascontiguousarray(hashes[idx]),
+            old_st=(np.arange(n, dtype=np.int64) * k)[idx])
+
+    def register_prepared(self, reg: "Registration") -> int:
+        """The locked half of ``register``: insert what ``prepare`` computed.
+
+        Raises:
+            CapacityError: the new entries do not fit; nothing is registered then.
+        """
+        if len(reg.keys) == 0:
+            return 0
         with self._guard(self._timeout):
-            self._fit_filter(int(self._hdr[H_LIVE]) + len(keys), grow_only=True)
+            self._fit_filter(int(self._hdr[H_LIVE]) + len(reg.keys), grow_only=True)
             seq = int(self._hdr[H_SEQ])
             self._hdr[H_SEQ] = seq + 1
             got = _register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
-                            keys, dig,
-                            np.ascontiguousarray(hashes[idx]), olds, seq)
+                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq)
             if got < 0:
                 raise CapacityError(
                     f"fingerprint index {self.name!r} is full: {-got} new entries, "

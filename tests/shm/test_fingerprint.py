@@ -679,3 +679,14 @@ def test_filter_size_follows_live_entries_after_repair(make: Make) -> None:
     idx._hdr[F.H_DIRTY] = 1
     assert len(idx.match(NS, docs[3])) == 1024           # repair ran first: nothing missed
     assert len(idx._filter()) == 8192
+
+
+def test_prepare_then_register_prepared_is_register(make: Make) -> None:
+    idx = make()
+    doc = toks(C * 6, 77)
+    hashes = chunk_hashes(NS, doc, C)
+    prepared = idx.prepare(NS, doc, hashes)      # no lock held: the index is unchanged
+    assert len(idx) == 0 and len(prepared.keys) == 6
+    assert idx.register_prepared(prepared) == 6
+    assert [m.cur_st for m in idx.match(NS, doc)] == [C * i for i in range(6)]
+    assert idx.register_prepared(idx.prepare(NS, doc, hashes)) == 0   # dedup as register does
