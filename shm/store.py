@@ -57,7 +57,7 @@ from shm import index, slab
 from shm import pins as pintable
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.hashing import as_tokens
-from shm.layout import MODEL_NAME_BYTES, ChunkClass, DType
+from shm.layout import ChunkClass, DType
 from shm.lock import FileLock, Guarded, lock_path, pid_alive
 from shm.segment import Progress, Segment
 from shm.segment import exists as segment_exists
@@ -556,10 +556,6 @@ class Store:
         return (page * self.config.page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]
                 + self._classes[cls, slab.C_HEADER_BYTES])
 
-    def _slot_header(self, slot: int) -> np.ndarray:
-        _, off = self._locate(slot)
-        return self.slab[off:off + SLOT_HDR_WORDS * 8].view(np.int64)
-
     def _locate(self, slot: int) -> tuple["_Geometry", int]:
         c = int(self._obj[slot, index.CLASS])
         g = self._geometry.get(c)
@@ -693,4 +689,4 @@ def destroy(prefix: str) -> None:
 
 
 __all__ = ["Store", "StoreConfig", "StoreStats", "ClassStats", "ChunkKey", "Reservation",
-           "PinnedChunk", "destroy", "MODEL_NAME_BYTES"]
+           "PinnedChunk", "destroy"]

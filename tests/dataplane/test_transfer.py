@@ -14,7 +14,6 @@ import dataplane.transfer as tr
 from dataplane.backend import InstanceBuffer
 from dataplane.messages import MatchSpec, RetrieveChunks, StoreChunks, StoreKind
 from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.store import ChunkKey, Store

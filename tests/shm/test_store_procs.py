@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shm import index, slab
-from shm.store import Store, StoreConfig, destroy
+from shm.store import Store, destroy
 
 from .storeutil import CLASS_A, SMALL, intact, key, put, tokens_for
 
