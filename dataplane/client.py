@@ -273,9 +273,12 @@ class BlendClient:
         """Stored chunks of the namespace found in ``token_ids`` (pins nothing)."""
         tokens = _tokens(token_ids)
         if self._http is not None:
-            body = {"model_name": model_name, "world_size": world_size,
-                    "token_ids": tokens.tolist(), "cache_salt": cache_salt}
-            data = self._request("POST", "/v1/lookup", json=body).json()
+            # the binary body: little-endian uint32 ids, the other fields as query parameters
+            # (no JSON encoding of tens of thousands of ids on either side)
+            params = {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt}
+            data = self._request(
+                "POST", "/v1/lookup", params=params, content=tokens.astype("<u4").tobytes(),
+                headers={"content-type": "application/octet-stream"}).json()
             matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
                              _hash_bytes(m["chunk_hash"])) for m in data["matches"]]
             return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
