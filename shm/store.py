@@ -403,7 +403,16 @@ class Store:
             StoreFull: nothing free and every object is pinned or reserved.
             ValueError: ``token_ids`` is not exactly one chunk.
         """
-        (s,) = self.reserve_slots(class_id, [key], as_tokens(token_ids)[None, :], timeout)
+        cc = self.chunk_class(class_id)
+        tokens = as_tokens(token_ids)
+        if len(tokens) != cc.chunk_size:
+            raise ValueError(f"a chunk holds {cc.chunk_size} tokens, got {len(tokens)}")
+        for attempt in range(2):
+            with self._guard(timeout):
+                s = slab.reserve(self._h, self._classes, self._pages, self._obj, self._table,
+                                 class_id, *key.words(), self._pid, self.slab, tokens)
+            if s != slab.FULL or attempt or self.reclaim() == (0, 0):
+                break
         if s == slab.FULL:
             raise StoreFull(f"no free or evictable slot for layout class {class_id} "
                             f"({self.chunk_class(class_id)})")
@@ -446,7 +455,11 @@ class Store:
         Raises:
             ShmError: the reservation is no longer held by this process.
         """
-        self.commit_slots(np.array([res.slot]), [res.key])
+        with self._guard:
+            ok = slab.commit(self._h, self._classes, self._obj, self.slab, res.slot,
+                             *res.key.words(), self._pid)
+        if not ok:
+            raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
 
     def commit_slots(self, slots: np.ndarray, keys: Sequence[ChunkKey]) -> None:
         """Commit the reserved slots (entries < 0 are skipped) in one critical section.
