@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from shm.fingerprint import FingerprintIndex, Match
 from shm.hashing import Namespace, as_tokens
-from shm.store import ChunkKey, Store
+from shm.store import Store
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,7 @@ def live_checker(store: Store, namespace: Namespace):
     ws, nsid = namespace.world_size, namespace.id
 
     def is_live(hashes: Sequence[bytes]) -> list[bool]:
-        keys = [ChunkKey(nsid, h, r) for h in hashes for r in range(ws)]
-        found = store.contains(keys).reshape(len(hashes), ws)
-        return found.all(axis=1).tolist()
+        return store.contains_shards(nsid, hashes, ws).all(axis=1).tolist()
 
     return is_live
 

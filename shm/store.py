@@ -540,6 +540,20 @@ class Store:
             lambda: index.find_committed(self._table, self._obj, words))
         return found >= 0
 
+    def contains_shards(self, namespace_id: int, chunk_hashes: Sequence[bytes],
+                        world_size: int = 1) -> np.ndarray:
+        """Boolean ``[len(chunk_hashes), world_size]``: rank r's shard of each chunk is committed
+        now (lock-free, like ``contains``; no ``ChunkKey`` objects on this hot path)."""
+        n = len(chunk_hashes)
+        words = np.empty((n * world_size, 4), np.int64)
+        raw = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(n, 2)
+        words[:, :2] = np.repeat(raw, world_size, axis=0)
+        words[:, 2] = _signed(namespace_id)
+        words[:, 3] = np.tile(np.arange(world_size), n)
+        found = self._guard.read_stable(
+            lambda: index.find_committed(self._table, self._obj, words))
+        return (found >= 0).reshape(n, world_size)
+
     def contains_key(self, key: ChunkKey) -> bool:
         """True when ``key`` is committed now (lock-free; the single-key fast path)."""
         table, obj, words = self._table, self._obj, key.words()

@@ -250,3 +250,14 @@ def test_contains_key_sees_only_committed_objects(store: Store) -> None:
     assert store.contains_key(key(1)) and not store.contains_key(key(2))
     store.clear()
     assert not store.contains_key(key(1))
+
+
+def test_contains_shards_checks_every_rank(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for rank in (0, 1):
+        res = store.reserve(c, key(1, rank=rank), tokens_for(1))
+        res.commit()
+    store.reserve(c, key(2, rank=0), tokens_for(2)).commit()
+    found = store.contains_shards(7, [key(1).chunk_hash, key(2).chunk_hash, key(3).chunk_hash], 2)
+    assert found.tolist() == [[True, True], [True, False], [False, False]]
+    assert store.contains_shards(8, [key(1).chunk_hash]).tolist() == [[False]]  # namespace
