@@ -129,7 +129,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     try:
         buf.begin(msg.event)
         for lo, hi in _batches(n, chunk_bytes):
-            hashes = chunk_hashes(ns, tokens[:hi * C], C)  # a prefix's keys are the same keys
+            hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
             for a in range(lo, hi, per):

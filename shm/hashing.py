@@ -73,13 +73,16 @@ def as_tokens(token_ids: object) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
-def chunk_hashes(namespace: Namespace, token_ids: object, chunk_size: int) -> list[bytes]:
+def chunk_hashes(namespace: Namespace, token_ids: object, chunk_size: int,
+                 parent: bytes | None = None) -> list[bytes]:
     """Keys of every full chunk of ``token_ids``, in order.
 
     Args:
         namespace: the chain's root.
         token_ids: 1-D integers in [0, 2^32).
         chunk_size: tokens per chunk (> 0).
+        parent: the key of the chunk just before ``token_ids`` (continues a chain computed in
+            pieces); None starts at the namespace's root.
 
     Returns:
         One 16-byte key per full chunk; the partial tail gets none.
@@ -89,7 +92,7 @@ def chunk_hashes(namespace: Namespace, token_ids: object, chunk_size: int) -> li
     tokens = as_tokens(token_ids)
     raw = tokens.tobytes()
     step = chunk_size * 4
-    prev = namespace.root
+    prev = namespace.root if parent is None else parent
     keys = []
     for i in range(len(tokens) // chunk_size):
         h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)

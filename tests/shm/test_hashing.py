@@ -96,3 +96,11 @@ def test_bad_arguments_are_rejected() -> None:
         Namespace("")
     with pytest.raises(ValueError):
         Namespace("m", world_size=0)
+
+
+def test_a_chain_computed_in_pieces_equals_the_whole() -> None:
+    ns = Namespace("m")
+    tokens = np.arange(10 * 4, dtype=np.uint32)
+    whole = chunk_hashes(ns, tokens, 4)
+    first = chunk_hashes(ns, tokens[:12], 4)
+    assert first + chunk_hashes(ns, tokens[12:], 4, parent=first[-1]) == whole
