@@ -39,6 +39,13 @@ class Settings(BaseSettings):
         shm_prefix: names every shared-memory segment of this service (several may coexist).
         backend: ``auto``, ``cpu`` or ``cuda``.
         api_token: when set, ``/v1`` routes and ``/metrics`` require ``Authorization: Bearer``.
+        admin_token: when set, clearing the cache and seeing other clients' request ids and
+            model names in ``/v1/events`` need this token (docs/security.md).
+        max_request_kb: largest HTTP request body, in KiB (a bigger one is answered 413).
+        instance_lease_s: an instance whose owner renewed nothing for this long is dropped.
+        max_instances: registered instances per service.
+        max_instances_per_client: instances one data-plane connection may hold.
+        max_connections: data-plane connections at once.
         workers: API worker processes.
         fingerprint_capacity: entries of the fingerprint index (94-124 bytes each).
         dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
@@ -57,13 +64,19 @@ class Settings(BaseSettings):
     shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     backend: Backend = Backend.AUTO
     api_token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    max_request_kb: int = Field(8192, ge=64, le=1 << 20)
+    instance_lease_s: float = Field(30.0, ge=1.0, le=86400.0)
+    max_instances: int = Field(256, ge=1, le=4096)
+    max_instances_per_client: int = Field(64, ge=1, le=4096)
+    max_connections: int = Field(256, ge=2, le=4096)
     workers: int = Field(1, ge=1, le=64)
     fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30)
     dataplane_socket: str = ""
     wipe: bool = False
     log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$")
 
-    @field_validator("api_token", mode="before")
+    @field_validator("api_token", "admin_token", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value in ("", b"") else value

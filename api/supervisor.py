@@ -187,7 +187,10 @@ class Supervisor:
         s = self.settings
         argv = [sys.executable, "-m", "dataplane", "--shm-prefix", s.shm_prefix, "--chunk-size",
                 str(s.chunk_size), "--backend", self.backend.value,
-                "--log-level", s.log_level.upper() if s.log_level != "trace" else "DEBUG"]
+                "--log-level", s.log_level.upper() if s.log_level != "trace" else "DEBUG",
+                "--lease", str(s.instance_lease_s), "--max-instances", str(s.max_instances),
+                "--max-instances-per-client", str(s.max_instances_per_client),
+                "--max-connections", str(s.max_connections)]
         if s.dataplane_socket:
             argv += ["--socket", s.dataplane_socket]
         return argv

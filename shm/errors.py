@@ -7,7 +7,8 @@
     ├── ChunkNotFound            no committed object under that key (never stored, or evicted)
     ├── LayoutMismatch           existing segments or a chunk disagree with the requested layout/version
     ├── CapacityError            a fixed-size table (layout classes, pins, index entries) is full
-    └── Busy                     a timed wait for the cross-process lock ran out
+    ├── Busy                     a timed wait for the cross-process lock ran out
+    └── ForeignObject            a name we would use exists but is not ours (owner, mode, kind)
 """
 
 
@@ -33,3 +34,9 @@ class CapacityError(ShmError):
 
 class Busy(ShmError):
     """A timed wait for the cross-process lock ran out."""
+
+
+class ForeignObject(ShmError):
+    """A segment, lock, socket or state file under our names that this service did not create:
+    another owner, group/other permission bits, a symlink or another kind of file. Never adopted,
+    never removed: the operator must look at it."""

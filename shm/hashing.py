@@ -21,6 +21,30 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DIGEST_BYTES = 16
+MODEL_NAME_BYTES = 120   # the store's class-name column holds 128 bytes
+CACHE_SALT_BYTES = 256
+
+
+def check_label(what: str, value: object, max_bytes: int, *, empty_ok: bool = False) -> str:
+    """``value`` if it is printable UTF-8 of at most ``max_bytes`` bytes (no NUL, no control
+    characters); model names and salts end up in shared memory, logs and metrics labels.
+
+    Raises:
+        ValueError: naming the field and the rule it breaks.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string")
+    if not value and not empty_ok:
+        raise ValueError(f"{what} must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise ValueError(f"{what} must be at most {max_bytes} bytes of UTF-8")
+    if not value.isprintable():
+        raise ValueError(f"{what} must be printable text (no NUL or control characters)")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be valid UTF-8 (no lone surrogates)") from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -39,8 +63,8 @@ class Namespace:
     root: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("model_name must be a non-empty string")
+        check_label("model_name", self.model_name, MODEL_NAME_BYTES)
+        check_label("cache_salt", self.cache_salt, CACHE_SALT_BYTES, empty_ok=True)
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         text = f"kvblend-ns\0{self.model_name}\0{self.world_size}\0{self.cache_salt}"

@@ -12,6 +12,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from shm.hashing import MODEL_NAME_BYTES, check_label
+
 ALIGN = 4096
 
 
@@ -97,8 +99,7 @@ class ChunkClass:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
-        if not self.model_name or len(self.model_name.encode()) > MODEL_NAME_BYTES:
-            raise ValueError(f"model_name must be 1..{MODEL_NAME_BYTES} bytes of UTF-8")
+        check_label("model_name", self.model_name, MODEL_NAME_BYTES)
         for name in ("world_size", "num_layers", "hidden_dim", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -134,6 +135,5 @@ class ChunkClass:
         return np.dtype({DType.FLOAT16: "f2", DType.BFLOAT16: "u2", DType.FLOAT32: "f4"}[self.dtype])
 
 
-MODEL_NAME_BYTES = 120
 # slot header: magic, state, key0, key1, namespace, rank, class, pid, num_tokens, reserved[7]
 SLOT_HEADER_FIXED = 16 * 8
