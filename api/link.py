@@ -10,13 +10,14 @@ from __future__ import annotations
 import base64
 
 from api.errors import register_error
-from api.schemas import Instance, KVLayoutOut, RegisterInstance
+from api.schemas import Instance, InstanceCreated, KVLayoutOut, RegisterInstance
 from dataplane import errors as dp_errors
 from dataplane import messages as dp
 from dataplane.channel import Channel
 from shm.layout import KVLayout
 
 for _exc, _status in ((dp_errors.RemoteError, 500), (dp_errors.UnknownInstance, 404),
+                      (dp_errors.Forbidden, 403), (dp_errors.TooMany, 429),
                       (dp_errors.BadRequest, 422), (dp_errors.OutOfRange, 422),
                       (dp_errors.LayoutMismatch, 409), (dp_errors.StoreFull, 507),
                       (dp_errors.BackendError, 500), (dp_errors.DataPlaneUnavailable, 503),
@@ -46,12 +47,14 @@ class DataPlaneLink:
             return None
         return pong
 
-    def register(self, body: RegisterInstance, request_id: str | None = None) -> int:
-        """Register an engine buffer; returns its instance id.
+    def register(self, body: RegisterInstance, request_id: str | None = None) -> InstanceCreated:
+        """Register an engine buffer; returns its id, token and lease.
 
         Raises:
-            BadRequest: the buffer cannot be opened or its description is wrong.
+            BadRequest: the buffer cannot be opened, is not the client's, or its description is
+                wrong.
             LayoutMismatch: the layout disagrees with what the namespace already stores.
+            TooMany: the data plane's instance limits are reached.
         """
         buffer: dp.BufferSpec
         if body.shm_name is not None:
@@ -64,14 +67,15 @@ class DataPlaneLink:
         msg = dp.RegisterInstance(
             model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,
             num_layers=body.num_layers, num_tokens=body.num_tokens, hidden_dim=body.hidden_dim,
-            dtype=body.dtype, buffer=buffer, owner_pid=body.owner_pid, request_id=request_id)
+            dtype=body.dtype, buffer=buffer, request_id=request_id)
         reply: dp.Registered = self._channel.call(msg, self._timeout)
-        return reply.instance_id
+        return InstanceCreated(instance_id=reply.instance_id, instance_token=reply.token,
+                               lease_s=reply.lease_s)
 
-    def unregister(self, instance_id: int, request_id: str | None = None) -> None:
-        """Raises: UnknownInstance."""
-        self._channel.call(dp.UnregisterInstance(instance_id=instance_id, request_id=request_id),
-                           self._timeout)
+    def unregister(self, instance_id: int, token: str, request_id: str | None = None) -> None:
+        """Raises: UnknownInstance, Forbidden (a wrong or missing token)."""
+        self._channel.call(dp.UnregisterInstance(instance_id=instance_id, token=token,
+                                                 request_id=request_id), self._timeout)
 
     def list_instances(self) -> list[Instance]:
         reply: dp.InstanceList = self._channel.call(dp.ListInstances(), self._timeout)

@@ -96,20 +96,22 @@ class RegisterInstance(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
         "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1, "worker_id": 0,
         "num_layers": 32, "num_tokens": 32768, "hidden_dim": 1024, "dtype": "bfloat16",
-        "shm_name": "kvblend_buf_1234"}]})
+        "shm_name": "kvblend_kvbuf_5f3c2d1e8a9b4c7d9e0f1a2b3c4d5e6f"}]})
 
-    model_name: str = Field(min_length=1, max_length=120)
+    model_name: str = Field(min_length=1, max_length=120,
+                            description="Printable UTF-8, at most 120 bytes, no NUL.")
     world_size: int = Field(1, ge=1, le=1024)
-    worker_id: int | None = Field(0, ge=0, description="Tensor-parallel rank; null means 0.")
-    num_layers: int = Field(gt=0)
-    num_tokens: int = Field(gt=0)
-    hidden_dim: int = Field(gt=0)
+    worker_id: int | None = Field(0, ge=0, le=1023,
+                                  description="Tensor-parallel rank; null means 0.")
+    num_layers: int = Field(gt=0, le=1 << 16)
+    num_tokens: int = Field(gt=0, le=1 << 31)
+    hidden_dim: int = Field(gt=0, le=1 << 20)
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    shm_name: str | None = Field(None, min_length=1, max_length=250,
-                                 description="POSIX shared-memory name of a CPU buffer.")
+    shm_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}_kvbuf_[0-9a-f]{32}$",
+        description="POSIX shared-memory name of a CPU buffer the engine created and owns: "
+                    "`<shm_prefix>_kvbuf_<32 lowercase hex>`.")
     cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")
-    owner_pid: int | None = Field(
-        None, ge=1, description="The engine process; the instance is dropped when it exits.")
 
     @model_validator(mode="after")
     def _one_buffer(self) -> "RegisterInstance":
@@ -120,6 +122,13 @@ class RegisterInstance(BaseModel):
 
 class InstanceCreated(BaseModel):
     instance_id: int = Field(examples=[1])
+    instance_token: str = Field(
+        description="The instance's capability: unregistering (header `X-Instance-Token`), "
+                    "store, retrieve and lease renewal on the data-plane channel need it. "
+                    "Keep it secret; it is never shown again.",
+        examples=["9b1c0f4e2d7a48e3b5a6c1d2e3f40516"])
+    lease_s: float = Field(description="The instance is dropped when its owner renews nothing "
+                                       "for this long.", examples=[30.0])
 
 
 class LookupRequest(BaseModel):

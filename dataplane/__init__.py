@@ -9,38 +9,43 @@ Contract (stable; the API process and engines rely on it):
 Process::
 
     python -m dataplane --shm-prefix P --chunk-size C --backend cpu|cuda|auto [--socket PATH]
-                        [--reclaim-interval SECONDS] [--log-level LEVEL]
+                        [--reclaim-interval SECONDS] [--lease SECONDS] [--max-instances N]
+                        [--max-instances-per-client N] [--max-connections N] [--log-level LEVEL]
 
     Attaches the existing store (``Store.open(P)``) and fingerprint index ``P_fp`` (with the
     capacity it was created with), the event log ``EventLog.open(P)``, listens on a Unix stream
-    socket (default ``default_address(P)`` = ``/dev/shm/P_dataplane.sock``, mode 0600), prints
+    socket (default ``default_address(P)`` = ``/dev/shm/P_dataplane.sock``, mode 0600, only peers
+    of its own uid), prints
     ``dataplane ready pid=<pid> backend=<cpu|cuda> address=<path>`` on stdout once it accepts
     calls, reclaims dead pids' reservations and pins every ``--reclaim-interval`` seconds, and on
-    SIGTERM/SIGINT finishes every queued call and exits 0. Registered instances are saved in
-    ``/dev/shm/P_dataplane.json``: a restarted data plane re-opens those whose owner is alive,
-    under the same ids. Counter ``dataplane_starts`` in the event log counts its starts.
+    SIGTERM/SIGINT finishes every queued call and exits 0 (2 when a name it would use is not
+    the service's own: docs/security.md). Registered instances are saved in
+    ``/dev/shm/P_dataplane.json``: a restarted data plane re-opens them under the same ids and
+    tokens, each with a fresh lease. Counter ``dataplane_starts`` in the event log counts its
+    starts.
 
 Messages (``dataplane.messages``, msgspec tagged union, tag field ``type``)::
 
     request                                   reply
     Ping(request_id)                          Pong(pid, backend, version, chunk_size, shm_prefix)
-    RegisterInstance(model_name, world_size,  Registered(instance_id)
+    RegisterInstance(model_name, world_size,  Registered(instance_id, token, lease_s)
       worker_id, num_layers, num_tokens,
       hidden_dim, dtype, buffer=ShmBuffer(name)
-      | CudaIpcBuffer(handle, offset, device_uuid), owner_pid, request_id)
-    UnregisterInstance(instance_id, request_id)   Unregistered(instance_id)
+      | CudaIpcBuffer(handle, offset, device_uuid), request_id)
+    RenewLease(instance_id, token, request_id)    LeaseRenewed(instance_id, lease_s)
+    UnregisterInstance(instance_id, token, request_id)   Unregistered(instance_id)
     ListInstances(request_id)                 InstanceList(instances=[InstanceInfo(instance_id,
                                                 model_name, world_size, worker_id, num_layers,
-                                                num_tokens, hidden_dim, dtype, buffer_kind,
-                                                owner_pid)])
+                                                num_tokens, hidden_dim, dtype, buffer_kind)])
     StoreChunks(instance_id, token_ids, offset, kind=StoreKind.PRE_COMPUTED|FINAL, cache_salt,
-                event, done_event, request_id)        TransferDone(instance_id, num_chunks,
+                event, done_event, token, request_id)  TransferDone(instance_id, num_chunks,
     RetrieveChunks(instance_id, token_ids, matches,      copied, failed, nbytes, duration_s)
-                   offset, cache_salt, event, done_event, request_id)
+                   offset, cache_salt, event, done_event, token, request_id)
     any request may be answered               ErrorReply(kind: ErrorKind, message)
 
     ErrorKind -> exception (``dataplane.errors``) -> suggested HTTP status:
-    unknown_instance UnknownInstance 404, bad_request BadRequest 422, out_of_range OutOfRange 422,
+    unknown_instance UnknownInstance 404, forbidden Forbidden 403, too_many TooMany 429,
+    bad_request BadRequest 422, out_of_range OutOfRange 422,
     layout_mismatch LayoutMismatch 409, store_full StoreFull 507, backend BackendError 500,
     internal RemoteError 500; DataPlaneUnavailable 503 and Timeout 504 are raised locally.
 

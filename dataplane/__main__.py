@@ -17,8 +17,10 @@ import threading
 
 from dataplane import default_address
 from dataplane.backend import make_engine
+from dataplane.instances import Limits
 from dataplane.server import DataPlane
 from dataplane.transfer import Shared, open_fingerprints
+from shm.errors import ForeignObject
 from shm.events import EventLog
 from shm.store import Store
 
@@ -33,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", default=None, help="Unix socket path (default: under /dev/shm)")
     p.add_argument("--reclaim-interval", type=float, default=1.0,
                    help="seconds between reclaim passes over dead pids' reservations and pins")
+    p.add_argument("--lease", type=float, default=Limits.lease_s,
+                   help="seconds an instance lives without a renewal by its owner")
+    p.add_argument("--max-instances", type=int, default=Limits.max_instances)
+    p.add_argument("--max-instances-per-client", type=int, default=Limits.max_per_client)
+    p.add_argument("--max-connections", type=int, default=256)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -46,12 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     events = EventLog.open(args.shm_prefix)
     engine = make_engine(args.backend, store)
     shared = Shared(store, fingerprints, events, args.chunk_size)
-    plane = DataPlane(args.shm_prefix, shared, engine, args.reclaim_interval)
+    limits = Limits(args.lease, args.max_instances, args.max_instances_per_client)
+    plane = DataPlane(args.shm_prefix, shared, engine, args.reclaim_interval, limits,
+                      args.max_connections)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     address = args.socket or default_address(args.shm_prefix)
-    plane.start(address)
+    try:
+        plane.start(address)
+    except ForeignObject as exc:
+        log.error("%s", exc)
+        return 2
     events.add("dataplane_starts")
     print(f"dataplane ready pid={os.getpid()} backend={engine.backend.value} "
           f"address={address}", flush=True)

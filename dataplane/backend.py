@@ -83,11 +83,12 @@ class CopyEngine(abc.ABC):
     backend: Backend
 
     @abc.abstractmethod
-    def open(self, spec: BufferSpec, layout: KVLayout) -> InstanceBuffer:
-        """Open a registered buffer.
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+        """Open a registered buffer that ``owner_uid`` (the registering peer) must own.
 
         Raises:
-            BadRequest: the spec is of another backend or does not fit the layout.
+            BadRequest: the spec is of another backend, names memory that is not the client's
+                (docs/security.md), or does not fit the layout.
             BackendError: the buffer cannot be mapped.
         """
 

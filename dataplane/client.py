@@ -22,6 +22,11 @@ before its first copy. When ``event`` is None for a CUDA buffer, the client reco
 instance's own interprocess events on the current stream (a small pool per instance: an event is
 reused only once the call that carried it completed, so the data plane keeps it opened).
 
+Instances are capabilities (docs/security.md): registration answers a token that every later
+call on the instance carries, and a lease that the client renews from a background thread every
+third of the lease while the instance is registered. An engine that dies stops renewing, and the
+data plane drops its instances once the lease ran out.
+
 ``Transfer.cuda_event`` (CUDA buffers; None otherwise) is an interprocess event of this call
 alone, which the data plane records on the instance's stream right after the call's last copy
 and before it replies. So once ``wait()`` returned (or ``done()`` is True) it marks exactly the
@@ -34,10 +39,9 @@ the ``Transfer`` is referenced; afterwards a later call of the same instance may
 from __future__ import annotations
 
 import base64
-import itertools
-import os
+import logging
+import secrets
 import threading
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +51,12 @@ import numpy as np
 import torch
 
 from dataplane.channel import Channel, Pending
-from dataplane.errors import (BadRequest, DataPlaneError, DataPlaneUnavailable, LayoutMismatch,
-                              RemoteError, UnknownInstance)
+from dataplane.errors import (BadRequest, DataPlaneError, DataPlaneUnavailable, Forbidden,
+                              LayoutMismatch, RemoteError, TooMany, UnknownInstance)
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
-                                MatchSpec, Ping, Pong, RegisterInstance, RetrieveChunks, ShmBuffer,
-                                StoreChunks, StoreKind, TransferDone, UnregisterInstance)
+                                MatchSpec, Ping, Pong, Registered, RegisterInstance, RenewLease,
+                                RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
+                                UnregisterInstance)
 from shm.fingerprint import Match
 from shm.hashing import Namespace, as_tokens
 from shm.layout import DType
@@ -61,7 +66,9 @@ from shm.segment import Segment
 _TORCH_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
                  torch.float32: DType.FLOAT32}
 _HTTP_ERRORS: dict[int, type[DataPlaneError]] = {
-    404: UnknownInstance, 409: LayoutMismatch, 422: BadRequest, 503: DataPlaneUnavailable}
+    403: Forbidden, 404: UnknownInstance, 409: LayoutMismatch, 422: BadRequest, 429: TooMany,
+    503: DataPlaneUnavailable}
+log = logging.getLogger("kvblend.client")
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ class _IpcEvent:
 @dataclass
 class _Registered:
     kv: torch.Tensor
+    token: str
     events: list[_IpcEvent] = field(default_factory=list)  # free interprocess events
 
     def take(self) -> _IpcEvent:
@@ -173,7 +181,8 @@ class BlendClient:
         self._lock = threading.Lock()
         self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
         self._instances: dict[int, _Registered] = {}
-        self._names = itertools.count()
+        self._renewer: threading.Thread | None = None
+        self._stop = threading.Event()
         self._store: Any = None
         self._fingerprints: Any = None
 
@@ -186,7 +195,7 @@ class BlendClient:
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
         nbytes = 2 * num_layers * num_tokens * hidden_dim * dtype.itemsize
-        name = f"{self.prefix}_kvbuf_{os.getpid()}_{next(self._names)}_{uuid.uuid4().hex[:6]}"
+        name = f"{self.prefix}_kvbuf_{secrets.token_hex(16)}"  # the form the data plane admits
         seg = Segment(name, nbytes, create=True)
         kv = torch.frombuffer(seg.buf, dtype=torch.uint8).view(dtype).view(
             2, num_layers, num_tokens, hidden_dim)
@@ -231,33 +240,56 @@ class BlendClient:
         if self._http is not None:
             body: dict[str, Any] = dict(model_name=model_name, world_size=world_size,
                                         worker_id=worker_id, num_layers=L, num_tokens=T,
-                                        hidden_dim=D, dtype=dtype, owner_pid=os.getpid())
+                                        hidden_dim=D, dtype=dtype)
             if isinstance(spec, ShmBuffer):
                 body["shm_name"] = spec.name
             else:
                 body["cuda_ipc"] = {"handle": base64.b64encode(spec.handle).decode(),
                                     "offset": spec.offset, "device_uuid": spec.device_uuid}
             headers = {"X-Request-ID": request_id} if request_id else None
-            iid = int(self._request("POST", "/v1/instances", json=body,
-                                    headers=headers).json()["instance_id"])
+            got = self._request("POST", "/v1/instances", json=body, headers=headers).json()
+            iid, token, lease = (int(got["instance_id"]), str(got["instance_token"]),
+                                 float(got["lease_s"]))
         else:
-            reply = self._channel.call(RegisterInstance(
+            reply: Registered = self._channel.call(RegisterInstance(
                 model_name=model_name, world_size=world_size, worker_id=worker_id,
                 num_layers=L, num_tokens=T, hidden_dim=D, dtype=dtype, buffer=spec,
-                owner_pid=os.getpid(), request_id=request_id), self._timeout)
-            iid = reply.instance_id
-        reg = _Registered(kv)
+                request_id=request_id), self._timeout)
+            iid, token, lease = reply.instance_id, reply.token, reply.lease_s
         with self._lock:
-            self._instances[iid] = reg
+            self._instances[iid] = _Registered(kv, token)
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew, args=(lease / 3,),
+                                                 name="kvblend-lease", daemon=True)
+                self._renewer.start()
         return iid
+
+    def _token(self, instance_id: int) -> str:
+        with self._lock:
+            reg = self._instances.get(instance_id)
+        return reg.token if reg is not None else ""
+
+    def _renew(self, interval: float) -> None:
+        """Renew the lease of every registered instance every ``interval`` seconds."""
+        while not self._stop.wait(interval):
+            with self._lock:
+                held = [(iid, reg.token) for iid, reg in self._instances.items()]
+            for iid, token in held:
+                try:
+                    self._channel.call(RenewLease(instance_id=iid, token=token), self._timeout)
+                except DataPlaneError as exc:  # retried next round; a restart re-opens it
+                    log.warning("could not renew the lease of instance %d: %s", iid, exc)
 
     def unregister(self, instance_id: int) -> None:
         """Unregister after every call sent for the instance completed; unlinks the CPU buffer
         segment if this client created it."""
+        token = self._token(instance_id)
         if self._http is not None:
-            self._request("DELETE", f"/v1/instances/{instance_id}")
+            self._request("DELETE", f"/v1/instances/{instance_id}",
+                          headers={"X-Instance-Token": token})
         else:
-            self._channel.call(UnregisterInstance(instance_id=instance_id), self._timeout)
+            self._channel.call(UnregisterInstance(instance_id=instance_id, token=token),
+                               self._timeout)
         with self._lock:
             reg = self._instances.pop(instance_id, None)
             seg = self._buffers.pop(reg.kv.data_ptr(), None) if reg is not None else None
@@ -314,7 +346,8 @@ class BlendClient:
         ev, done, used, pool = self._events(instance_id, event)
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                           offset=offset, kind=kind, cache_salt=cache_salt, event=ev,
-                          done_event=done, request_id=request_id)
+                          done_event=done, token=self._token(instance_id),
+                          request_id=request_id)
         return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
@@ -326,7 +359,8 @@ class BlendClient:
                            bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                              matches=specs, offset=offset, cache_salt=cache_salt, event=ev,
-                             done_event=done, request_id=request_id)
+                             done_event=done, token=self._token(instance_id),
+                             request_id=request_id)
         return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
 
     def _events(self, instance_id: int, event: Any
@@ -364,6 +398,7 @@ class BlendClient:
 
     def close(self) -> None:
         """Close the channel and HTTP client; unlink every CPU buffer this client created."""
+        self._stop.set()
         with self._lock:
             segs, self._buffers = list(self._buffers.values()), {}
             self._instances.clear()

@@ -3,26 +3,42 @@
 This module owns opening a ``ShmBuffer`` and the copies; it serves CPU-only engines, tests and CI
 with the same semantics as the CUDA engine. numpy releases the GIL inside large copies, so the
 worker threads of different instances copy in parallel.
+
+A buffer is opened only when the client proves it is its own (docs/security.md): its name is
+``<prefix>_kvbuf_<32 lowercase hex>`` (a form no segment of kvblend's has), it is opened with
+``O_NOFOLLOW``, and ``fstat`` on that descriptor shows a regular file owned by the registering
+peer's uid, large enough for the layout. The data plane never unlinks it: the engine does.
 """
 
 from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
 
 import numpy as np
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import Backend, BufferSpec, ShmBuffer
+from dataplane.messages import TOKEN_HEX, Backend, BufferSpec, ShmBuffer
 from shm.layout import KVLayout
-from shm.segment import Segment
 from shm.store import Store
+
+SHM_DIR = "/dev/shm"
+
+
+def buffer_name_pattern(prefix: str) -> re.Pattern[str]:
+    """The names engine buffers of the service under ``prefix`` must have."""
+    return re.compile(re.escape(prefix) + "_kvbuf_[0-9a-f]{%d}" % TOKEN_HEX)
 
 
 class CpuBuffer(InstanceBuffer):
-    def __init__(self, seg: Segment, layout: KVLayout, slab: np.ndarray) -> None:
+    def __init__(self, mapping: mmap.mmap, layout: KVLayout, slab: np.ndarray) -> None:
         self.layout = layout
-        self._seg = seg
+        self._mmap = mapping
         row = layout.hidden_dim * layout.dtype.itemsize
-        self._buf = np.ndarray((2, layout.num_layers, layout.num_tokens, row), np.uint8, seg.buf)
+        self._buf = np.ndarray((2, layout.num_layers, layout.num_tokens, row), np.uint8, mapping)
         self._slab = slab
         self._row = row
 
@@ -49,7 +65,10 @@ class CpuBuffer(InstanceBuffer):
 
     def close(self) -> None:
         self.__dict__.pop("_buf", None)
-        self._seg.close()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a copy's view is still alive; the mapping goes with it
 
 
 class CpuEngine(CopyEngine):
@@ -57,19 +76,44 @@ class CpuEngine(CopyEngine):
 
     def __init__(self, store: Store) -> None:
         self._slab = store.slab
+        self._names = buffer_name_pattern(store.name)
 
-    def open(self, spec: BufferSpec, layout: KVLayout) -> InstanceBuffer:
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
         if not isinstance(spec, ShmBuffer):
             raise BadRequest("the CPU data plane takes shm buffers only (got a CUDA buffer)")
+        if self._names.fullmatch(spec.name) is None:
+            raise BadRequest(f"shm buffer {spec.name!r} is not an engine buffer of this service: "
+                             f"name it {self._names.pattern!r} (BlendClient.cpu_kv_buffer does)")
+        fd = _open_owned(spec.name, owner_uid, layout.nbytes)
         try:
-            seg = Segment(spec.name)
-        except (FileNotFoundError, OSError, ValueError) as exc:
+            mapping = mmap.mmap(fd, layout.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except OSError as exc:
             raise BackendError(f"cannot map shm buffer {spec.name!r}: {exc}") from exc
-        if seg.size < layout.nbytes:
-            seg.close()
-            raise BadRequest(f"shm buffer {spec.name!r} holds {seg.size} bytes, the layout "
-                             f"{layout.shape} needs {layout.nbytes}")
-        return CpuBuffer(seg, layout, self._slab)
+        finally:
+            os.close(fd)
+        return CpuBuffer(mapping, layout, self._slab)
 
 
-__all__ = ["CpuEngine", "CpuBuffer"]
+def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
+    """A descriptor of ``/dev/shm/<name>``: a regular file of ``owner_uid`` of >= ``nbytes``."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BadRequest(f"cannot open shm buffer {name!r}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest(f"shm buffer {name!r} is not a regular shared-memory object")
+        if st.st_uid != owner_uid:
+            raise BadRequest(f"shm buffer {name!r} belongs to uid {st.st_uid}, not to the "
+                             f"registering client's uid {owner_uid}")
+        if st.st_size < nbytes:
+            raise BadRequest(f"shm buffer {name!r} holds {st.st_size} bytes, the layout needs "
+                             f"{nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+__all__ = ["CpuEngine", "CpuBuffer", "buffer_name_pattern"]

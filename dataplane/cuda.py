@@ -140,7 +140,7 @@ class CudaEngine(CopyEngine):
                                            HOST_REGISTER_PORTABLE)
             self._pieces.append(ptr)
 
-    def open(self, spec: BufferSpec, layout: KVLayout) -> InstanceBuffer:
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
         if not isinstance(spec, CudaIpcBuffer):
             raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
         device = self._devices.get(normalize_uuid(spec.device_uuid))

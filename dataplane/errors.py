@@ -4,7 +4,9 @@
 
     DataPlaneError               anything the data plane or its channel raises on purpose
     ├── RemoteError              the data plane answered with a typed error (``kind``)
-    │   ├── UnknownInstance      no instance with that id (never registered, or unregistered)
+    │   ├── UnknownInstance      no instance with that id (never registered, unregistered, expired)
+    │   ├── Forbidden            the call's instance token is missing or wrong; nothing was done
+    │   ├── TooMany              a limit on instances, connections or queued calls is reached
     │   ├── BadRequest           a malformed call: bad tokens, matches, dtype, buffer spec
     │   │   ├── OutOfRange       offset + tokens (or a match) beyond the buffer
     │   │   └── LayoutMismatch   the buffer's layout disagrees with the namespace's
@@ -13,7 +15,8 @@
     ├── DataPlaneUnavailable     no data plane at the address, or the connection was lost
     └── Timeout                  a call's timeout ran out before its reply came
 
-The API maps them to HTTP once, at its edge (suggested: UnknownInstance 404, OutOfRange and
+The API maps them to HTTP once, at its edge (suggested: UnknownInstance 404, Forbidden 403,
+TooMany 429, OutOfRange and
 BadRequest 422, LayoutMismatch 409, StoreFull 507, BackendError 500, DataPlaneUnavailable 503,
 Timeout 504). ``error_for(ErrorReply)`` rebuilds the exception a reply stands for.
 """
@@ -38,6 +41,14 @@ class UnknownInstance(RemoteError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class Forbidden(RemoteError):
+    kind = ErrorKind.FORBIDDEN
+
+
+class TooMany(RemoteError):
+    kind = ErrorKind.TOO_MANY
 
 
 class BadRequest(RemoteError, ValueError):
@@ -69,7 +80,8 @@ class Timeout(DataPlaneError, TimeoutError):
 
 
 _BY_KIND: dict[ErrorKind, type[RemoteError]] = {
-    cls.kind: cls for cls in (RemoteError, UnknownInstance, BadRequest, OutOfRange,
+    cls.kind: cls for cls in (RemoteError, UnknownInstance, Forbidden, TooMany, BadRequest,
+                              OutOfRange,
                               LayoutMismatch, StoreFull, BackendError)}
 
 
@@ -82,6 +94,7 @@ def reply_for(exc: RemoteError) -> ErrorReply:
     return ErrorReply(kind=exc.kind, message=str(exc))
 
 
-__all__ = ["DataPlaneError", "RemoteError", "UnknownInstance", "BadRequest", "OutOfRange",
+__all__ = ["DataPlaneError", "RemoteError", "UnknownInstance", "Forbidden", "TooMany",
+           "BadRequest", "OutOfRange",
            "LayoutMismatch", "StoreFull", "BackendError", "DataPlaneUnavailable", "Timeout",
            "error_for", "reply_for"]

@@ -1,21 +1,40 @@
-"""Registered engine buffers: the table of instances, their worker threads, and its persistence.
+"""Registered engine buffers: the table of instances, their capabilities, leases and persistence.
 
 This module owns the instance table of one data-plane process. Each instance has its own FIFO
 queue and worker thread: calls for one instance run in the order they arrived (and its GPU work
 on its own stream), calls for different instances run concurrently.
 
-The table is also saved (atomically, on every change) to ``/dev/shm/{prefix}_dataplane.json``:
-a restarted data plane re-opens every instance whose owner process is still alive, under the same
-id, so engines keep working across a data-plane restart. An instance whose owner process died is
-dropped (and its shm buffer unlinked: its creator is gone).
+An instance is a capability (docs/security.md): registration draws a token of 128 random bits,
+and every call on the instance must present it (``Registry.authorize``). Its life is a lease, not
+a pid (pids do not cross containers): every authorized call renews it, and ``expired()`` names the
+instances whose owner renewed nothing for ``lease_s`` seconds.
+
+State of one instance::
+
+    registered --authorize (any call with its token)--> registered, lease renewed
+    registered --UnregisterInstance / lease ran out--> dropping (its queued calls still run)
+    dropping --its worker reaches the drop job--> gone: buffer closed, layout class released
+                                                  when no instance uses it and it holds no page
+
+Registration checks everything (limits, names, geometry, the namespace's layout, the buffer
+opened and measured) before it creates anything: a refused registration leaves no instance, no
+layout class and no saved state.
+
+The table is saved (atomically, with ``shm.private.write_private``, on every change) to
+``/dev/shm/{prefix}_dataplane.json``, tokens included (mode 0600, owned by the service): a restarted
+data plane re-opens every instance under the same id and token with a fresh lease, so engines keep
+working across a data-plane restart. The data plane never unlinks an engine's buffer.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,33 +42,57 @@ from typing import Any
 import msgspec
 
 from dataplane.backend import CopyEngine, InstanceBuffer
-from dataplane.errors import BadRequest, LayoutMismatch, UnknownInstance
-from dataplane.messages import InstanceInfo, RegisterInstance, ShmBuffer
+from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
+from dataplane.messages import TOKEN_HEX, InstanceInfo, RegisterInstance, ShmBuffer
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
-from shm.lock import SHM_DIR, pid_alive
-from shm.segment import unlink as unlink_segment
+from shm.private import read_private, write_private
 from shm.store import Store
 
 log = logging.getLogger("kvblend.dataplane")
 
 Job = Callable[["Instance"], bool]  # returns False to stop the worker
+MAX_QUEUED = 64  # calls waiting on one instance; more are refused with TooMany
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds of one data plane (docs/security.md has the defaults and why).
+
+    Attributes:
+        lease_s: seconds an instance lives without a renewal.
+        max_instances: instances of the whole data plane.
+        max_per_client: instances one connection may register.
+    """
+
+    lease_s: float = 30.0
+    max_instances: int = 256
+    max_per_client: int = 64
 
 
 class Saved(msgspec.Struct):
     instance_id: int
+    token: str
+    owner_uid: int
     request: RegisterInstance
 
 
-@dataclass
+@dataclass(eq=False)
 class Instance:
     id: int
+    token: str
     request: RegisterInstance
     layout: KVLayout
     class_id: int
     buffer: InstanceBuffer
+    owner_uid: int
+    client: int | None          # the connection that registered it; None once restored
+    expires: float              # time.monotonic() deadline of the lease
     jobs: "queue.SimpleQueue[Job]" = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
+    dropping: bool = False
+    _queued: int = 0
+    _qlock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def rank(self) -> int:
@@ -61,8 +104,19 @@ class Instance:
                             worker_id=r.worker_id, num_layers=r.num_layers,
                             num_tokens=r.num_tokens, hidden_dim=r.hidden_dim,
                             dtype=str(self.layout.dtype),
-                            buffer_kind="shm" if isinstance(r.buffer, ShmBuffer) else "cuda_ipc",
-                            owner_pid=r.owner_pid)
+                            buffer_kind="shm" if isinstance(r.buffer, ShmBuffer) else "cuda_ipc")
+
+    def submit(self, job: Job, *, bounded: bool = True) -> None:
+        """Queue ``job`` on the worker.
+
+        Raises:
+            TooMany: ``MAX_QUEUED`` calls already wait (only when ``bounded``).
+        """
+        with self._qlock:
+            if bounded and self._queued >= MAX_QUEUED:
+                raise TooMany(f"instance {self.id} has {MAX_QUEUED} calls queued: wait for some")
+            self._queued += 1
+        self.jobs.put(job)
 
     def _work(self) -> None:
         while True:
@@ -72,10 +126,13 @@ class Instance:
                     return
             except BaseException:  # a job reports its own errors; never lose the worker
                 log.exception("instance %d: job failed", self.id)
+            finally:
+                with self._qlock:
+                    self._queued -= 1
 
 
 def state_path(prefix: str) -> str:
-    return os.path.join(SHM_DIR, f"{prefix}_dataplane.json")
+    return os.path.join("/dev/shm", f"{prefix}_dataplane.json")
 
 
 class Registry:
@@ -86,47 +143,84 @@ class Registry:
         store: the attached store (layout classes).
         engine: opens buffers.
         chunk_size: tokens per chunk of this service.
+        limits: lease and instance bounds.
     """
 
-    def __init__(self, prefix: str, store: Store, engine: CopyEngine, chunk_size: int) -> None:
+    def __init__(self, prefix: str, store: Store, engine: CopyEngine, chunk_size: int,
+                 limits: Limits | None = None) -> None:
         self._path = state_path(prefix)
         self._store, self._engine, self._chunk = store, engine, chunk_size
-        self._lock = threading.Lock()
+        self.limits = limits or Limits()
+        self._lock = threading.Lock()       # the table
+        self._reg_lock = threading.Lock()   # one registration at a time: check, open, create
         self._by_id: dict[int, Instance] = {}
         self._next_id = 1
 
     # -- registration -----------------------------------------------------------------------
 
-    def register(self, req: RegisterInstance, instance_id: int | None = None) -> Instance:
-        """Open the buffer and start the instance's worker.
+    def register(self, req: RegisterInstance, owner_uid: int, client: int | None,
+                 saved: tuple[int, str] | None = None) -> Instance:
+        """Check everything, then open the buffer and start the instance's worker.
+
+        Args:
+            req: the registration.
+            owner_uid: the registering peer's uid; an shm buffer must belong to it.
+            client: the registering connection (per-client limit); None for a restored one.
+            saved: (id, token) of an instance a previous data plane saved.
 
         Raises:
-            BadRequest: bad layout fields or dtype, world_size/worker_id out of range.
+            BadRequest: bad names, layout fields or dtype, or a buffer that is not the client's.
             LayoutMismatch: the namespace's chunks were stored with another layout.
-            BackendError: the buffer cannot be opened.
+            TooMany: the instance limits are reached.
+            BackendError: the buffer cannot be mapped.
         """
-        layout = _layout_of(req)
-        try:
-            cc = ChunkClass.of(req.model_name, req.world_size, layout, self._chunk)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        self._check_namespace_layout(cc)
-        try:
-            class_id = self._store.register_class(cc)
-        except (shm_errors.LayoutMismatch, shm_errors.CapacityError) as exc:
-            raise LayoutMismatch(str(exc)) from exc
-        buffer = self._engine.open(req.buffer, layout)
+        layout, cc = _layout_of(req, self._chunk)
+        with self._reg_lock:
+            self._check_limits(client)
+            self._check_namespace_layout(cc)
+            buffer = self._engine.open(req.buffer, layout, owner_uid)
+            try:
+                class_id = self._store.register_class(cc)
+            except (shm_errors.LayoutMismatch, shm_errors.CapacityError) as exc:
+                buffer.close()
+                raise LayoutMismatch(str(exc)) from exc
+            inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
+        assert inst.thread is not None
+        inst.thread.start()
+        log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
+                 inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
+                 req.request_id)
+        return inst
+
+    def _insert(self, req: RegisterInstance, layout: KVLayout, class_id: int,
+                buffer: InstanceBuffer, owner_uid: int, client: int | None,
+                saved: tuple[int, str] | None) -> Instance:
         with self._lock:
-            iid = instance_id if instance_id is not None else self._next_id
+            iid, token = saved if saved is not None else (self._next_id, secrets.token_hex(16))
+            assert len(token) == TOKEN_HEX, "tokens are 128 bits in hex"
             self._next_id = max(self._next_id, iid + 1)
-            inst = Instance(iid, req, layout, class_id, buffer)
+            inst = Instance(iid, token, req, layout, class_id, buffer, owner_uid, client,
+                            time.monotonic() + self.limits.lease_s)
             inst.thread = threading.Thread(target=inst._work, name=f"instance-{iid}", daemon=True)
             self._by_id[iid] = inst
-            self._save()
-        inst.thread.start()
-        log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s) request_id=%s", iid,
-                 req.model_name, req.world_size, req.worker_id, layout.shape, req.request_id)
+            try:
+                self._save()
+            except BaseException:
+                del self._by_id[iid]
+                buffer.close()
+                raise
         return inst
+
+    def _check_limits(self, client: int | None) -> None:
+        with self._lock:
+            live = list(self._by_id.values())
+        if len(live) >= self.limits.max_instances:
+            raise TooMany(f"this data plane holds {len(live)} instances, its limit "
+                          "(--max-instances): unregister some first")
+        mine = sum(1 for i in live if client is not None and i.client == client)
+        if mine >= self.limits.max_per_client:
+            raise TooMany(f"this connection holds {mine} instances, the per-client limit "
+                          "(--max-instances-per-client)")
 
     def _check_namespace_layout(self, cc: ChunkClass) -> None:
         for c in range(self._store.config.max_classes):
@@ -141,18 +235,52 @@ class Registry:
                     f"L={other.num_layers}, D={other.hidden_dim}, {other.dtype}; this buffer has "
                     f"L={cc.num_layers}, D={cc.hidden_dim}, {cc.dtype}")
 
+    # -- capabilities and leases ------------------------------------------------------------
+
+    def authorize(self, instance_id: int, token: str) -> Instance:
+        """The instance, its lease renewed, when ``token`` is its token.
+
+        Raises:
+            UnknownInstance: no such instance (or it is being dropped).
+            Forbidden: the token is missing or wrong.
+        """
+        inst = self.get(instance_id)
+        if not hmac.compare_digest(token.encode(), inst.token.encode()):
+            raise Forbidden(f"wrong or missing token for instance {instance_id}")
+        inst.expires = time.monotonic() + self.limits.lease_s
+        return inst
+
+    def claim_drop(self, inst: Instance) -> bool:
+        """Mark ``inst`` as dropping; False when someone already did (drop it once)."""
+        with self._lock:
+            if inst.dropping:
+                return False
+            inst.dropping = True
+            return True
+
+    def expired(self) -> list[Instance]:
+        """Instances whose lease ran out and that nobody is dropping yet."""
+        now = time.monotonic()
+        return [i for i in self.all() if i.expires < now and not i.dropping]
+
+    # -- the table --------------------------------------------------------------------------
+
     def remove(self, inst: Instance) -> None:
-        """Drop ``inst`` from the table and close its buffer (on its own worker thread)."""
+        """Drop ``inst`` from the table, close its buffer, release its layout class when no
+        instance uses it and it holds no chunk (on the instance's own worker thread)."""
         with self._lock:
             self._by_id.pop(inst.id, None)
+            in_use = any(i.class_id == inst.class_id for i in self._by_id.values())
             self._save()
         inst.buffer.close()
+        if not in_use and self._store.release_class(inst.class_id):
+            log.info("released layout class %d (no chunks, no instances)", inst.class_id)
         log.info("unregistered instance %d", inst.id)
 
     def get(self, instance_id: int) -> Instance:
         with self._lock:
             inst = self._by_id.get(instance_id)
-        if inst is None:
+        if inst is None or inst.dropping:
             raise UnknownInstance(f"no instance {instance_id}")
         return inst
 
@@ -163,28 +291,27 @@ class Registry:
     # -- persistence ------------------------------------------------------------------------
 
     def _save(self) -> None:
-        saved = [Saved(i.id, i.request) for i in self._by_id.values()]
-        tmp = f"{self._path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode({"next_id": self._next_id, "instances": saved}))
-        os.replace(tmp, self._path)
+        saved = [Saved(i.id, i.token, i.owner_uid, i.request) for i in self._by_id.values()]
+        write_private(self._path, msgspec.json.encode({"next_id": self._next_id,
+                                                       "instances": saved}))
 
     def restore(self) -> list[int]:
-        """Re-open the instances a previous data plane saved; returns their ids."""
+        """Re-open the instances a previous data plane saved; returns their ids.
+
+        Raises:
+            ForeignObject: the saved table exists but is not the service's own file.
+        """
+        raw = read_private(self._path)
         try:
-            with open(self._path, "rb") as f:
-                raw: dict[str, Any] = msgspec.json.decode(f.read())
-        except (FileNotFoundError, msgspec.DecodeError):
-            return []
-        self._next_id = max(self._next_id, int(raw.get("next_id", 1)))
+            table = msgspec.json.decode(raw or b"{}", type=_SavedTable)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring an unreadable saved instance table: %s", exc)
+            table = _SavedTable()
+        self._next_id = max(self._next_id, table.next_id)
         back = []
-        for item in msgspec.convert(raw.get("instances", []), list[Saved]):
-            if item.request.owner_pid is not None and not pid_alive(item.request.owner_pid):
-                release_buffer(item.request)
-                continue
+        for item in table.instances:
             try:
-                self.register(item.request, item.instance_id)
+                self.register(item.request, item.owner_uid, None, (item.instance_id, item.token))
                 back.append(item.instance_id)
             except Exception as exc:
                 log.warning("could not re-open instance %d: %s", item.instance_id, exc)
@@ -192,29 +319,22 @@ class Registry:
             self._save()
         return back
 
-    def orphans(self) -> list[Instance]:
-        """Instances whose owner process has died."""
-        return [i for i in self.all()
-                if i.request.owner_pid is not None and not pid_alive(i.request.owner_pid)]
+
+class _SavedTable(msgspec.Struct):
+    next_id: int = 1
+    instances: list[Saved] = []
 
 
-def release_buffer(req: RegisterInstance) -> None:
-    """Unlink a dead owner's shm buffer (nobody else will)."""
-    if isinstance(req.buffer, ShmBuffer):
-        unlink_segment(req.buffer.name)
-
-
-def _layout_of(req: RegisterInstance) -> KVLayout:
+def _layout_of(req: RegisterInstance, chunk_size: int) -> tuple[KVLayout, ChunkClass]:
     try:
         if req.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {req.world_size}")
         if req.worker_id is not None and not 0 <= req.worker_id < req.world_size:
             raise ValueError(f"worker_id {req.worker_id} outside [0, {req.world_size})")
-        if not req.model_name:
-            raise ValueError("model_name must not be empty")
-        return KVLayout(req.num_layers, req.num_tokens, req.hidden_dim, DType.parse(req.dtype))
+        layout = KVLayout(req.num_layers, req.num_tokens, req.hidden_dim, DType.parse(req.dtype))
+        return layout, ChunkClass.of(req.model_name, req.world_size, layout, chunk_size)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
 
 
-__all__ = ["Instance", "Registry", "state_path", "release_buffer"]
+__all__ = ["Instance", "Limits", "Registry", "state_path", "MAX_QUEUED"]

@@ -12,17 +12,34 @@ Frame on the stream socket::
 
 Token ids travel as little-endian uint32 bytes. Every request may carry a ``request_id`` that the
 data plane puts in its events and logs.
+
+Every frame is hostile until decoded: a frame longer than ``MAX_FRAME`` closes the connection
+before its payload is read, and the decoder enforces each field's bounds (``msgspec.Meta`` below)
+before any side effect. Calls on an instance carry its ``token`` (the capability registration
+answered); docs/security.md has the model and the limits.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+from typing import Annotated
 
 import msgspec
 
 HEADER = struct.Struct("<IQ")
-MAX_FRAME = 1 << 30
+MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call
+MAX_MATCHES = 16384                 # matches in one retrieve
+MAX_FRAME = 8 << 20                 # holds either bound with room to spare
+TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
+
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+RequestId = Annotated[str, msgspec.Meta(max_length=128)] | None
+InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
+TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
+EventHandle = Annotated[bytes, msgspec.Meta(max_length=64)] | None
 
 
 class Backend(str, enum.Enum):
@@ -37,6 +54,8 @@ class StoreKind(str, enum.Enum):
 
 class ErrorKind(str, enum.Enum):
     UNKNOWN_INSTANCE = "unknown_instance"
+    FORBIDDEN = "forbidden"
+    TOO_MANY = "too_many"
     BAD_REQUEST = "bad_request"
     OUT_OF_RANGE = "out_of_range"
     LAYOUT_MISMATCH = "layout_mismatch"
@@ -52,9 +71,10 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, frozen=True
 # -- buffer specs -------------------------------------------------------------------------------
 
 class ShmBuffer(_Msg, tag="shm"):
-    """A CPU buffer: a POSIX shared-memory segment holding ``[2, L, T, D]`` from byte 0."""
+    """A CPU buffer: a POSIX shared-memory segment ``<prefix>_kvbuf_<32 hex>`` that the engine
+    created and owns, holding ``[2, L, T, D]`` from byte 0."""
 
-    name: str
+    name: Annotated[str, msgspec.Meta(max_length=255)]
 
 
 class CudaIpcBuffer(_Msg, tag="cuda_ipc"):
@@ -66,9 +86,9 @@ class CudaIpcBuffer(_Msg, tag="cuda_ipc"):
         device_uuid: the GPU's UUID (hex, with or without ``GPU-`` and dashes), not its index.
     """
 
-    handle: bytes
-    offset: int
-    device_uuid: str
+    handle: Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+    offset: U63
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
 
 
 BufferSpec = ShmBuffer | CudaIpcBuffer
@@ -77,41 +97,50 @@ BufferSpec = ShmBuffer | CudaIpcBuffer
 class MatchSpec(msgspec.Struct, array_like=True, frozen=True):
     """One lookup match: the chunk was computed at ``[old_st, old_ed)``, sits at ``[cur_st, cur_ed)``."""
 
-    old_st: int
-    old_ed: int
-    cur_st: int
-    cur_ed: int
-    chunk_hash: bytes
+    old_st: U63
+    old_ed: U63
+    cur_st: U63
+    cur_ed: U63
+    chunk_hash: Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 # -- requests -----------------------------------------------------------------------------------
 
 class Ping(_Msg):
-    request_id: str | None = None
+    request_id: RequestId = None
 
 
 class RegisterInstance(_Msg):
-    """Register an engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``."""
+    """Register an engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``; the
+    instance lives while its lease is renewed (``RenewLease`` or any call with its token)."""
 
-    model_name: str
-    world_size: int
-    worker_id: int | None
-    num_layers: int
-    num_tokens: int
-    hidden_dim: int
-    dtype: str
+    model_name: Label
+    world_size: Count
+    worker_id: Count | None
+    num_layers: Count
+    num_tokens: Count
+    hidden_dim: Count
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
     buffer: BufferSpec
-    owner_pid: int | None = None  # the instance is dropped when this process dies
-    request_id: str | None = None
+    request_id: RequestId = None
 
 
 class UnregisterInstance(_Msg):
-    instance_id: int
-    request_id: str | None = None
+    instance_id: U63
+    token: InstanceToken = ""
+    request_id: RequestId = None
+
+
+class RenewLease(_Msg):
+    """Keep an instance alive for another lease."""
+
+    instance_id: U63
+    token: InstanceToken = ""
+    request_id: RequestId = None
 
 
 class ListInstances(_Msg):
-    request_id: str | None = None
+    request_id: RequestId = None
 
 
 class StoreChunks(_Msg):
@@ -121,30 +150,33 @@ class StoreChunks(_Msg):
     ``done_event``: an interprocess CUDA event handle the data plane records after the copy.
     """
 
-    instance_id: int
-    token_ids: bytes
-    offset: int = 0
+    instance_id: U63
+    token_ids: TokenBytes
+    offset: U63 = 0
     kind: StoreKind = StoreKind.PRE_COMPUTED
-    cache_salt: str = ""
-    event: bytes | None = None
-    done_event: bytes | None = None
-    request_id: str | None = None
+    cache_salt: Label = ""
+    event: EventHandle = None
+    done_event: EventHandle = None
+    token: InstanceToken = ""
+    request_id: RequestId = None
 
 
 class RetrieveChunks(_Msg):
     """Copy each match's chunk into ``buffer[:, :, offset+cur_st:offset+cur_ed, :]``."""
 
-    instance_id: int
-    token_ids: bytes
-    matches: list[MatchSpec]
-    offset: int = 0
-    cache_salt: str = ""
-    event: bytes | None = None
-    done_event: bytes | None = None
-    request_id: str | None = None
+    instance_id: U63
+    token_ids: TokenBytes
+    matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
+    offset: U63 = 0
+    cache_salt: Label = ""
+    event: EventHandle = None
+    done_event: EventHandle = None
+    token: InstanceToken = ""
+    request_id: RequestId = None
 
 
-Request = Ping | RegisterInstance | UnregisterInstance | ListInstances | StoreChunks | RetrieveChunks
+Request = (Ping | RegisterInstance | UnregisterInstance | RenewLease | ListInstances | StoreChunks
+           | RetrieveChunks)
 
 
 # -- replies ------------------------------------------------------------------------------------
@@ -167,11 +199,19 @@ class InstanceInfo(_Msg):
     hidden_dim: int
     dtype: str
     buffer_kind: str  # "shm" or "cuda_ipc"
-    owner_pid: int | None = None
 
 
 class Registered(_Msg):
+    """``token`` is the instance's capability: every later call on it must carry it."""
+
     instance_id: int
+    token: str
+    lease_s: float
+
+
+class LeaseRenewed(_Msg):
+    instance_id: int
+    lease_s: float
 
 
 class Unregistered(_Msg):
@@ -205,7 +245,7 @@ class ErrorReply(_Msg):
     message: str
 
 
-Reply = Pong | Registered | Unregistered | InstanceList | TransferDone | ErrorReply
+Reply = Pong | Registered | LeaseRenewed | Unregistered | InstanceList | TransferDone | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -219,7 +259,8 @@ def frame(call_id: int, msg: _Msg) -> bytes:
 
 
 __all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
-           "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "ListInstances",
+           "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
+           "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
            "StoreChunks", "RetrieveChunks", "Request", "Pong", "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
            "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]

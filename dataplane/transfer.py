@@ -9,10 +9,12 @@ This module owns the order of operations that keeps the store consistent whateve
   failure wait for the copies in flight, then abort every reservation not yet committed. Rank 0
   (``worker_id`` 0 or None) then registers the chunks' fingerprints (after the last commit: the
   index only keeps entries of committed chunks).
-- retrieve: pin the matched chunks in batches (``Store.pin_slots``), check them against the
-  prompt, copy each into ``offset + cur_st`` of the buffer, wait until the copies completed,
-  then unpin. A chunk evicted meanwhile, of another layout, or whose tokens differ from the
-  prompt's at ``cur_st`` is reported failed by match index; nothing is written for it.
+- retrieve: pin the matched chunks in batches of at most ``PIN_BATCH`` (``Store.pin_slots``),
+  check them against the prompt, copy each into ``offset + cur_st`` of the buffer, and unpin a
+  batch once its copies completed; at most two batches are pinned at a time, so a retrieve of any
+  length fits the pin table. A chunk evicted meanwhile, of another layout, whose tokens differ
+  from the prompt's at ``cur_st``, or that found the pin table full (other retrieves hold it) is
+  reported failed by match index; nothing is written for it.
 
 The first batch of a call is small (about ``FIRST_BYTES``): its copies start while the rest is
 reserved or pinned. No per-chunk Python object is built past the chunk keys.
@@ -31,7 +33,7 @@ import numpy as np
 
 from dataplane.errors import BadRequest, OutOfRange
 from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
-from shm.errors import ShmError
+from shm.errors import CapacityError, ShmError
 from shm.events import EventLog
 from shm.fingerprint import H_CAP, FingerprintIndex, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
@@ -86,10 +88,18 @@ _HDR_WORDS = 7
 _W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
 
 
-def _batches(n: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Chunk index ranges of the call's reserve/pin batches: a small first one, then the rest."""
+PIN_BATCH = 256  # matches pinned at once by one retrieve; it holds at most two batches
+
+
+def _batches(n: int, chunk_bytes: int, most: int | None = None) -> list[tuple[int, int]]:
+    """Chunk index ranges of the call's reserve/pin batches: a small first one, then the rest
+    (in pieces of at most ``most`` when given)."""
     first = min(n, max(1, FIRST_BYTES // max(1, chunk_bytes)))
-    return [(lo, hi) for lo, hi in ((0, first), (first, n)) if hi > lo]
+    if most is not None:
+        first = min(first, most)
+    step = most or max(1, n)
+    out = [(0, first)] if first else []
+    return out + [(lo, min(lo + step, n)) for lo in range(first, n, step)]
 
 
 def _keys(ns_id: int, hashes: list[bytes], rank: int) -> list[ChunkKey]:
@@ -214,23 +224,27 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
     slots = np.full(n, -1, np.int64)
     usable = np.zeros(n, bool)
-    pinned = 0  # matches [0, pinned) went through pin_slots
+    held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
     try:
         buf.begin(msg.event)
-        for lo, hi in _batches(n, inst.layout.chunk_bytes(C)):
-            slots[lo:hi] = store.pin_slots(keys[lo:hi])
-            pinned = hi
+        for lo, hi in _batches(n, inst.layout.chunk_bytes(C), PIN_BATCH):
+            slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
+            held.append((lo, hi, None))
             usable[lo:hi] = _usable(sh, inst, ns, slots[lo:hi], keys[lo:hi], tokens, cur[lo:hi])
             idx = lo + np.flatnonzero(usable[lo:hi])
             if len(idx):
                 buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
                                    (msg.offset + cur[idx]).tolist())
+            held[-1] = (lo, hi, buf.mark())
+            if len(held) > 1:  # the batch before this one: unpin once its copies completed
+                _release(store, buf, slots, held.pop(0))
         buf.wait(buf.end(msg.done_event))
     except BaseException:
         _drain(buf)
         raise
     finally:
-        store.unpin_slots(slots[:pinned])
+        for lo, hi, _ in held:
+            store.unpin_slots(slots[lo:hi])
     failed = np.flatnonzero(~usable).tolist()
     copied = n - len(failed)
     nbytes = copied * inst.layout.chunk_bytes(C)
@@ -241,6 +255,30 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     sh.events.add_many({"retrieves": 1, "retrieve_chunks": copied, "retrieve_bytes": nbytes,
                         "retrieve_failed_chunks": len(failed)})
     return done
+
+
+def _pin(store: Store, buf: "InstanceBuffer", keys: list[ChunkKey], slots: np.ndarray,
+         held: list[tuple[int, int, Any]]) -> np.ndarray:
+    """Pin ``keys``; when the pin table is full, give back the batches this call still holds
+    and try once more; still full: nothing of this batch is pinned (its matches fail)."""
+    try:
+        return store.pin_slots(keys)
+    except CapacityError:
+        pass
+    while held:
+        _release(store, buf, slots, held.pop(0))
+    try:
+        return store.pin_slots(keys)
+    except CapacityError:
+        return np.full(len(keys), -1, np.int64)
+
+
+def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
+             batch: tuple[int, int, Any]) -> None:
+    """Unpin a batch once the copies before its marker completed."""
+    lo, hi, marker = batch
+    buf.wait(buf.mark() if marker is None else marker)
+    store.unpin_slots(slots[lo:hi])
 
 
 def _usable(sh: Shared, inst: "Instance", ns: Namespace, slots: np.ndarray,

@@ -10,7 +10,9 @@ byte offset ``page * page_bytes + index * slot_bytes`` of the slab.
 
 ``pages[p]`` (2 int64 words): CLASS (-1 = free), USED (slots not FREE).
 ``classes[c]`` (16 int64 words): see the ``C_*`` constants; the class row is written before any of
-its pages exists and never changes afterwards (only its counters and free-list head do).
+its pages exists and never changes while the class holds a page (only its counters and free-list
+head do). A class that holds no page may be released (USED = 0) and its row reused by another
+class; GEN counts the row's uses, so a process that cached a row's geometry sees it changed.
 
 Allocation for class c, in order:
   1. a FREE slot from c's free list (doubly linked through obj PREV/NEXT);
@@ -41,7 +43,7 @@ G_CLASS, G_USED = 0, 1
 PAGE_COLS = 2
 # classes columns
 (C_USED, C_SLOT_BYTES, C_KV_BYTES, C_HEADER_BYTES, C_CHUNK, C_LAYERS, C_HIDDEN, C_DTYPE, C_WS,
- C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH) = range(15)
+ C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH, C_GEN) = range(16)
 CLASS_COLS = 16
 # header words owned here (see shm.store for the whole header)
 H_PAGE_BYTES, H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 3, 5, 10, 13, 14

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
 from api.auth import require_token
 from api.deps import DataPlaneDep
@@ -15,17 +15,21 @@ from api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstanc
 router = APIRouter(prefix="/v1/instances", tags=["instances"],
                    dependencies=[Depends(require_token)])
 
-InstanceId = Annotated[int, Path(ge=0, description="As returned by registration.")]
+InstanceId = Annotated[int, Path(ge=0, le=2**63 - 1, description="As returned by registration.")]
+InstanceToken = Annotated[str, Header(alias="X-Instance-Token", max_length=64,
+                                      description="The token registration returned.")]
 
 
 @router.post("", status_code=201, response_model=InstanceCreated, operation_id="registerInstance",
              summary="Register an engine worker's KV buffer",
-             description="The data plane opens the buffer (POSIX shm name or CUDA IPC handle) "
-                         "and serves store and retrieve calls for it from then on.",
-             responses=responses(401, 409, 422, 503))
+             description="The data plane opens the buffer (a POSIX shm object the engine "
+                         "created under `<shm_prefix>_kvbuf_<32 hex>`, or a CUDA IPC handle) "
+                         "and serves store and retrieve calls for it from then on. The answer "
+                         "holds the instance token every later call on it needs.",
+             responses=responses(401, 409, 413, 422, 429, 503))
 def register_instance(body: RegisterInstance, request: Request, dataplane: DataPlaneDep
                       ) -> InstanceCreated:
-    return InstanceCreated(instance_id=dataplane.register(body, request_id_of(request)))
+    return dataplane.register(body, request_id_of(request))
 
 
 @router.get("", response_model=InstanceList, operation_id="listInstances",
@@ -42,8 +46,9 @@ def get_instance(instance_id: InstanceId, dataplane: DataPlaneDep) -> Instance:
 
 @router.delete("/{instance_id}", status_code=204, response_class=Response,
                operation_id="unregisterInstance", summary="Unregister an instance",
-               responses=responses(401, 404, 422, 503))
-def unregister_instance(instance_id: InstanceId, request: Request, dataplane: DataPlaneDep
-                        ) -> Response:
-    dataplane.unregister(instance_id, request_id_of(request))
+               description="Needs the instance's token in `X-Instance-Token`.",
+               responses=responses(401, 403, 404, 422, 503))
+def unregister_instance(instance_id: InstanceId, token: InstanceToken, request: Request,
+                        dataplane: DataPlaneDep) -> Response:
+    dataplane.unregister(instance_id, token, request_id_of(request))
     return Response(status_code=204)

@@ -36,11 +36,16 @@ class DataPlaneProc:
         return rc
 
 
-def start_dataplane(prefix: str, backend: str = "cpu", timeout: float = 60.0) -> DataPlaneProc:
+LEASE_S = 3.0  # short, so tests see a dead client's instance dropped within their deadlines
+
+
+def start_dataplane(prefix: str, backend: str = "cpu", timeout: float = 60.0,
+                    *extra: str) -> DataPlaneProc:
     """Start ``python -m dataplane`` and wait (bounded) for its ready line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dataplane", "--shm-prefix", prefix, "--chunk-size", str(CHUNK),
-         "--backend", backend, "--reclaim-interval", "0.05", "--log-level", "WARNING"],
+         "--backend", backend, "--reclaim-interval", "0.05", "--lease", str(LEASE_S),
+         "--log-level", "WARNING", *extra],
         stdout=subprocess.PIPE, stderr=None, env=os.environ.copy())
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
