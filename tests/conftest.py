@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from shm.segment import unlink
 
 
 def _cuda_available() -> bool:
@@ -30,14 +29,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def remove_prefix(prefix: str) -> None:
-    """Unlink every segment, lock file and socket whose name starts with ``prefix``."""
+    """Unlink every name under ``prefix`` in /dev/shm, whoever owns it: segments, lock files,
+    sockets, and the foreign names and symlinks tests plant (the prefix is the test's own)."""
     for path in glob.glob(f"/dev/shm/{prefix}*"):
-        name = os.path.basename(path)
-        if not unlink(name):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 @pytest.fixture
