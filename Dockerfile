@@ -3,7 +3,8 @@
 #   CUDA:           docker build -t kvblend:cuda \
 #                     --build-arg BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 --build-arg EXTRAS=gpu .
 # Run (see README: --ipc=host for CUDA IPC, a large /dev/shm for the cache):
-#   docker run --rm --ipc=host -p 8780:8780 kvblend serve --host 0.0.0.0
+#   docker run --rm --ipc=host -p 127.0.0.1:8780:8780 -e KVBLEND_API_TOKEN kvblend serve
+# (the image binds 0.0.0.0: kvblend serve refuses to start there without an API token)
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 

@@ -8,9 +8,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES, check_label
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_BYTES,
+                                 description="Printable UTF-8 without NUL, 1 to 120 bytes."),
+                      AfterValidator(lambda v: check_label("model_name", v, MODEL_NAME_BYTES))]
+CacheSalt = Annotated[str, Field(max_length=CACHE_SALT_BYTES,
+                                 description="Tenant salt; different salts share nothing. "
+                                             "Printable UTF-8, at most 256 bytes."),
+                      AfterValidator(lambda v: check_label("cache_salt", v, CACHE_SALT_BYTES,
+                                                           empty_ok=True))]
 HASH_EXAMPLE = "9f2c4e1ab0d3775e61c2a4f80e9b1d37"
 
 
@@ -98,8 +108,7 @@ class RegisterInstance(BaseModel):
         "num_layers": 32, "num_tokens": 32768, "hidden_dim": 1024, "dtype": "bfloat16",
         "shm_name": "kvblend_kvbuf_5f3c2d1e8a9b4c7d9e0f1a2b3c4d5e6f"}]})
 
-    model_name: str = Field(min_length=1, max_length=120,
-                            description="Printable UTF-8, at most 120 bytes, no NUL.")
+    model_name: ModelName
     world_size: int = Field(1, ge=1, le=1024)
     worker_id: int | None = Field(0, ge=0, le=1023,
                                   description="Tensor-parallel rank; null means 0.")

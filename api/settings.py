@@ -7,9 +7,10 @@ the settings to its API worker processes through these same variables.
 
 from __future__ import annotations
 
+import ipaddress
 from enum import StrEnum
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1 << 20
@@ -46,6 +47,7 @@ class Settings(BaseSettings):
         max_instances: registered instances per service.
         max_instances_per_client: instances one data-plane connection may hold.
         max_connections: data-plane connections at once.
+        insecure_no_token: allow binding a non-loopback ``host`` without ``api_token``.
         workers: API worker processes.
         fingerprint_capacity: entries of the fingerprint index (94-124 bytes each).
         dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
@@ -70,6 +72,7 @@ class Settings(BaseSettings):
     max_instances: int = Field(256, ge=1, le=4096)
     max_instances_per_client: int = Field(64, ge=1, le=4096)
     max_connections: int = Field(256, ge=2, le=4096)
+    insecure_no_token: bool = False
     workers: int = Field(1, ge=1, le=64)
     fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30)
     dataplane_socket: str = ""
@@ -80,6 +83,14 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value in ("", b"") else value
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> "Settings":
+        if self.api_token is None and not self.insecure_no_token and not _loopback(self.host):
+            raise ValueError(f"binding {self.host} (not loopback) without an API token would let "
+                             "anyone who reaches the port use the service: set --api-token "
+                             "(or KVBLEND_API_TOKEN), or --insecure-no-token if you mean it")
+        return self
 
     @property
     def page_bytes(self) -> int:
@@ -112,6 +123,13 @@ class Settings(BaseSettings):
         import dataplane  # the public surface only; imported late to keep settings light
 
         return str(dataplane.default_address(self.shm_prefix))
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def resolve_backend(backend: Backend) -> Backend:

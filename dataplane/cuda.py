@@ -20,6 +20,7 @@ as pinned; a copy from an unregistered page would fall back to staged, pageable 
 from __future__ import annotations
 
 import collections
+import ctypes
 import threading
 from typing import Any
 
@@ -152,8 +153,13 @@ class CudaEngine(CopyEngine):
             with self._lock:
                 cupy.cuda.runtime.setDevice(device)
                 base = cupy.cuda.runtime.ipcOpenMemHandle(spec.handle, IPC_LAZY_PEER_ACCESS)
+                size = allocation_size(base)
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             raise BackendError(f"cannot open the CUDA IPC buffer: {exc}") from exc
+        if spec.offset + layout.nbytes > size:
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+            raise BadRequest(f"the CUDA allocation holds {size} bytes; offset {spec.offset} + the "
+                             f"layout's {layout.nbytes} bytes do not fit in it")
         return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
 
     def close(self) -> None:
@@ -165,4 +171,16 @@ class CudaEngine(CopyEngine):
         self._pieces = []
 
 
-__all__ = ["CudaEngine", "CudaBuffer", "normalize_uuid"]
+def allocation_size(base: int) -> int:
+    """Bytes of the device allocation that starts at ``base`` (``cuMemGetAddressRange``): a
+    registration must not describe more memory than the engine shared."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    start, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size),
+                                     ctypes.c_uint64(base))
+    if rc != 0:
+        raise BackendError(f"cuMemGetAddressRange failed with CUDA error {rc}")
+    return int(size.value) - (base - int(start.value))
+
+
+__all__ = ["CudaEngine", "CudaBuffer", "normalize_uuid", "allocation_size"]

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane.channel import Channel
 from dataplane.client import BlendClient
+from dataplane.errors import BadRequest
+from dataplane.messages import RegisterInstance
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 pytestmark = pytest.mark.gpu
@@ -97,3 +100,20 @@ def test_store_and_retrieve_wait_for_the_engine_event(cuda_dataplane: DataPlaneP
         assert bool((region == 1234).all())  # retrieved after the fill, and stored after it
         assert bool((kv.view(torch.int16)[:, :, 4 * CHUNK:] == -1).all())
         client.unregister(inst)
+
+
+def test_a_layout_larger_than_the_shared_allocation_is_refused(shm_prefix: str) -> None:
+    create_store(shm_prefix)
+    dp = start_dataplane(shm_prefix, backend="cuda")
+    try:
+        with BlendClient(dataplane_address=dp.address) as client, Channel(dp.address) as ch:
+            kv = torch.zeros((2, L, 64, D), dtype=torch.bfloat16, device="cuda")
+            spec = client._buffer_spec(kv)
+            ask = lambda tokens: ch.call(RegisterInstance(
+                model_name="gpu-m", world_size=1, worker_id=0, num_layers=L, num_tokens=tokens,
+                hidden_dim=D, dtype="bfloat16", buffer=spec), timeout=60)
+            with pytest.raises(BadRequest, match="do not fit"):
+                ask(T)  # 16x what the engine shared: retrieves would write past it
+            assert ask(64).instance_id >= 1
+    finally:
+        assert dp.stop() == 0

@@ -1,0 +1,31 @@
+"""Settings that guard the trust boundary: no public bind without a token."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from api.settings import Settings
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "example.org"])
+def test_a_public_bind_needs_a_token(host: str) -> None:
+    with pytest.raises(ValidationError, match="without an API token"):
+        Settings(host=host)
+    assert Settings(host=host, api_token="t").host == host
+    assert Settings(host=host, insecure_no_token=True).host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "localhost"])
+def test_loopback_needs_none(host: str) -> None:
+    assert Settings(host=host).api_token is None
+
+
+def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
+    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--host", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "--api-token" in out.stderr
