@@ -397,11 +397,24 @@ class BlendClient:
         return resp
 
     def close(self) -> None:
-        """Close the channel and HTTP client; unlink every CPU buffer this client created."""
+        """Unregister this client's instances, close the channel and HTTP client, and unlink
+        every CPU buffer this client created."""
         self._stop.set()
         with self._lock:
             segs, self._buffers = list(self._buffers.values()), {}
-            self._instances.clear()
+            held, self._instances = dict(self._instances), {}
+        pending = []
+        for iid, reg in held.items():  # best effort: an instance left behind expires anyway
+            try:
+                pending.append(self._channel.submit(UnregisterInstance(instance_id=iid,
+                                                                       token=reg.token)))
+            except DataPlaneError:
+                break
+        for p in pending:
+            try:
+                p.result(self._timeout)
+            except DataPlaneError:
+                pass
         for seg in segs:
             seg.unlink()
             seg.close()
