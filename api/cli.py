@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(settings: Settings) -> int:
+    """Run the supervisor; 1 when another serve holds the prefix, 2 when a name is not ours."""
     from api.supervisor import AlreadyServing, Supervisor
+    from shm.errors import ForeignObject
 
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
                         else "DEBUG", stream=sys.stderr,
@@ -92,6 +94,10 @@ def _serve(settings: Settings) -> int:
     except AlreadyServing as exc:
         print(f"kvblend: {exc}", file=sys.stderr)
         return 1
+    except ForeignObject as exc:
+        # the message names the path and says what is wrong; a traceback would bury it
+        logging.getLogger("kvblend.serve").error("%s", exc)
+        return 2
 
 
 def _client(settings: Settings, url: str | None) -> httpx.Client:

@@ -11,6 +11,11 @@ Start-up: take the prefix's serve lock (one supervisor per prefix), create or at
 empty), the fingerprint index and the event log, then start both children. Pre-faulting a new slab
 shows progress on stderr.
 
+Every name of the prefix must be ours (``shm.private``): a lock file, segment or socket that
+another user planted, or one with group/other bits, or a symlink, raises ``ForeignObject`` out of
+``run`` before any child starts; ``kvblend serve`` then exits 2 with one line naming it, and the
+name stays as it was.
+
 Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
 then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
 
@@ -37,6 +42,7 @@ from shm.errors import LayoutMismatch
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.lock import lock_path
+from shm.private import check_socket, open_private
 from shm.store import Store, StoreConfig
 
 log = logging.getLogger("kvblend.serve")
@@ -142,7 +148,11 @@ def prepare(settings: Settings) -> None:
 
     A store of another geometry (``--storage-mb`` or page size changed) is recreated empty; so is
     a fingerprint index of another chunk size or capacity. Both are logged.
+
+    Raises:
+        ForeignObject: a name of the prefix, or the data plane's socket path, is not ours.
     """
+    check_dataplane_socket(settings)
     prefix, cfg = settings.shm_prefix, store_config(settings)
     progress = ProgressLine(f"pre-faulting {settings.storage_mb} MiB of shared memory")
     wiped = settings.wipe
@@ -165,6 +175,18 @@ def prepare(settings: Settings) -> None:
                                     wipe=True)
     log.info("fingerprint index: %d of %d entries", len(fps), fps.capacity)
     fps.close()
+
+
+def check_dataplane_socket(settings: Settings) -> None:
+    """Refuse to start when something not ours holds the data plane's socket path; the data plane
+    would refuse it too, but only after the supervisor started it (and again at every restart).
+
+    Raises:
+        ForeignObject: the path exists and is not a socket of ours.
+    """
+    address = settings.dataplane_address()
+    if os.path.isabs(address):
+        check_socket(address)
 
 
 class Supervisor:
@@ -238,7 +260,7 @@ class Supervisor:
 
     def _take_prefix(self) -> None:
         path = lock_path(self.settings.shm_prefix, "serve")
-        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = open_private(path, create=True)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

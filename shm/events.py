@@ -101,6 +101,10 @@ class EventLog:
             prefix: the store's segment prefix.
             capacity: events kept; used only when creating (an existing log keeps its own).
             slot_bytes: bytes per event (JSON); used only when creating.
+
+        Raises:
+            ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
+                used nor removed.
         """
         if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
             raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
@@ -235,6 +239,11 @@ class EventLog:
         self._lock.close()
 
     def unlink(self) -> None:
+        """Remove the segment name (mappings stay valid until closed).
+
+        Raises:
+            ForeignObject: the name is not ours; it is left in place.
+        """
         segment.unlink(self.name)
 
     def __enter__(self) -> "EventLog":

@@ -66,7 +66,6 @@ then reports ``ChunkNotFound``).
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +77,7 @@ from shm import segment
 from shm.errors import CapacityError, LayoutMismatch
 from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
 from shm.lock import FileLock, Guarded, lock_path
+from shm.private import shm_path, unlink_private
 
 MAGIC = int.from_bytes(b"KVBFPIX1", "little")
 VERSION = 1
@@ -617,6 +617,8 @@ class FingerprintIndex:
         Raises:
             LayoutMismatch: an existing index has another format, chunk_size or capacity.
             Busy: the lock stayed taken for ``lock_timeout``.
+            ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
+                used nor removed, even with ``wipe``.
         """
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
@@ -882,12 +884,12 @@ class FingerprintIndex:
         self._seg = None  # type: ignore[assignment]
 
     def unlink(self) -> None:
-        """Remove the segment and lock file names (mappings stay valid until closed)."""
-        segment.unlink(self.name)
-        try:
-            os.unlink(lock_path(self.prefix, "fp"))
-        except FileNotFoundError:
-            pass
+        """Remove the segment and lock file names (mappings stay valid until closed).
+
+        Raises:
+            ForeignObject: one of the names is not ours; both are left in place.
+        """
+        unlink_private(shm_path(self.name), lock_path(self.prefix, "fp"))
 
     def __enter__(self) -> "FingerprintIndex":
         return self

@@ -11,6 +11,9 @@ lock protects.
   The next holder that finds it set calls ``repair()`` (rebuild derived state from the source of
   truth) before doing anything else.
 
+The lock file is opened with ``shm.private.open_private``: never through a symlink, and only when
+it is ours (a lock file of another user could be held forever, or be a file we must not touch).
+
 Timeouts follow posix_ipc: ``None`` waits forever, ``0`` fails at once, ``> 0`` waits that long
 (raising ``Busy``).
 """
@@ -27,17 +30,24 @@ from typing import TypeVar
 import numpy as np
 
 from shm.errors import Busy, ShmError
+from shm.private import open_private, shm_path
 
-SHM_DIR = "/dev/shm"
 T = TypeVar("T")
 
 
 class FileLock:
-    """Exclusive lock shared by every process that opens the same path."""
+    """Exclusive lock shared by every process that opens the same path.
+
+    Args:
+        path: the lock file, created 0600 when absent.
+
+    Raises:
+        ForeignObject: the path is a symlink or a file that is not ours (``shm.private``).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = open_private(path, create=True)
         self._thread_lock = threading.Lock()
 
     def acquire(self, timeout: float | None = None) -> None:
@@ -160,7 +170,7 @@ class _Section:
 
 
 def lock_path(prefix: str, what: str) -> str:
-    return os.path.join(SHM_DIR, f"{prefix}_{what}.lock")
+    return shm_path(f"{prefix}_{what}.lock")
 
 
 def pid_alive(pid: int) -> bool:

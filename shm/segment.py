@@ -10,6 +10,12 @@ NOTE: creation reserves the whole size with ``posix_fallocate`` (a full /dev/shm
 ENOSPC, not later with SIGBUS in a copy) and maps with ``MAP_POPULATE`` so no page faults remain
 on the copy path. Reserving fresh tmpfs pages costs about 1 s/GiB on small machines; ``progress``
 is called after each piece so long start-ups can show it.
+
+NOTE: only names of ours are attached or removed (``shm.private``). Creation is exclusive and
+``fchmod``s the new segment to 0600 (the umask may have taken bits away); an attach checks the
+open descriptor (regular file, our uid, no group/other bits) before mapping anything, and glibc's
+``shm_open`` opens with ``O_NOFOLLOW``, so a symlink at the name fails there. ``unlink`` checks the
+name first and leaves a foreign one in place.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import os
 from collections.abc import Callable
 
 import posix_ipc
+
+from shm.private import check_name, check_private, raise_if_foreign, shm_path, unlink_private
 
 _PIECE = 256 << 20
 Progress = Callable[[int, int], None]
@@ -35,20 +43,20 @@ class Segment:
 
     Raises:
         FileExistsError / FileNotFoundError: as ``create`` demands.
+        ForeignObject: the name exists and is not ours (``shm.private``); nothing was mapped.
         OSError: ENOSPC when /dev/shm cannot hold ``size`` bytes.
     """
 
     def __init__(self, name: str, size: int = 0, *, create: bool = False,
                  progress: Progress | None = None) -> None:
         self.name = name
-        flags = posix_ipc.O_CREX if create else 0
-        try:
-            shm = posix_ipc.SharedMemory("/" + name, flags, mode=0o600)
-        except posix_ipc.ExistentialError as exc:
-            raise (FileExistsError if create else FileNotFoundError)(name) from exc
+        shm = _open(name, create)
         try:
             if create:
+                os.fchmod(shm.fd, 0o600)
                 _reserve(shm.fd, size, progress)
+            else:
+                check_private(shm.fd, shm_path(name))
             actual = os.fstat(shm.fd).st_size
             if not create and size and actual != size:
                 raise ValueError(f"segment {name!r} holds {actual} bytes, expected {size}")
@@ -94,6 +102,22 @@ class Segment:
         return f"Segment(name={self.name!r}, size={self.size})"
 
 
+def _open(name: str, create: bool) -> posix_ipc.SharedMemory:
+    """``shm_open`` of ``name``, its errors as ``FileExistsError`` / ``FileNotFoundError``, or
+    ``ForeignObject`` when the name is not ours."""
+    path = shm_path(name)
+    try:
+        return posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX if create else 0, mode=0o600)
+    except posix_ipc.ExistentialError as exc:
+        if create:
+            check_name(path)  # taken by a name of ours, or refused as someone else's
+            raise FileExistsError(name) from exc
+        raise FileNotFoundError(name) from exc
+    except (OSError, posix_ipc.PermissionsError) as exc:
+        raise_if_foreign(path, exc)
+        raise
+
+
 def _reserve(fd: int, size: int, progress: Progress | None) -> None:
     if size <= 0:
         raise ValueError(f"segment size must be > 0, got {size}")
@@ -108,17 +132,14 @@ def _reserve(fd: int, size: int, progress: Progress | None) -> None:
 
 
 def exists(name: str) -> bool:
-    try:
-        posix_ipc.SharedMemory("/" + name).close_fd()
-    except posix_ipc.ExistentialError:
-        return False
-    return True
+    """True when something (of anyone's, of any kind) holds the name."""
+    return os.path.lexists(shm_path(name))
 
 
-def unlink(name: str) -> bool:
-    """Remove a segment name; False when it did not exist."""
-    try:
-        posix_ipc.unlink_shared_memory("/" + name)
-    except posix_ipc.ExistentialError:
-        return False
-    return True
+def unlink(*names: str) -> bool:
+    """Remove segment names of ours; False when none of them existed.
+
+    Raises:
+        ForeignObject: some name is not ours; then none of them was removed.
+    """
+    return unlink_private(*(shm_path(n) for n in names)) > 0

@@ -9,6 +9,10 @@ Segments (prefix ``P``; all mode 0600)::
     /dev/shm/P_slab     num_pages * page_bytes of slots (pre-faulted)
     /dev/shm/P_store.lock   flock target (the kernel drops it when the holder dies)
 
+A name among these that is not ours (``shm.private``: another owner, group/other bits, a symlink)
+is never attached, recreated or removed: ``open``, ``unlink`` and ``destroy`` raise
+``ForeignObject``.
+
 ``P_meta`` layout, each part 64-byte aligned, in this order::
 
     offset  part                  shape                     notes
@@ -59,8 +63,8 @@ from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.hashing import as_tokens
 from shm.layout import ChunkClass, DType
 from shm.lock import FileLock, Guarded, lock_path, pid_alive
+from shm.private import shm_path, unlink_private
 from shm.segment import Progress, Segment
-from shm.segment import exists as segment_exists
 from shm.segment import unlink as segment_unlink
 
 MAGIC = 0x6B76626C656E6421  # "kvblend!"
@@ -294,6 +298,8 @@ class Store:
         Raises:
             LayoutMismatch: the existing store differs from ``config`` or is of another version.
             FileNotFoundError: no store exists and no ``config`` was given.
+            ForeignObject: a segment or the lock file of ``prefix`` is not ours; it was neither
+                used nor removed, whatever ``wipe`` and ``recreate_on_mismatch`` say.
         """
         lock = FileLock(lock_path(prefix, "store"))
         lock.acquire()
@@ -642,9 +648,10 @@ class Store:
 
 
 def _attach(prefix: str, config: StoreConfig | None) -> tuple[Segment | None, Segment | None]:
-    if not segment_exists(f"{prefix}_meta"):
+    try:
+        meta = Segment(f"{prefix}_meta")
+    except FileNotFoundError:
         return None, None
-    meta = Segment(f"{prefix}_meta")
     h = np.frombuffer(meta.buf, np.int64, HEADER_WORDS).copy()
     if h[H_MAGIC] != MAGIC:
         # the creator died before finishing: nothing was ever committed in it
@@ -701,18 +708,22 @@ def _create(prefix: str, cfg: StoreConfig, progress: Progress | None) -> tuple[S
 
 
 def destroy_segments(prefix: str) -> None:
-    """Remove a store's segment names (attached processes keep their mappings)."""
-    segment_unlink(f"{prefix}_meta")
-    segment_unlink(f"{prefix}_slab")
+    """Remove a store's segment names (attached processes keep their mappings).
+
+    Raises:
+        ForeignObject: one of them is not ours; both are left in place.
+    """
+    segment_unlink(f"{prefix}_meta", f"{prefix}_slab")
 
 
 def destroy(prefix: str) -> None:
-    """Remove a store entirely: segments and lock file."""
-    destroy_segments(prefix)
-    try:
-        os.unlink(lock_path(prefix, "store"))
-    except FileNotFoundError:
-        pass
+    """Remove a store entirely: segments and lock file.
+
+    Raises:
+        ForeignObject: one of the three names is not ours; all are left in place.
+    """
+    unlink_private(shm_path(f"{prefix}_meta"), shm_path(f"{prefix}_slab"),
+                   lock_path(prefix, "store"))
 
 
 __all__ = ["Store", "StoreConfig", "StoreStats", "ClassStats", "ChunkKey", "Reservation",

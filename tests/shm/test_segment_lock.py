@@ -1,18 +1,41 @@
-"""Segments (create, attach, close vs unlink) and the cross-process lock's timeout rule."""
+"""Segments (create, attach, close vs unlink), the cross-process lock's timeout rule, and both
+refusing names that are not ours (a symlink, group/other bits, another owner)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from shm.errors import Busy
+from shm.errors import Busy, ForeignObject
 from shm.lock import FileLock, lock_path, pid_alive
 from shm.segment import Segment, exists, unlink
+
+from ..squat import Squatter, foreign_uid, needs_root, snapshot
+
+
+@pytest.fixture
+def squat(shm_prefix: str) -> Iterator[Squatter]:
+    squatter = Squatter(shm_prefix)
+    yield squatter
+    squatter.remove_foreign()
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file outside /dev/shm that a planted symlink points at."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"do not touch")
+    target.chmod(0o644)
+    return target
 
 
 def test_create_attach_close_unlink(shm_prefix: str) -> None:
@@ -87,3 +110,82 @@ def test_pid_alive() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(30)
     assert not pid_alive(proc.pid) and not pid_alive(0)
+
+
+def test_a_symlink_at_a_segment_name_is_refused(squat: Squatter, outside: Path) -> None:
+    name = f"{squat.prefix}_seg"
+    link = squat.symlink("_seg", str(outside))
+    before = snapshot(link), snapshot(str(outside))
+    with pytest.raises(ForeignObject, match="symbolic link"):
+        Segment(name)
+    with pytest.raises(ForeignObject, match="symbolic link"):
+        Segment(name, 4096, create=True)
+    with pytest.raises(ForeignObject, match="symbolic link"):
+        unlink(name)
+    assert (snapshot(link), snapshot(str(outside))) == before
+
+
+def test_a_segment_with_mode_0666_is_refused(squat: Squatter) -> None:
+    name = f"{squat.prefix}_seg"
+    with Segment(name, 4096, create=True) as seg:
+        seg.buf[:4] = b"mine"
+    os.chmod(squat.path("_seg"), 0o666)
+    before = snapshot(squat.path("_seg"))
+    with pytest.raises(ForeignObject, match="mode 0666"):
+        Segment(name)
+    with pytest.raises(ForeignObject, match="mode 0666"):
+        unlink(name)
+    assert snapshot(squat.path("_seg")) == before
+
+
+def test_a_segment_of_another_owner_is_refused(squat: Squatter) -> None:
+    needs_root()
+    name = f"{squat.prefix}_seg"
+    path = squat.file("_seg", uid=foreign_uid(), data=bytes(4096))
+    before = snapshot(path)
+    with pytest.raises(ForeignObject, match="belongs to uid"):
+        Segment(name)
+    with pytest.raises(ForeignObject, match="belongs to uid"):
+        Segment(name, 4096, create=True)
+    with pytest.raises(ForeignObject, match="belongs to uid"):
+        unlink(name)
+    assert snapshot(path) == before
+
+
+def test_a_new_segment_is_0600_whatever_the_umask(shm_prefix: str) -> None:
+    old = os.umask(0o277)
+    try:
+        seg = Segment(f"{shm_prefix}_seg", 4096, create=True)
+    finally:
+        os.umask(old)
+    seg.close()
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{shm_prefix}_seg").st_mode) == 0o600
+    Segment(f"{shm_prefix}_seg").close()  # and it is ours to attach
+
+
+def test_a_symlink_at_a_lock_path_is_refused(squat: Squatter, outside: Path) -> None:
+    link = squat.symlink("_store.lock", str(outside))
+    before = snapshot(link), snapshot(str(outside))
+    with pytest.raises(ForeignObject, match="symbolic link"):
+        FileLock(link)
+    assert (snapshot(link), snapshot(str(outside))) == before
+    with open(outside, "rb") as f:  # nobody holds a lock on the target
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.parametrize("loose", [0o644, 0o666])
+def test_a_lock_file_with_group_or_other_bits_is_refused(squat: Squatter, loose: int) -> None:
+    path = squat.file("_store.lock", mode=loose)
+    before = snapshot(path)
+    with pytest.raises(ForeignObject, match=f"mode {loose:04o}"):
+        FileLock(path)
+    assert snapshot(path) == before
+
+
+def test_a_lock_file_of_another_owner_is_refused(squat: Squatter) -> None:
+    needs_root()
+    path = squat.file("_store.lock", uid=foreign_uid())
+    before = snapshot(path)
+    with pytest.raises(ForeignObject, match="belongs to uid"):
+        FileLock(path)
+    assert snapshot(path) == before
