@@ -2,12 +2,14 @@
 
 This module owns the process's threads::
 
-    accept thread        one per process: accepts connections on the Unix socket
+    accept thread        one per process: accepts connections on the Unix socket, closes those
+                         of another uid (``SO_PEERCRED``) or past ``max_connections``
     connection threads   one per client connection: read frames, answer control calls inline
-                         (Ping, ListInstances, RegisterInstance), queue transfers on their instance
+                         (Ping, ListInstances, RegisterInstance, RenewLease), queue transfers on
+                         their instance once its token checked out
     instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance in
                          arrival order (``dataplane.instances``)
-    maintenance          periodic ``store.reclaim()`` and dropping instances of dead owners
+    maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
 
 Control calls never queue behind a copy: they are answered on the connection's own thread.
 A client that disconnects mid-call changes nothing: its queued calls still run to their end
@@ -19,9 +21,11 @@ already queued runs to completion before the workers exit.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -29,21 +33,39 @@ from dataplane import __version__
 from dataplane.backend import CopyEngine
 from dataplane.channel import recv_frame
 from dataplane.errors import BackendError, BadRequest, RemoteError, StoreFull, reply_for
-from dataplane.instances import Instance, Registry, release_buffer
-from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, ListInstances, Ping, Pong,
-                                Registered, RegisterInstance, RetrieveChunks, StoreChunks,
-                                Unregistered, UnregisterInstance, frame, request_decoder)
+from dataplane.instances import Instance, Limits, Registry
+from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LeaseRenewed, ListInstances,
+                                Ping, Pong, Registered, RegisterInstance, RenewLease,
+                                RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
+                                frame, request_decoder)
 from dataplane.transfer import Shared, run_retrieve, run_store
 from shm import errors as shm_errors
+from shm.private import check_socket
 
 log = logging.getLogger("kvblend.dataplane")
 
 
-class Connection:
-    """One client connection; replies may be sent from any thread."""
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_conn_ids = itertools.count(1)
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(raw)[1])
+
+
+class Connection:
+    """One client connection; replies may be sent from any thread.
+
+    Attributes:
+        id: names the connection in the per-client instance limit.
+        uid: the peer's uid, read once at accept.
+    """
+
+    def __init__(self, sock: socket.socket, uid: int) -> None:
+        self.sock, self.uid = sock, uid
+        self.id = next(_conn_ids)
         self._send_lock = threading.Lock()
 
     def reply(self, call_id: int, msg: Any) -> None:
@@ -63,13 +85,18 @@ class DataPlane:
         shared: store, fingerprint index, event log, chunk size.
         engine: the copy engine (CPU or CUDA).
         reclaim_interval: seconds between maintenance passes.
+        limits: instance lease and bounds.
+        max_connections: client connections at once; more are closed at accept.
     """
 
     def __init__(self, prefix: str, shared: Shared, engine: CopyEngine,
-                 reclaim_interval: float = 1.0) -> None:
+                 reclaim_interval: float = 1.0, limits: Limits | None = None,
+                 max_connections: int = 256) -> None:
         self.prefix, self.shared, self.engine = prefix, shared, engine
-        self.registry = Registry(prefix, shared.store, engine, shared.chunk_size)
+        self.registry = Registry(prefix, shared.store, engine, shared.chunk_size, limits)
         self._interval = reclaim_interval
+        self._max_connections = max_connections
+        self._uid = os.geteuid()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._conns: set[Connection] = set()
@@ -108,7 +135,7 @@ class DataPlane:
                 pass
         instances = self.registry.all()
         for inst in instances:
-            inst.jobs.put(_stop_worker)
+            inst.submit(_stop_worker, bounded=False)
         for inst in instances:
             if inst.thread is not None:
                 inst.thread.join(timeout)
@@ -126,11 +153,30 @@ class DataPlane:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            conn = Connection(sock)
-            with self._conns_lock:
-                self._conns.add(conn)
+            conn = self._admit(sock)
+            if conn is None:
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn",
                              daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> Connection | None:
+        """A ``Connection`` for a peer of our uid while there is room; else close the socket."""
+        try:
+            uid = peer_uid(sock)
+        except OSError:
+            sock.close()
+            return None
+        with self._conns_lock:
+            full = len(self._conns) >= self._max_connections
+            if uid == self._uid and not full:
+                conn = Connection(sock, uid)
+                self._conns.add(conn)
+                return conn
+        log.warning("refused a connection from uid %d (%s)", uid,
+                    "connection limit reached" if full and uid == self._uid
+                    else f"only uid {self._uid} may connect")
+        sock.close()
+        return None
 
     def _serve(self, conn: Connection) -> None:
         try:
@@ -146,11 +192,12 @@ class DataPlane:
                                                    message=f"undecodable message: {exc}"))
                     continue
                 self._dispatch(conn, call_id, msg)
-        except OSError:
+        except OSError:  # includes a frame over the limit: the stream cannot be resynchronized
             return
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
+            conn.sock.close()  # replies of calls still queued are dropped (Connection.reply)
 
     def _maintain(self) -> None:
         while not self._stop.wait(self._interval):
@@ -159,10 +206,11 @@ class DataPlane:
                 if freed or dropped:
                     log.info("reclaimed %d reservations and %d pins of dead processes",
                              freed, dropped)
-                for inst in self.registry.orphans():
-                    log.info("owner %s of instance %d died: dropping it",
-                             inst.request.owner_pid, inst.id)
-                    inst.jobs.put(_orphan_job(self.registry))
+                for inst in self.registry.expired():
+                    if self.registry.claim_drop(inst):
+                        log.info("the lease of instance %d ran out: dropping it", inst.id)
+                        self.shared.events.add("instances_expired")
+                        inst.submit(_drop_job(self.registry), bounded=False)
             except Exception:
                 log.exception("maintenance pass failed")
 
@@ -171,10 +219,15 @@ class DataPlane:
     def _dispatch(self, conn: Connection, call_id: int, msg: Any) -> None:
         try:
             if isinstance(msg, (StoreChunks, RetrieveChunks, UnregisterInstance)):
-                inst = self.registry.get(msg.instance_id)
-                inst.jobs.put(_transfer_job(self, conn, call_id, msg))
+                inst = self.registry.authorize(msg.instance_id, msg.token)
+                if isinstance(msg, UnregisterInstance):
+                    if not self.registry.claim_drop(inst):
+                        raise BadRequest(f"instance {inst.id} is being unregistered already")
+                    inst.submit(_transfer_job(self, conn, call_id, msg), bounded=False)
+                else:
+                    inst.submit(_transfer_job(self, conn, call_id, msg))
                 return
-            conn.reply(call_id, self._control(msg))
+            conn.reply(call_id, self._control(conn, msg))
         except RemoteError as exc:
             conn.reply(call_id, reply_for(exc))
         except Exception as exc:
@@ -182,14 +235,20 @@ class DataPlane:
                           getattr(msg, "request_id", None))
             conn.reply(call_id, ErrorReply(kind=ErrorKind.INTERNAL, message=repr(exc)))
 
-    def _control(self, msg: Any) -> Any:
+    def _control(self, conn: Connection, msg: Any) -> Any:
         if isinstance(msg, Ping):
             return Pong(pid=os.getpid(), backend=self.engine.backend, version=__version__,
                         chunk_size=self.shared.chunk_size, shm_prefix=self.prefix)
         if isinstance(msg, ListInstances):
             return InstanceList(instances=[i.info() for i in self.registry.all()])
         if isinstance(msg, RegisterInstance):
-            return Registered(instance_id=self.registry.register(msg).id)
+            inst = self.registry.register(msg, conn.uid, conn.id)
+            return Registered(instance_id=inst.id, token=inst.token,
+                              lease_s=self.registry.limits.lease_s)
+        if isinstance(msg, RenewLease):
+            inst = self.registry.authorize(msg.instance_id, msg.token)
+            self.shared.events.add("lease_renewals")
+            return LeaseRenewed(instance_id=inst.id, lease_s=self.registry.limits.lease_s)
         raise BadRequest(f"unsupported call {type(msg).__name__}")
 
     def run_transfer(self, inst: Instance, msg: Any) -> Any:
@@ -233,10 +292,9 @@ def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> An
     return job
 
 
-def _orphan_job(registry: Registry) -> Any:
+def _drop_job(registry: Registry) -> Any:
     def job(inst: Instance) -> bool:
         registry.remove(inst)
-        release_buffer(inst.request)
         return False
     return job
 
@@ -246,7 +304,14 @@ def _stop_worker(inst: Instance) -> bool:
 
 
 def _bind(address: str) -> socket.socket:
-    if os.path.exists(address):
+    """Listen on ``address`` (mode 0600), replacing a stale socket of ours.
+
+    Raises:
+        ForeignObject: something not ours holds the path (a file, a symlink, another user's
+            socket); it is left in place.
+        OSError: a live data plane already serves the path.
+    """
+    if check_socket(address):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(address)

@@ -276,8 +276,8 @@ class Store:
         self.size = slab_seg.size
         self._guard = Guarded(lock, self._h[H_DIRTY:H_DIRTY + 1], self._rebuild,
                               seq=self._h[H_SEQ:H_SEQ + 1])
-        self._class_cache: dict[int, ChunkClass] = {}
-        self._geometry: dict[int, _Geometry] = {}
+        self._class_cache: dict[int, tuple[int, ChunkClass]] = {}   # id -> (GEN, class)
+        self._geometry: dict[int, tuple[int, _Geometry]] = {}
         self._pid = os.getpid()
 
     # -- life cycle -------------------------------------------------------------------------
@@ -370,7 +370,9 @@ class Store:
                 raise CapacityError(f"all {self.config.max_classes} layout classes are in use")
             c = int(free[0])
             row = self._classes[c]
+            gen = int(row[slab.C_GEN])
             row[:] = 0
+            row[slab.C_GEN] = gen + 1
             row[slab.C_FREE_HEAD] = index.NIL
             row[[slab.C_SLOT_BYTES, slab.C_KV_BYTES, slab.C_HEADER_BYTES, slab.C_CHUNK,
                  slab.C_LAYERS, slab.C_HIDDEN, slab.C_DTYPE, slab.C_WS]] = [
@@ -384,18 +386,29 @@ class Store:
             row[slab.C_USED] = 1  # last: the row is complete before anyone can match it
             return c
 
+    def release_class(self, class_id: int) -> bool:
+        """Free the row of a layout class that holds no page (hence no chunk); its id may then
+        name another class. The caller knows no instance uses it. True when released.
+        """
+        with self._guard():
+            row = self._classes[class_id]
+            if not row[slab.C_USED] or row[slab.C_PAGES] or row[slab.C_COMMITTED]:
+                return False
+            row[slab.C_USED] = 0
+            return True
+
     def chunk_class(self, class_id: int) -> ChunkClass:
-        cached = self._class_cache.get(class_id)
-        if cached is not None:
-            return cached
         row = self._classes[class_id]
+        cached = self._class_cache.get(class_id)
+        if cached is not None and cached[0] == row[slab.C_GEN]:
+            return cached[1]
         if not row[slab.C_USED]:
             raise KeyError(f"no layout class {class_id}")
         name = bytes(self._names[class_id]).rstrip(b"\0").decode()
         cc = ChunkClass(name, int(row[slab.C_WS]), int(row[slab.C_LAYERS]),
                         int(row[slab.C_HIDDEN]), DType(int(row[slab.C_DTYPE])),
                         int(row[slab.C_CHUNK]))
-        self._class_cache[class_id] = cc
+        self._class_cache[class_id] = (int(row[slab.C_GEN]), cc)
         return cc
 
     # -- writing ----------------------------------------------------------------------------
@@ -591,9 +604,13 @@ class Store:
 
     def _locate(self, slot: int) -> tuple["_Geometry", int]:
         c = int(self._obj[slot, index.CLASS])
-        g = self._geometry.get(c)
-        if g is None:
-            g = self._geometry[c] = _Geometry.of(self.chunk_class(c))
+        gen = int(self._classes[c, slab.C_GEN])
+        cached = self._geometry.get(c)
+        if cached is not None and cached[0] == gen:
+            g = cached[1]
+        else:
+            g = _Geometry.of(self.chunk_class(c))
+            self._geometry[c] = (gen, g)
         page, i = divmod(slot, self.config.slots_per_page)
         return g, page * self.config.page_bytes + i * g.slot_bytes
 
