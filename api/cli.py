@@ -26,6 +26,12 @@ FLAGS: list[tuple[str, type, str]] = [
     ("min_slot_kb", int, "smallest chunk slot in KiB; bounds slots per page (default 64)"),
     ("shm_prefix", str, "shared-memory name prefix (default kvblend)"),
     ("api_token", str, "require 'Authorization: Bearer <token>' on /v1 and /metrics"),
+    ("admin_token", str, "token for clearing the cache and unredacted events (docs/security.md)"),
+    ("max_request_kb", int, "largest HTTP request body in KiB; more is 413 (default 8192)"),
+    ("instance_lease_s", float, "seconds an instance lives without a renewal (default 30)"),
+    ("max_instances", int, "registered instances per service (default 256)"),
+    ("max_instances_per_client", int, "instances per data-plane connection (default 64)"),
+    ("max_connections", int, "data-plane connections at once (default 256)"),
     ("workers", int, "API worker processes (default 1)"),
     ("fingerprint_capacity", int, "fingerprint index entries (default 1048576)"),
     ("dataplane_socket", str, "data-plane socket path (default under /dev/shm)"),
@@ -51,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=argparse.SUPPRESS, help="auto: cuda when a GPU is present")
     serve.add_argument("--wipe", action="store_const", const=True, default=argparse.SUPPRESS,
                        help="drop the cached chunks at start-up")
+    serve.add_argument("--insecure-no-token", action="store_const", const=True,
+                       default=argparse.SUPPRESS,
+                       help="allow a non-loopback --host without --api-token")
     for name, doc in (("status", "show the running service's status"),
                       ("clear", "drop every cached chunk of the running service")):
         p = sub.add_parser(name, help=doc)
@@ -69,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(**args)
     except ValidationError as exc:
         for err in exc.errors():
-            print(f"kvblend: --{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}",
-                  file=sys.stderr)
+            flag = "-".join(map(str, err["loc"])).replace("_", "-")
+            print(f"kvblend: {'--' + flag + ': ' if flag else ''}{err['msg']}", file=sys.stderr)
         return 2
     if command == "serve":
         return _serve(settings)

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import pytest
 
 
-
 def _cuda_available() -> bool:
     try:
         import torch
