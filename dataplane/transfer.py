@@ -88,7 +88,7 @@ _HDR_WORDS = 7
 _W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
 
 
-PIN_BATCH = 256  # matches pinned at once by one retrieve; it holds at most two batches
+PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
 
 
 def _batches(n: int, chunk_bytes: int, most: int | None = None) -> list[tuple[int, int]]:

@@ -56,14 +56,24 @@ def start_dataplane(prefix: str, backend: str = "cpu", timeout: float = 60.0,
         left = deadline - time.monotonic()
         if left <= 0 or not sel.select(left):
             proc.kill()
+            _reap(proc, sel)
             raise TimeoutError("the data plane did not become ready")
         chunk = os.read(proc.stdout.fileno(), 4096)
         if not chunk:
-            raise RuntimeError(f"the data plane exited with {proc.wait()}")
+            rc = _reap(proc, sel)
+            raise RuntimeError(f"the data plane exited with {rc}")
         line += chunk
     sel.close()
     assert line.startswith(b"dataplane ready"), line
     return DataPlaneProc(prefix, default_address(prefix), proc)
+
+
+def _reap(proc: subprocess.Popen, sel: selectors.BaseSelector) -> int:
+    sel.close()
+    rc = proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+    return rc
 
 
 def create_store(prefix: str) -> None:
