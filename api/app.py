@@ -16,6 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp
 
 from api import errors, kvblend_version
+from api.auth import Tokens
+from api.limits import BodyLimit
 from api.lookup import LookupFastPath
 from api.metrics import build_registry
 from api.routes import chunks, events, health, instances, lookup, metrics, status
@@ -29,7 +31,10 @@ computed, look up which stored chunks appear anywhere in a new prompt (at any of
 them into their KV buffer.
 
 Errors are RFC 9457 `application/problem+json`. When the service runs with an API token, every
-`/v1` route and `/metrics` need `Authorization: Bearer <token>`.
+`/v1` route and `/metrics` need exactly `Authorization: Bearer <token>` (one header, one space).
+When it runs with an admin token, that token is accepted wherever the API token is, and it alone
+may clear the cache and see request ids and model names in `/v1/events`. A request body larger
+than `--max-request-kb` is answered 413.
 """
 
 TAGS = [
@@ -43,10 +48,13 @@ TAGS = [
 
 
 class KvblendApp(FastAPI):
-    """FastAPI with the lookup fast path in front of its middleware stack (``api.lookup``)."""
+    """FastAPI with the lookup fast path in front of its middleware stack (``api.lookup``), and
+    the body limit in front of both (``api.limits``)."""
 
     def build_middleware_stack(self) -> ASGIApp:
-        return LookupFastPath(super().build_middleware_stack(), self)
+        settings: Settings = self.state.settings
+        return BodyLimit(LookupFastPath(super().build_middleware_stack(), self),
+                         settings.max_request_kb * 1024)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -68,8 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = KvblendApp(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
                      openapi_tags=TAGS, lifespan=lifespan)
-    token = settings.token()
-    app.state.api_token = token.encode() if token is not None else None
+    app.state.tokens = Tokens.of(settings)
     app.state.settings = settings
     errors.install(app)
     for module in (health, status, instances, lookup, chunks, metrics, events):
@@ -91,6 +98,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         ref_template="#/components/schemas/{model}"))
     for item in schema["paths"].values():
         for op in item.values():
+            if "requestBody" in op:  # api.limits guards every body
+                op["responses"].setdefault("413", errors.documented(413))
             for code, resp in op.get("responses", {}).items():
                 if code[0] in "45":  # errors are problem+json only, never plain JSON
                     resp.get("content", {}).pop("application/json", None)

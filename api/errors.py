@@ -11,8 +11,10 @@ Routes raise typed exceptions (the store's, the data plane's, or the few below) 
 Exception tree of the API itself::
 
     ApiError
-    ├── Unauthorized             missing or wrong bearer token          401
+    ├── Unauthorized             missing, malformed or wrong token      401
+    ├── AdminRequired            the API token where the admin's is due 403
     ├── InstanceNotFound         no registered instance with that id    404
+    ├── PayloadTooLarge          a body over ``--max-request-kb``       413
     └── UnsupportedMediaType     a body that is neither JSON nor bytes  415
 
 The data plane's typed errors (``dataplane.errors``) join the table in ``api.link``.
@@ -44,7 +46,11 @@ class ApiError(Exception):
 
 
 class Unauthorized(ApiError):
-    """Missing or wrong ``Authorization: Bearer`` token."""
+    """Missing, malformed or wrong ``Authorization: Bearer`` token."""
+
+
+class AdminRequired(ApiError):
+    """A valid API token on an operation that needs the admin token."""
 
 
 class InstanceNotFound(ApiError, KeyError):
@@ -54,6 +60,10 @@ class InstanceNotFound(ApiError, KeyError):
         return str(self.args[0]) if self.args else "unknown instance"
 
 
+class PayloadTooLarge(ApiError):
+    """A request body larger than the service takes (``api.limits``)."""
+
+
 class UnsupportedMediaType(ApiError):
     """A request body in a content type the route does not take."""
 
@@ -61,7 +71,9 @@ class UnsupportedMediaType(ApiError):
 # Most specific first is not required: the handler walks the exception's MRO.
 ERROR_STATUS: dict[type[BaseException], int] = {
     Unauthorized: 401,
+    AdminRequired: 403,
     InstanceNotFound: 404,
+    PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     ChunkNotFound: 404,
     LayoutMismatch: 409,
@@ -179,6 +191,10 @@ def install(app: FastAPI) -> None:
 
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting these error statuses as problem+json."""
-    return {s: {"model": Problem, "description": HTTPStatus(s).phrase,
-                "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
-            for s in statuses}
+    return {s: {"model": Problem, **documented(s)} for s in statuses}
+
+
+def documented(status: int) -> dict[str, Any]:
+    """The OpenAPI response object of the error ``status``: a problem+json body."""
+    return {"description": HTTPStatus(status).phrase,
+            "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}

@@ -8,16 +8,16 @@ lookup, and hit rates decayed to zero when engines skipped the retrieve).
 (it documents the operation, and it answers every request the fast path does not take), but a
 well-formed lookup skips routing, the middleware stack and dependency resolution, which together
 cost more than the match itself (measured: about 0.8 ms of a 1.4 ms binary lookup, in-process).
-The fast path only says yes: a request it does not fully accept (another path or method, a bearer
-header other than exactly ``Bearer <token>``, a query parameter it cannot parse and bound, a body
-that does not decode) goes to the app unchanged, its body replayed, so every error is still the
-route's own problem+json answer and the accepted requests are a subset of what the route accepts.
+The fast path only says yes: a request it does not fully accept (another path or method, a caller
+``api.auth.Tokens`` does not admit, a query parameter it cannot parse and bound, a body that does
+not decode, a model name or salt ``shm.hashing`` refuses) goes to the app unchanged, its body
+replayed, so every error is still the route's own problem+json answer and the accepted requests
+are a subset of what the route accepts. The body limit (``api.limits``) sits in front of it.
 """
 
 from __future__ import annotations
 
 import array
-import hmac
 import re
 import time
 import uuid
@@ -30,6 +30,7 @@ import numpy as np
 from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.auth import Role, Tokens
 from api.errors import UnsupportedMediaType, problem_for
 from api.metrics import count_lookup
 from api.services import Services
@@ -179,24 +180,21 @@ class LookupFastPath:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        raw_ctype = auth = request_id = None
+        raw_ctype = request_id = None
         for name, value in scope["headers"]:  # the first of each, as ``request.headers`` gives
             name = name.lower()
             if name == b"content-type" and raw_ctype is None:
                 raw_ctype = value
-            elif name == b"authorization" and auth is None:
-                auth = value
             elif name == b"x-request-id" and request_id is None:
                 request_id = value.decode("latin-1")
         ctype = ("application/json" if raw_ctype is None
                  else raw_ctype.decode("latin-1").split(";")[0].strip().lower())
-        token: bytes | None = self.owner.state.api_token
+        tokens: Tokens = self.owner.state.tokens
         fields = _query_fields(scope["query_string"])
         binary = ctype == OCTET_STREAM
         if (fields is None or (binary and fields[0] is None)
                 or not (binary or ctype == "application/json")
-                or (token is not None and (auth is None
-                                           or not hmac.compare_digest(auth, b"Bearer " + token)))):
+                or tokens.role(scope["headers"]) is Role.NONE):
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
@@ -230,7 +228,11 @@ class LookupFastPath:
 
 
 async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client disconnected first."""
+    """The whole request body, or None when the client disconnected first.
+
+    Raises:
+        PayloadTooLarge: the body crossed the limit (``api.limits`` has answered 413).
+    """
     chunks: list[bytes] = []
     while True:
         message = await receive()

@@ -1,22 +1,24 @@
-"""``DELETE /v1/chunks``: clear the cache (admin)."""
+"""``DELETE /v1/chunks``: clear the cache (the admin token when one is configured)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api.auth import require_token
+from api.auth import require_admin
 from api.deps import EventsDep, FingerprintsDep, StoreDep
 from api.errors import responses
 from api.schemas import ChunksCleared
 
-router = APIRouter(prefix="/v1", tags=["chunks"], dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1", tags=["chunks"], dependencies=[Depends(require_admin)])
 
 
 @router.delete("/chunks", response_model=ChunksCleared, operation_id="clearChunks",
                summary="Drop every stored chunk",
                description="Evicts every committed chunk that no retrieve has pinned and empties "
-                           "the fingerprint index. Pinned chunks go on their next eviction.",
-               responses=responses(401))
+                           "the fingerprint index. Pinned chunks go on their next eviction. "
+                           "Needs the admin token when the service has one (403 for the API "
+                           "token), else the API token.",
+               responses=responses(401, 403))
 def clear_chunks(store: StoreDep, fingerprints: FingerprintsDep, events: EventsDep
                  ) -> ChunksCleared:
     entries = fingerprints.stats()["num_entries"]

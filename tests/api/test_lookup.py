@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import msgspec
 import numpy as np
 import pytest
@@ -208,12 +209,16 @@ def test_requests_the_fast_path_leaves_get_the_same_answer(client: TestClient, s
     assert slow.json() == fast.json() and fast.json()["hit_tokens"] == len(a) + len(b)
 
 
-def test_bearer_scheme_in_any_case_is_admitted(auth_client: TestClient) -> None:
-    """Only ``Bearer <token>`` exactly is taken by the fast path; the route admits the rest."""
-    for scheme in ("Bearer", "bearer", "BEARER"):
-        r = auth_client.post("/v1/lookup", headers={"authorization": f"{scheme} {TOKEN}"},
-                             json={"model_name": "m", "token_ids": [1, 2, 3]})
-        assert r.status_code == 200, r.text
+def test_fast_path_and_route_take_only_the_exact_bearer_form(auth_client: TestClient) -> None:
+    """``Bearer <token>`` exactly, once: the fast path serves it, and neither the fast path nor
+    the route behind it admits any other spelling (tests/api/test_auth.py has the full list)."""
+    body = {"model_name": "m", "token_ids": [1, 2, 3]}
+    ok = auth_client.post("/v1/lookup", headers={"authorization": f"Bearer {TOKEN}"}, json=body)
+    assert ok.status_code == 200, ok.text
+    for headers in ([("authorization", f"bearer {TOKEN}")],
+                    [("authorization", f"Bearer {TOKEN} ")],
+                    [("authorization", f"Bearer {TOKEN}")] * 2):
+        problem(auth_client.post("/v1/lookup", headers=headers, json=body), 401)
 
 
 def test_query_parameters_are_checked_for_json_bodies_too(client: TestClient) -> None:
@@ -238,3 +243,54 @@ def test_covered_tokens_counts_overlaps_once() -> None:
          Match(0, 16, 40, 56, b"c" * 16)]
     assert covered_tokens(m) == 24 + 16
     assert covered_tokens([]) == 0
+
+
+# -- model names and salts that shm.hashing refuses ---------------------------------------------
+
+BAD_LABELS = [
+    pytest.param("model_name", "\u0000", id="name-nul"),
+    pytest.param("model_name", "model\u0000a", id="name-inner-nul"),
+    pytest.param("model_name", "\x1b[2J", id="name-escape-sequence"),
+    pytest.param("model_name", "\u2028", id="name-line-separator"),
+    pytest.param("model_name", "\u00e9" * 61, id="name-122-bytes-in-61-chars"),
+    pytest.param("cache_salt", "\u0000", id="salt-nul"),
+    pytest.param("cache_salt", "\x07", id="salt-bell"),
+    pytest.param("cache_salt", "\u00e9" * 129, id="salt-258-bytes-in-129-chars"),
+]
+
+
+def bad_lookup(client: TestClient, field: str, value: str, binary: bool) -> httpx.Response:
+    """A lookup the fast path would serve but for ``field``'s value."""
+    fields = {"model_name": "model-a", field: value}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    if binary:
+        return client.post("/v1/lookup", params=fields, content=b"\x01\x00\x00\x00" * 4,
+                           headers={**headers, "content-type": "application/octet-stream"})
+    return client.post("/v1/lookup", json={**fields, "token_ids": [1, 2, 3, 4]}, headers=headers)
+
+
+def still_serves(client: TestClient, a: np.ndarray) -> None:
+    """Status, metrics, events and a good lookup all answer as if nothing had happened."""
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    assert client.get("/v1/status", headers=headers).status_code == 200
+    assert client.get("/metrics", headers=headers).status_code == 200
+    events = client.get("/v1/events", headers=headers)
+    assert events.status_code == 200 and events.json()["events"] == []  # the refused left none
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": a.tolist()},
+                    headers=headers)
+    assert r.status_code == 200 and r.json()["hit_tokens"] == len(a)
+    r = client.post("/v1/lookup", content=a.astype("<u4").tobytes(),
+                    params={"model_name": "model-a"},
+                    headers={**headers, "content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["hit_tokens"] == len(a)
+
+
+@pytest.mark.parametrize("binary_body", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("field,value", BAD_LABELS)
+def test_refused_names_and_salts_are_422_and_harm_nothing(auth_client: TestClient, stored: tuple,
+                                                         field: str, value: str,
+                                                         binary_body: bool) -> None:
+    for _ in range(2):  # the same bad request again answers the same
+        body = problem(bad_lookup(auth_client, field, value, binary_body), 422)
+        assert body["code"] == "ValueError" and field in body["detail"]
+    still_serves(auth_client, stored[0])

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from shm.events import EventLog
 from shm.hashing import Namespace
-from tests.api.conftest import CHUNK, Cache, make_settings
+from tests.api.apps import ADMIN, bearer, serving
+from tests.api.conftest import CHUNK, TOKEN, Cache, make_settings, problem
 
 
 def samples(text: str) -> dict[str, float]:
@@ -69,7 +70,8 @@ def test_events_hold_lookups_with_their_request_ids(client: TestClient, cache: C
     events = client.get("/v1/events").json()["events"]
     start, end = events[-2], events[-1]
     assert start["kind"] == "lookup_start" and end["kind"] == "lookup_end"
-    assert start["request_id"] == end["request_id"] == "req-7"
+    assert start["request_id"] == end["request_id"] == "req-7"  # no token: everyone is admin
+    assert start["model_name"] == "model-a"
     assert start["num_tokens"] == 2 * CHUNK
     assert end["hit_tokens"] == 2 * CHUNK and end["num_chunks"] == 2
     assert end["duration_ms"] >= 0 and end["seq"] == start["seq"] + 1
@@ -83,3 +85,56 @@ def test_events_limit_and_kind_filter(client: TestClient) -> None:
     ends = client.get("/v1/events", params={"kind": "lookup_end", "limit": 2}).json()["events"]
     assert [e["request_id"] for e in ends] == ["q3", "q4"]
     assert client.get("/v1/events", params={"limit": 0}).status_code == 422
+
+
+# -- who sees who asked: request ids and model names are the admin's ------------------------------
+
+SECRET_ID, SECRET_MODEL = "tenant-a-req-1", "tenant-a/secret-model"
+
+
+def lookup_as(client: TestClient, token: str | None) -> None:
+    headers = {"x-request-id": SECRET_ID, **(bearer(token) if token else {})}
+    r = client.post("/v1/lookup", headers=headers,
+                    json={"model_name": SECRET_MODEL, "token_ids": list(range(2 * CHUNK))})
+    assert r.status_code == 200, r.text
+
+
+def events_as(client: TestClient, token: str | None, **params: object) -> list[dict]:
+    r = client.get("/v1/events", headers=bearer(token) if token else {}, params=params)
+    assert r.status_code == 200, r.text
+    events: list[dict] = r.json()["events"]
+    assert events
+    return events
+
+
+def assert_redacted(client: TestClient, token: str | None) -> None:
+    for params in ({}, {"kind": "lookup_start"}, {"limit": 1}):
+        events = events_as(client, token, **params)
+        assert all(e["request_id"] is None and e["model_name"] is None for e in events), events
+        assert SECRET_ID not in str(events) and SECRET_MODEL not in str(events)
+
+
+def assert_visible(client: TestClient, token: str | None) -> None:
+    start = events_as(client, token, kind="lookup_start")[-1]
+    assert start["request_id"] == SECRET_ID and start["model_name"] == SECRET_MODEL
+
+
+def test_events_hide_who_asked_from_api_token_holders(shm_prefix: str, cache: Cache) -> None:
+    with serving(shm_prefix, api_token=TOKEN, admin_token=ADMIN) as client:
+        lookup_as(client, TOKEN)
+        assert_redacted(client, TOKEN)
+        assert_visible(client, ADMIN)
+        problem(client.get("/v1/events", headers=[("authorization", f"Bearer {ADMIN}")] * 2), 401)
+
+
+def test_with_only_an_api_token_nobody_sees_who_asked(auth_client: TestClient) -> None:
+    lookup_as(auth_client, TOKEN)
+    assert_redacted(auth_client, TOKEN)
+
+
+def test_with_only_an_admin_token_the_open_api_is_redacted(shm_prefix: str, cache: Cache) -> None:
+    with serving(shm_prefix, admin_token=ADMIN) as client:
+        lookup_as(client, None)
+        assert_redacted(client, None)
+        assert_redacted(client, "wrong-token")
+        assert_visible(client, ADMIN)
