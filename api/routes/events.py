@@ -1,8 +1,8 @@
 """``GET /v1/events``: the most recent request events, newest last.
 
 Request ids and model names say who asked for what; only the admin sees them (``api.auth``).
-Everyone else gets every event with both set to null, so the shape of an event does not vary
-with the caller.
+Everyone else gets every event with both set to null (and the text of an error, which may quote
+a model name), so the shape of an event does not vary with the caller.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from api.schemas import Event, EventList
 router = APIRouter(prefix="/v1", tags=["observability"], dependencies=[Depends(require_token)])
 
 REDACTED = {"request_id": None, "model_name": None}
+ERROR_TEXT = "error"  # an error's text may quote a model name: its kind stays, its text goes
 
 
 @router.get("/events", response_model=EventList, operation_id="listEvents",
@@ -41,5 +42,8 @@ def list_events(request: Request, events: EventsDep,
 
 
 def redact(event: dict[str, Any]) -> dict[str, Any]:
-    """``event`` without who asked: its request id and model name null."""
-    return {**event, **REDACTED}
+    """``event`` without who asked: its request id, model name and error text null."""
+    out = {**event, **REDACTED}
+    if ERROR_TEXT in out:
+        out[ERROR_TEXT] = None
+    return out

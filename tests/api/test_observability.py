@@ -138,3 +138,16 @@ def test_with_only_an_admin_token_the_open_api_is_redacted(shm_prefix: str, cach
         assert_redacted(client, None)
         assert_redacted(client, "wrong-token")
         assert_visible(client, ADMIN)
+
+
+def test_error_texts_are_redacted_too(shm_prefix: str, cache: Cache) -> None:
+    events = EventLog.open(shm_prefix)
+    events.record("store_error", request_id="r-9", instance_id=3,
+                  error="LayoutMismatch(\"model 'tenant-secret' is stored with L=2\")")
+    events.close()
+    with serving(shm_prefix, api_token=TOKEN, admin_token=ADMIN) as client:
+        def error_seen(token: str) -> object:
+            got = client.get("/v1/events?kind=store_error", headers=bearer(token)).json()
+            return got["events"][-1]["error"]
+        assert error_seen(TOKEN) is None
+        assert "tenant-secret" in str(error_seen(ADMIN))
