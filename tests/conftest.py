@@ -6,8 +6,11 @@ import glob
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.squat import Squatter
 
 
 def _cuda_available() -> bool:
@@ -42,3 +45,20 @@ def shm_prefix() -> Iterator[str]:
     prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
     yield prefix
     remove_prefix(prefix)
+
+
+@pytest.fixture
+def squat(shm_prefix: str) -> Iterator[Squatter]:
+    """Plants foreign names under the test's prefix; removes them afterwards."""
+    squatter = Squatter(shm_prefix)
+    yield squatter
+    squatter.remove_foreign()
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file outside /dev/shm that a planted symlink points at."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"do not touch")
+    target.chmod(0o644)
+    return target

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,6 @@ from .squat import OtherUser, Squatter, foreign_uid, needs_root, other_user, sna
 SERVE_DEADLINE = 120.0
 STORE_NAMES = ("_meta", "_slab", "_fp", "_events", "_store.lock", "_fp.lock", "_events.lock",
                "_serve.lock")
-
-
-@pytest.fixture
-def squat(shm_prefix: str) -> Iterator[Squatter]:
-    squatter = Squatter(shm_prefix)
-    yield squatter
-    squatter.remove_foreign()
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ prefix that someone else planted: opening raises ``ForeignObject`` (with ``wipe`
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,22 +20,6 @@ from ..squat import Squatter, foreign_uid, needs_root, snapshot
 from .storeutil import SMALL
 
 HOW = ["symlink", "mode 0666", "another uid"]
-
-
-@pytest.fixture
-def squat(shm_prefix: str) -> Iterator[Squatter]:
-    squatter = Squatter(shm_prefix)
-    yield squatter
-    squatter.remove_foreign()
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    """A file outside /dev/shm that a planted symlink points at."""
-    target = tmp_path / "precious"
-    target.write_bytes(b"do not touch")
-    target.chmod(0o644)
-    return target
 
 
 def plant(squat: Squatter, suffix: str, how: str, outside: Path) -> str:

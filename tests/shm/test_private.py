@@ -17,22 +17,6 @@ from ..squat import Squatter, foreign_uid, needs_root, snapshot
 
 
 @pytest.fixture
-def squat(shm_prefix: str) -> Iterator[Squatter]:
-    squatter = Squatter(shm_prefix)
-    yield squatter
-    squatter.remove_foreign()
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    """A file outside /dev/shm that a planted symlink points at."""
-    target = tmp_path / "precious"
-    target.write_bytes(b"do not touch")
-    target.chmod(0o644)
-    return target
-
-
-@pytest.fixture
 def tight_umask() -> Iterator[None]:
     """A umask that takes the owner's write bit away."""
     old = os.umask(0o277)

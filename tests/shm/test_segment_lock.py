@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,22 +19,6 @@ from shm.lock import FileLock, lock_path, pid_alive
 from shm.segment import Segment, exists, unlink
 
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
-
-
-@pytest.fixture
-def squat(shm_prefix: str) -> Iterator[Squatter]:
-    squatter = Squatter(shm_prefix)
-    yield squatter
-    squatter.remove_foreign()
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    """A file outside /dev/shm that a planted symlink points at."""
-    target = tmp_path / "precious"
-    target.write_bytes(b"do not touch")
-    target.chmod(0o644)
-    return target
 
 
 def test_create_attach_close_unlink(shm_prefix: str) -> None:
