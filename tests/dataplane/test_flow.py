@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.channel import Channel
+from dataplane.channel import Channel, recv_frame
 from dataplane.client import BlendClient
 from dataplane.errors import BadRequest, LayoutMismatch, OutOfRange, Timeout, UnknownInstance
 from dataplane.messages import (ListInstances, Ping, Pong, RegisterInstance, RetrieveChunks,
@@ -186,8 +187,24 @@ def test_bad_calls_get_typed_errors_and_the_process_keeps_serving(
             ch.call(RegisterInstance(model_name="y", world_size=1, worker_id=0, num_layers=L,
                                      num_tokens=T, hidden_dim=D, dtype="float16",
                                      buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'0' * 32}")))
-        with pytest.raises(Timeout):
-            ch.call(ListInstances(), timeout=0)  # posix_ipc rule: 0 fails unless ready
         pong = ch.call(Ping(), timeout=5)
         assert isinstance(pong, Pong) and pong.backend.value == "cpu" and pong.chunk_size == CHUNK
         assert client.store_pre_computed(inst, tokens).wait(timeout=10).ok
+
+
+def test_timeouts_follow_the_posix_ipc_rule(shm_prefix: str) -> None:
+    """Against a peer that reads every call and never answers, so no reply can race the
+    timeout: 0 fails at once, > 0 after that long."""
+    address = f"/dev/shm/{shm_prefix}_silent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(address)
+        server.listen(1)
+        with Channel(address) as ch:
+            pending = ch.submit(Ping())
+            peer, _ = server.accept()
+            with peer:
+                assert recv_frame(peer) is not None  # the call arrived; no answer will
+                with pytest.raises(Timeout):
+                    pending.result(timeout=0)
+                with pytest.raises(Timeout):
+                    ch.call(Ping(), timeout=0.05)
