@@ -14,7 +14,7 @@ import torch
 from dataplane.channel import Channel, recv_frame
 from dataplane.client import BlendClient
 from dataplane.errors import BadRequest, LayoutMismatch, OutOfRange, Timeout, UnknownInstance
-from dataplane.messages import (ListInstances, Ping, Pong, RegisterInstance, RetrieveChunks,
+from dataplane.messages import (Ping, Pong, RegisterInstance, RetrieveChunks,
                                 ShmBuffer, StoreChunks)
 from shm.events import EventLog
 from shm.store import Store
