@@ -20,7 +20,7 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Ready, operation_id="readyz",
             summary="Readiness: the data plane answers", responses=responses(503))
-def readyz(dataplane: DataPlaneDep) -> Ready:
-    if dataplane.ping() is None:
+async def readyz(dataplane: DataPlaneDep) -> Ready:
+    if dataplane.ping() is None:  # the monitor's last answer: never waits (``api.link``)
         raise DataPlaneUnavailable(f"the data plane at {dataplane.address} does not answer")
     return Ready()

@@ -21,6 +21,9 @@ def get_status(services: ServicesDep) -> Status:
     fp = services.fingerprints.stats()
     link = services.dataplane
     ping = link.ping()
+    instances = link.try_list_instances() if ping is not None else None
+    if instances is None:
+        ping = None
     restarts = services.events.counters().get("dataplane_restarts", 0)
     return Status(
         version=kvblend_version(), chunk_size=services.settings.chunk_size,
@@ -30,7 +33,7 @@ def get_status(services: ServicesDep) -> Status:
                               num_chunks=st.num_objects, num_pinned=st.num_pinned,
                               evictions=st.evictions),
         fingerprints=FingerprintStatus(num_entries=fp["num_entries"], capacity=fp["capacity"]),
-        instances=link.list_instances() if ping is not None else [],
+        instances=instances or [],
         dataplane=DataPlaneStatus(pid=ping.pid if ping is not None else None,
                                   alive=ping is not None, restarts=restarts,
                                   address=link.address))

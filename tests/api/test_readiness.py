@@ -1,0 +1,60 @@
+"""Readiness against a real data plane that hangs (SIGSTOP): the API notices within its monitor's
+staleness bound and never holds a request for a whole call timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from tests.api.conftest import make_settings, problem
+from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
+
+GENEROUS = 5.0  # far above the 1 s bound, far below the 10-20 s a hung call used to take
+
+
+@pytest.fixture
+def live(shm_prefix: str) -> Iterator[tuple[TestClient, DataPlaneProc]]:
+    create_store(shm_prefix)
+    dp = start_dataplane(shm_prefix)
+    settings = make_settings(shm_prefix, chunk_size=CHUNK, dataplane_socket=dp.address,
+                             fingerprint_capacity=4096)
+    with TestClient(create_app(settings)) as client:
+        yield client, dp
+    if dp.proc.poll() is None:
+        os.kill(dp.proc.pid, signal.SIGCONT)
+        assert dp.stop() == 0
+
+
+def until(check: object, deadline: float = 30.0) -> None:
+    end = time.monotonic() + deadline
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < end, "not reached before the deadline"
+        time.sleep(0.02)  # polling another process's state
+
+
+def answered_within(client: TestClient, path: str, seconds: float) -> int:
+    t0 = time.monotonic()
+    status = client.get(path).status_code
+    assert time.monotonic() - t0 < seconds, f"{path} held the request"
+    return status
+
+
+def test_a_hung_data_plane_is_not_ready_and_holds_no_request(
+        live: tuple[TestClient, DataPlaneProc]) -> None:
+    client, dp = live
+    until(lambda: client.get("/readyz").status_code == 200)
+    os.kill(dp.proc.pid, signal.SIGSTOP)
+    until(lambda: client.get("/readyz").status_code == 503)
+    for path in ("/readyz", "/v1/instances", "/v1/instances/1", "/v1/status", "/healthz"):
+        assert answered_within(client, path, GENEROUS) in (200, 503)
+    assert client.get("/v1/status").json()["dataplane"]["alive"] is False
+    problem(client.get("/v1/instances"), 503)
+    os.kill(dp.proc.pid, signal.SIGCONT)
+    until(lambda: client.get("/readyz").status_code == 200)
+    assert client.get("/v1/instances").json() == {"instances": []}
