@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(settings: Settings) -> int:
     """Run the supervisor; 1 when another serve holds the prefix, 2 when a name is not ours."""
-    from api.supervisor import AlreadyServing, Supervisor
+    from api.supervisor import AlreadyServing, ConfigError, Supervisor
     from shm.errors import ForeignObject
 
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
@@ -102,6 +102,9 @@ def _serve(settings: Settings) -> int:
         return Supervisor(settings).run()
     except AlreadyServing as exc:
         print(f"kvblend: {exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        logging.getLogger("kvblend.serve").error("%s", exc)
         return 1
     except ForeignObject as exc:
         # the message names the path and says what is wrong; a traceback would bury it

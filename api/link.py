@@ -58,8 +58,10 @@ class DataPlaneLink:
             try:
                 pong: dp.Pong = self._channel.call(dp.Ping(), self._ping_timeout)
                 self._last = (time.monotonic(), pong)
-            except dp_errors.DataPlaneError:
+            except dp_errors.DataPlaneUnavailable:  # gone (restarting): not ready from now
                 self._last = None
+            except dp_errors.DataPlaneError:  # slow: ready until the last pong is too old
+                pass
             if self._stop.wait(self._interval):
                 return
 
@@ -77,7 +79,7 @@ class DataPlaneLink:
                                                  "answer")
         try:
             return self._channel.call(msg, timeout)
-        except (dp_errors.DataPlaneUnavailable, dp_errors.Timeout):
+        except dp_errors.DataPlaneUnavailable:
             self._last = None  # not ready until the monitor hears from it again
             raise
 

@@ -3,8 +3,15 @@
 This module owns the service's process tree and start-up; it never serves a request itself::
 
     kvblend serve (this process)
-    ├── python -m dataplane ...            restarted with backoff when it dies; re-attaches
-    └── python -m uvicorn api.app:...      --workers N; restarted with backoff when it dies
+    ├── python -m dataplane ...            restarted when it dies; re-attaches
+    └── python -m uvicorn api.app:...      --workers N; restarted when it dies
+
+Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
+ready line, the API answered ``/healthz``) is restarted at once; one that keeps failing before it
+is ready backs off (0.5 s doubling to 15 s); one that fails before it was ever ready ends
+``serve`` with exit code 1 and one line naming the cause (a configuration problem does not go
+away by restarting). Known configuration problems are checked before any child starts: a port
+in use, /dev/shm too small for a new store.
 
 Start-up: take the prefix's serve lock (one supervisor per prefix), create or attach the store
 (a geometry change recreates it empty, with a log line saying so; ``--wipe`` always starts
@@ -26,17 +33,18 @@ shared memory for the next ``kvblend serve``.
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import fcntl
+import http.client
 import logging
 import os
 import signal
-import subprocess
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
+from api.child import Child, StartupFailed
 from api.settings import Backend, Settings, resolve_backend
 from shm.errors import LayoutMismatch
 from shm.events import EventLog
@@ -47,77 +55,52 @@ from shm.store import Store, StoreConfig
 
 log = logging.getLogger("kvblend.serve")
 
-BACKOFF_FIRST = 0.5
-BACKOFF_MAX = 15.0
-STABLE_AFTER = 30.0      # a child that ran this long gets its backoff reset
 API_GRACE = 15.0
 DATAPLANE_GRACE = 60.0
-_PR_SET_PDEATHSIG = 1
+STARTING_POLL = 0.05     # seconds between readiness probes while a child starts
 
 
 class AlreadyServing(RuntimeError):
     """Another ``kvblend serve`` holds this prefix."""
 
 
-@dataclass
-class Child:
-    """One supervised process and its restart state."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    grace: float
-    counter: str
-    proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    next_start: float = 0.0
-    backoff: float = BACKOFF_FIRST
-    starts: int = field(default=0)
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, process_group=0,
-                                     preexec_fn=_die_with_parent)
-        self.started_at = time.monotonic()
-        self.starts += 1
-        log.info("%s started (pid %d)", self.name, self.proc.pid)
-
-    def reap(self) -> int | None:
-        """The exit code when the child has exited since the last call, else None."""
-        if self.proc is None:
-            return None
-        rc = self.proc.poll()
-        if rc is not None:
-            self.proc = None
-        return rc
-
-    def schedule_restart(self, now: float) -> float:
-        if now - self.started_at >= STABLE_AFTER:
-            self.backoff = BACKOFF_FIRST
-        delay = self.backoff
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
-        self.next_start = now + delay
-        return delay
-
-    def stop(self) -> None:
-        """SIGTERM, wait out the grace period, then SIGKILL."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s: killing it", self.name, self.grace)
-                proc.kill()
-                proc.wait()
-        log.info("%s stopped (exit code %s)", self.name, proc.returncode)
-        self.proc = None
+class ConfigError(RuntimeError):
+    """A setting the host cannot satisfy (a port in use, /dev/shm too small); one line says
+    which and how to fix it."""
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` as uvicorn will, then let it go.
+
+    Raises:
+        ConfigError: the port is taken (or the address is not this host's).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            fix = ("stop what holds it, or pass another --port" if exc.errno == errno.EADDRINUSE
+                   else "check --host")
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; {fix}") from None
+
+
+def probe_host(host: str) -> str:
+    """Where the supervisor reaches the API it started (a wildcard bind answers on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def healthz(host: str, port: int, timeout: float = 0.25) -> bool:
+    """True when the API at ``host:port`` answers ``/healthz`` with 200."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/healthz")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
 
 
 class ProgressLine:
@@ -202,8 +185,11 @@ class Supervisor:
         env = {**os.environ, **settings.model_copy(update={"backend": self.backend}).to_env()}
         env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
         self.dataplane = Child("dataplane", self._dataplane_argv(), env, DATAPLANE_GRACE,
-                               "dataplane_restarts")
-        self.api = Child("api", self._api_argv(), env, API_GRACE, "api_restarts")
+                               "dataplane_restarts", ready_line=b"dataplane ready",
+                               wake=self._wake)
+        where = (probe_host(settings.host), settings.port)
+        self.api = Child("api", self._api_argv(), env, API_GRACE, "api_restarts",
+                         probe=lambda: healthz(*where), wake=self._wake)
 
     def _dataplane_argv(self) -> list[str]:
         s = self.settings
@@ -233,7 +219,16 @@ class Supervisor:
             signal.signal(sig, self._on_stop)
         signal.signal(signal.SIGCHLD, lambda *_: self._wake.set())
         try:
-            prepare(self.settings)
+            check_port(self.settings.host, self.settings.port)
+            try:
+                prepare(self.settings)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise ConfigError(
+                    f"/dev/shm cannot hold the cache ({self.settings.storage_mb} MiB plus the "
+                    "fingerprint index): lower --storage-mb or --fingerprint-capacity, or grow "
+                    "/dev/shm (mount -o remount,size=...; Docker: --shm-size)") from None
             if self._stopping:
                 return 0
             self._events = EventLog.open(self.settings.shm_prefix)
@@ -242,6 +237,9 @@ class Supervisor:
                      "s" if self.settings.workers > 1 else "",
                      "; API token required" if self.settings.api_token else "")
             self._supervise()
+        except StartupFailed as exc:
+            log.error("%s", exc)
+            return 1
         finally:
             self.api.stop()
             self.dataplane.stop()
@@ -269,20 +267,26 @@ class Supervisor:
                                  f"{self.settings.shm_prefix!r}") from None
 
     def _supervise(self) -> None:
+        """Start, probe and restart the children until a stop signal.
+
+        Raises:
+            StartupFailed: a child exited before it was ever ready.
+        """
         children = (self.dataplane, self.api)
         while not self._stopping:
             now = time.monotonic()
             for child in children:
-                rc = child.reap()
+                rc = child.reap(now)
                 if rc is not None and not self._stopping:
-                    delay = child.schedule_restart(now)
                     log.warning("%s exited with code %s: restarting in %.1f s", child.name, rc,
-                                delay)
+                                child.next_start - now)
                 if child.proc is None and now >= child.next_start and not self._stopping:
                     if child.starts:
                         assert self._events is not None, "the event log opens before children"
                         self._events.add(child.counter)
                     child.start()
+                child.poll_ready()
+            starting = any(c.proc is not None and not c.ready.is_set() for c in children)
             pending = [c.next_start - now for c in children if c.proc is None]
-            self._wake.wait(max(0.0, min([1.0, *pending])))
+            self._wake.wait(max(0.0, min([STARTING_POLL if starting else 1.0, *pending])))
             self._wake.clear()

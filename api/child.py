@@ -1,0 +1,176 @@
+"""One supervised child process of ``kvblend serve``: start, readiness, output, restart policy, stop.
+
+This module owns the life of one child and the rule that decides what its exit means. It does not
+own which children exist or the service's start-up (``api.supervisor``).
+
+States of a child (``ready`` is set by its ready probe: the data plane's ``dataplane ready`` line
+on stdout, the API's ``/healthz`` answering)::
+
+    starting --probe says ready--> ready --exits--> crashed after a good start: restart at once
+    starting --exits, never ready since serve began--> failed at start-up: serve ends (exit 1)
+    starting --exits, was ready in an earlier run--> crash loop: restart after a backoff
+                                                     (0.5 s doubling to 15 s; reset once ready)
+
+Its stdout and stderr pass through pipes to the supervisor's own, line by line, so the last
+lines of a child that failed at start-up can name the cause in the supervisor's one error line.
+
+NOTE: children run in their own process group (a terminal's Ctrl+C reaches only the supervisor)
+and get SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+log = logging.getLogger("kvblend.serve")
+
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 15.0
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+class StartupFailed(RuntimeError):
+    """A child exited before it ever became ready: a configuration problem, not a crash."""
+
+
+class Child:
+    """One supervised process.
+
+    Args:
+        name: for logs ("api", "dataplane").
+        argv, env: how to start it.
+        grace: seconds between SIGTERM and SIGKILL at stop.
+        counter: event-log counter of its restarts.
+        ready_line: a stdout line prefix that says it is ready, or None.
+        probe: a call that says it is ready, or None (polled while it starts).
+        wake: set whenever the child's state changes (the supervisor's loop waits on it).
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], grace: float,
+                 counter: str, *, ready_line: bytes | None = None,
+                 probe: Callable[[], bool] | None = None,
+                 wake: threading.Event | None = None) -> None:
+        self.name, self.argv, self.env, self.grace, self.counter = name, argv, env, grace, counter
+        self._ready_line, self._probe = ready_line, probe
+        self._wake = wake or threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = threading.Event()
+        self.ever_ready = False
+        self.starts = 0
+        self.next_start = 0.0
+        self.started_at = 0.0
+        self.backoff = BACKOFF_FIRST
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    # -- running ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.ready.clear()
+        self.proc = subprocess.Popen(self.argv, env=self.env, process_group=0,
+                                     preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self.started_at = time.monotonic()
+        self.starts += 1
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        for stream, out, watch in ((self.proc.stdout, sys.stdout, True),
+                                   (self.proc.stderr, sys.stderr, False)):
+            threading.Thread(target=self._pump, args=(stream, out, watch), daemon=True,
+                             name=f"{self.name}-output").start()
+        log.info("%s started (pid %d)", self.name, self.proc.pid)
+
+    def _pump(self, stream: IO[bytes], out: IO[str], watch: bool) -> None:
+        for raw in iter(stream.readline, b""):
+            _write(out, raw)
+            text = raw.decode(errors="replace").strip()
+            if text:
+                self.tail.append(text)
+            if watch and self._ready_line is not None and raw.startswith(self._ready_line):
+                self._mark_ready()
+        stream.close()
+
+    def poll_ready(self) -> None:
+        """Run the probe (if any) while the child starts."""
+        if self.proc is not None and not self.ready.is_set() and self._probe is not None:
+            if self._probe():
+                self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        if not self.ready.is_set():
+            self.ready.set()
+            self.ever_ready = True
+            self.backoff = BACKOFF_FIRST
+            log.info("%s ready after %.2f s", self.name, time.monotonic() - self.started_at)
+            self._wake.set()
+
+    def reap(self, now: float) -> int | None:
+        """The exit code when the child exited since the last call (its restart scheduled),
+        else None.
+
+        Raises:
+            StartupFailed: it exited without ever having been ready since serve began.
+        """
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        self.proc = None
+        if not self.ever_ready:
+            raise StartupFailed(f"{self.name} failed at start-up (exit code {rc}): "
+                                f"{self.cause()}")
+        if self.ready.is_set():  # a crash after a good start: back at once
+            self.next_start = now
+        else:                    # it crashed again before it was ready: a crash loop
+            self.next_start = now + self.backoff
+            self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        return rc
+
+    def cause(self) -> str:
+        """The child's last error-looking output line (or its last line)."""
+        for line in reversed(self.tail):
+            if any(w in line for w in ("Error", "ERROR", "error", "refus", "denied")):
+                return line
+        return self.tail[-1] if self.tail else "no output"
+
+    def stop(self) -> None:
+        """SIGTERM, wait out the grace period, then SIGKILL."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", self.name, self.grace)
+                proc.kill()
+                proc.wait()
+        log.info("%s stopped (exit code %s)", self.name, proc.returncode)
+        self.proc = None
+
+
+def _write(out: IO[str], raw: bytes) -> None:
+    buffer = getattr(out, "buffer", None)
+    if buffer is not None:
+        buffer.write(raw)
+    else:
+        out.write(raw.decode(errors="replace"))
+    out.flush()
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+__all__ = ["Child", "StartupFailed", "BACKOFF_FIRST", "BACKOFF_MAX"]
