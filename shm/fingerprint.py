@@ -49,18 +49,30 @@ occur in several slots (colliding fingerprints, or one chunk_hash given twice), 
 Entry states::
 
     state   meaning                          set by
-    FREE    unused; on the free stack         create, remove, repair, or a crash before LIVE
-    LIVE    complete, in both tables          register (written last)
+    FREE    unused: on the free stack, or    create; remove (the store evicted or cleared the
+            an id >= high water              chunk); a lookup whose is_live found it gone; repair;
+                                             a crash before LIVE
+    LIVE    complete, in both tables          register (written last), into a FREE entry only
+
+Capacity counts LIVE entries only. A removed entry's id goes on the free stack, the first place a
+registration takes an id from; deletion leaves no tombstone (backward shift), so no amount of
+register/remove churn makes the index fuller or its probe chains longer than its live entries do.
+Only when all N entries are LIVE does a registration leave new content out, chunk by chunk in
+order, and report it (``RegisterResult.not_indexed``); the chunks are stored all the same.
 
 NOTE: the entry array is the source of truth; tables, free stack and counters are derived. Insert
 writes every field, then the state word; removal clears the state word first. Every mutation runs
 under ``Guarded``: a process killed inside a critical section leaves dirty=1, and the next holder
-rebuilds everything derived from the LIVE entries (``_rebuild``). The kernels use plain stores: x86
-keeps them in program order; the compiler is not forced to, and nothing here gives it a reason to.
-A registration that re-points an existing entry clears it first, so a crash there drops the entry
-(a lost cache hit, never a wrong one). Lookups copy the candidates' entries out under the lock and
-verify outside it; an object evicted after ``is_live`` answered can still be returned (the store
-then reports ``ChunkNotFound``).
+rebuilds everything derived from the LIVE entries (``_rebuild``). Only a crash can observe the order
+of the kernels' plain stores (the lock's acquire and release order memory for every other reader on
+any CPU, and a killed process's executed stores all land); the compiler is not forced to keep them
+in program order, and nothing here gives it a reason not to. A registration that re-points an
+existing entry clears it first, so a crash there drops the entry (a lost cache hit, never a wrong
+one). Lookups copy the candidates' entries out under the lock and verify outside it; an object
+evicted after ``is_live`` answered can still be returned (the store then reports ``ChunkNotFound``).
+The one read without the lock is ``match``'s check of the live counter (one aligned word; a stale
+zero costs that lookup its hits, never a wrong one), and only where ``shm.lock.LOCK_FREE_READS``
+(x86-64): on other CPUs ``match`` goes straight to the locked probe.
 """
 
 from __future__ import annotations
@@ -74,7 +86,7 @@ import numpy as np
 from numba import njit
 
 from shm import segment
-from shm.errors import CapacityError, LayoutMismatch
+from shm.errors import LayoutMismatch
 from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
 from shm.lock import FileLock, Guarded, lock_path
 from shm.private import shm_path, unlink_private
@@ -405,20 +417,17 @@ def _maybe_rebuild_filter(hdr, E, bloom):
 
 
 @njit(cache=True)
-def _register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq):
-    """Insert or re-point one entry per chunk; returns new entries, or -needed when full."""
+def _register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, missed):
+    """Insert or re-point one entry per row, in row order; returns the number of new entries.
+
+    A row whose content is new when no entry is free (the free stack is empty and every id below
+    capacity is in use, so every entry is LIVE) is left out and gets ``missed[row] = 1``.
+    """
     n = keys.shape[0]
-    found = np.empty(n, np.int64)
-    need = 0
-    for c in range(n):
-        found[c] = _find_digest(E, fpt, keys[c], digs[c, 0], digs[c, 1])
-        if found[c] < 0:
-            need += 1
-    if need > hdr[H_FREE_TOP] + hdr[H_CAP] - hdr[H_HIGH]:
-        return -need
     useq = np.uint64(seq)
+    new = 0
     for c in range(n):
-        e = found[c]
+        e = _find_digest(E, fpt, keys[c], digs[c, 0], digs[c, 1])
         state = _LIVE | (np.uint64(olds[c]) << _U32)
         if e >= 0:
             if E[e, E_HASH0] != hashes[c, 0] or E[e, E_HASH1] != hashes[c, 1]:
@@ -436,9 +445,12 @@ def _register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq):
         if hdr[H_FREE_TOP] > 0:
             hdr[H_FREE_TOP] -= 1
             e = np.int64(free[hdr[H_FREE_TOP]])
-        else:
+        elif hdr[H_HIGH] < hdr[H_CAP]:
             e = hdr[H_HIGH]
             hdr[H_HIGH] += 1
+        else:
+            missed[c] = 1
+            continue
         E[e, E_KEY] = keys[c]
         E[e, E_SEQ] = useq
         E[e, E_DIG0] = digs[c, 0]
@@ -451,7 +463,8 @@ def _register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq):
         _id_insert(E, idt, e)
         _bloom_add(E, bloom, e)
         hdr[H_LIVE] += 1
-    return need
+        new += 1
+    return new
 
 
 @njit(cache=True)
@@ -556,7 +569,24 @@ def _digest(root: bytes, window: bytes) -> bytes:
     return h.digest()
 
 
-def _hash_words(chunk_hashes: Sequence[bytes]) -> np.ndarray:
+ChunkHashes = Sequence[bytes] | np.ndarray
+"""16-byte chunk hashes, or an int64/uint64 ``[n, 2]`` array of each hash as two little-endian
+words (the K0, K1 words of a store key)."""
+
+
+def _hash_words(chunk_hashes: ChunkHashes) -> np.ndarray:
+    """Chunk hashes as a contiguous uint64 ``[n, 2]`` array.
+
+    Raises:
+        ValueError: a hash is not 16 bytes, or an array is not ``[n, 2]`` of 64-bit integers.
+    """
+    if isinstance(chunk_hashes, np.ndarray):
+        a = chunk_hashes
+        if a.ndim != 2 or a.shape[1] != 2 or a.dtype not in (np.dtype(np.int64),
+                                                             np.dtype(np.uint64)):
+            raise ValueError(f"chunk hash words must be an int64 [n, 2] array, got "
+                             f"{a.dtype} {a.shape}")
+        return np.ascontiguousarray(a).view(np.uint64)
     for h in chunk_hashes:
         if len(h) != DIGEST_BYTES:
             raise ValueError(f"chunk hashes must be {DIGEST_BYTES} bytes, got {len(h)}")
@@ -571,6 +601,25 @@ class Registration:
     digests: np.ndarray   # uint64 [n, 2]: blake2b-128 of namespace root + tokens
     hashes: np.ndarray    # uint64 [n, 2]: the chunk hashes (store keys)
     old_st: np.ndarray    # int64 positions in the registered sequence
+    rows: np.ndarray      # int64, one per full chunk of the sequence: the row holding its content
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    """What one registration did; ``int(result)`` is ``result.new``.
+
+    Attributes:
+        new: entries added (content this namespace had not indexed).
+        not_indexed: ascending indexes of the registration's chunks (chunk i covers tokens
+            ``[i*C, (i+1)*C)``) whose content is not findable because the index was full of live
+            entries. The chunks themselves are stored; only lookups will not find them.
+    """
+
+    new: int
+    not_indexed: list[int]
+
+    def __int__(self) -> int:
+        return self.new
 
 
 class FingerprintIndex:
@@ -581,7 +630,7 @@ class FingerprintIndex:
     """
 
     def __init__(self, prefix: str, seg: segment.Segment, lock: FileLock,
-                 lock_timeout: float | None) -> None:
+                 lock_timeout: float | None, lock_free_reads: bool | None = None) -> None:
         self.prefix = prefix
         self.name = seg.name
         self._seg = seg
@@ -598,13 +647,15 @@ class FingerprintIndex:
         self._idt = np.ndarray((s,), np.uint32, buf, lay.ids_at)
         self._free = np.ndarray((n,), np.uint32, buf, lay.free_at)
         self._bloom = np.ndarray((s // 8,), np.uint64, buf, lay.bloom_at)
-        self._guard = Guarded(lock, self._hdr[H_DIRTY:H_DIRTY + 1], self.repair)
+        self._guard = Guarded(lock, self._hdr[H_DIRTY:H_DIRTY + 1], self.repair,
+                              lock_free_reads=lock_free_reads)
         self._near = np.empty(0, np.int64)
         self._keys = np.empty(0, np.uint64)
 
     @classmethod
     def open(cls, prefix: str, chunk_size: int, capacity: int = 1 << 20, wipe: bool = False, *,
-             lock_timeout: float | None = None) -> "FingerprintIndex":
+             lock_timeout: float | None = None,
+             lock_free_reads: bool | None = None) -> "FingerprintIndex":
         """Attach to ``{prefix}_fp``, creating it when missing.
 
         Args:
@@ -613,6 +664,8 @@ class FingerprintIndex:
             capacity: live entries the index holds (at most ``MAX_CAPACITY``).
             wipe: drop an existing index and create an empty one.
             lock_timeout: for every lock wait: None forever, 0 fail at once, > 0 that many seconds.
+            lock_free_reads: allow the lock-free read in ``match``; None decides by the CPU
+                (``shm.lock.LOCK_FREE_READS``: x86-64 only).
 
         Raises:
             LayoutMismatch: an existing index has another format, chunk_size or capacity.
@@ -634,7 +687,7 @@ class FingerprintIndex:
         except BaseException:
             lock.close()
             raise
-        return cls(prefix, seg, lock, lock_timeout)
+        return cls(prefix, seg, lock, lock_timeout, lock_free_reads)
 
     @staticmethod
     def _attach_or_create(name: str, lay: _Layout, chunk_size: int, wipe: bool) -> segment.Segment:
@@ -662,7 +715,8 @@ class FingerprintIndex:
 
     # -- mutations ----------------------------------------------------------------------------------
 
-    def register(self, namespace: Namespace, token_ids: Any, chunk_hashes: Sequence[bytes]) -> int:
+    def register(self, namespace: Namespace, token_ids: Any,
+                 chunk_hashes: Sequence[bytes]) -> RegisterResult:
         """Index each full chunk of a stored sequence.
 
         Chunk i covers tokens ``[i*C, (i+1)*C)`` and is recorded with ``old_st = i*C``, its
@@ -671,17 +725,20 @@ class FingerprintIndex:
         chunk_hash, old_st and sequence id, the copy just stored and so the last one to be evicted.
         A chunk repeated inside one call is indexed at its first position.
 
+        A full index never fails a registration: new content takes the entries that removals
+        freed; once every entry is live, the rest is left out and reported in ``not_indexed``
+        (re-pointing existing entries needs no space and always happens).
+
         Args:
             namespace: the chunks' namespace.
             token_ids: the stored sequence; a partial last chunk is ignored.
             chunk_hashes: one 16-byte store key per full chunk.
 
         Returns:
-            The number of new entries.
+            The new entries and the chunks left out.
 
         Raises:
             ValueError: ``chunk_hashes`` does not have one key per full chunk.
-            CapacityError: the new entries do not fit; nothing is registered then.
         """
         return self.register_prepared(self.prepare(namespace, token_ids, chunk_hashes))
 
@@ -700,54 +757,64 @@ class FingerprintIndex:
             raise ValueError(f"{n} full chunks but {len(chunk_hashes)} chunk hashes")
         if n == 0:
             empty = np.zeros((0, 2), np.uint64)
-            return Registration(np.zeros(0, np.uint64), empty, empty, np.zeros(0, np.int64))
+            none = np.zeros(0, np.int64)
+            return Registration(np.zeros(0, np.uint64), empty, empty, none, none)
         hashes = _hash_words(chunk_hashes)
         raw = tokens[: n * k].tobytes()
         step = 4 * k
         root = namespace.root
         digs = [_digest(root, raw[i * step:(i + 1) * step]) for i in range(n)]
-        first: dict[bytes, int] = {}
-        for i, d in enumerate(digs):
-            first.setdefault(d, i)
-        keep = list(first.values())
-        if len(keep) < n:
-            digs = [digs[i] for i in keep]
-        idx = np.asarray(keep, np.int64) if len(keep) < n else slice(None)
+        row_of: dict[bytes, int] = {}  # content -> its row, numbered by first occurrence
+        rows = np.fromiter((row_of.setdefault(d, len(row_of)) for d in digs), np.int64, n)
+        idx: slice | np.ndarray = slice(None)
+        if len(row_of) < n:
+            idx = np.unique(rows, return_index=True)[1]  # each row's first chunk, ascending
+            digs = [digs[i] for i in idx]
         return Registration(
             keys=chunk_fingerprints(tokens, k)[idx] ^ np.uint64(namespace.id),
             digests=np.frombuffer(b"".join(digs), np.uint64).reshape(-1, 2),
             hashes=np.ascontiguousarray(hashes[idx]),
-            old_st=(np.arange(n, dtype=np.int64) * k)[idx])
+            old_st=(np.arange(n, dtype=np.int64) * k)[idx],
+            rows=rows)
 
-    def register_prepared(self, reg: "Registration") -> int:
-        """The locked half of ``register``: insert what ``prepare`` computed.
+    def register_prepared(self, reg: "Registration") -> RegisterResult:
+        """The locked half of ``register``: insert what ``prepare`` computed (one critical
+        section). Never fails for want of space: see ``register``.
 
-        Raises:
-            CapacityError: the new entries do not fit; nothing is registered then.
+        Returns:
+            The new entries and the chunks left out because every entry is live.
         """
         if len(reg.keys) == 0:
-            return 0
+            return RegisterResult(0, [])
+        missed = np.zeros(len(reg.keys), np.uint8)
         with self._guard(self._timeout):
             self._fit_filter(int(self._hdr[H_LIVE]) + len(reg.keys), grow_only=True)
             seq = int(self._hdr[H_SEQ])
             self._hdr[H_SEQ] = seq + 1
-            got = _register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
-                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq)
-            if got < 0:
-                raise CapacityError(
-                    f"fingerprint index {self.name!r} is full: {-got} new entries, "
-                    f"{self.capacity - int(self._hdr[H_LIVE])} free of {self.capacity}")
-        return int(got)
+            new = _register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
+                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq, missed)
+        if not missed.any():
+            return RegisterResult(int(new), [])
+        left_out = np.flatnonzero(np.isin(reg.rows, np.flatnonzero(missed)))
+        return RegisterResult(int(new), left_out.tolist())
 
-    def remove(self, chunk_hashes: Sequence[bytes]) -> int:
-        """Drop the entries of these chunk hashes; unknown hashes are ignored.
+    def remove(self, chunk_hashes: ChunkHashes) -> int:
+        """Drop every entry pointing at one of these chunks (one critical section); unknown
+        hashes are ignored. The data plane calls it with the keys the store evicted or cleared.
+
+        Args:
+            chunk_hashes: 16-byte chunk hashes, or an int64 ``[n, 2]`` array of their two
+                little-endian words (``key_words(keys)[:, :2]`` of the store's keys).
 
         Returns:
             The number of entries removed.
+
+        Raises:
+            ValueError: a hash is not 16 bytes, or the array is not ``[n, 2]`` 64-bit integers.
         """
-        if not chunk_hashes:
-            return 0
         hashes = _hash_words(chunk_hashes)
+        if len(hashes) == 0:
+            return 0
         with self._guard(self._timeout):
             return int(_remove(self._hdr, self._E, self._fpt, self._idt, self._free,
                                self._filter(), hashes))
@@ -811,7 +878,7 @@ class FingerprintIndex:
         """
         tokens = as_tokens(query_token_ids)
         k = self.chunk_size
-        if len(tokens) < k or self._hdr[H_LIVE] == 0:
+        if len(tokens) < k or (self._guard.lock_free_reads and self._hdr[H_LIVE] == 0):
             return []
         pos, rows = self._candidates(tokens, np.uint64(namespace.id))
         if len(pos) == 0:
@@ -870,6 +937,7 @@ class FingerprintIndex:
                 "chunk_size": self.chunk_size, "table_slots": int(self._hdr[H_SLOTS])}
 
     def __len__(self) -> int:
+        # one aligned word: a snapshot on any CPU (it orders nothing else, so nothing relies on it)
         return int(self._hdr[H_LIVE])
 
     # -- lifetime -----------------------------------------------------------------------------------
@@ -898,16 +966,18 @@ class FingerprintIndex:
         self.close()
 
     def __reduce__(self) -> tuple:
-        return (_reopen, (self.prefix, self.chunk_size, self.capacity, self._timeout))
+        return (_reopen, (self.prefix, self.chunk_size, self.capacity, self._timeout,
+                          self._guard.lock_free_reads))
 
     def __repr__(self) -> str:
         return (f"FingerprintIndex(prefix={self.prefix!r}, chunk_size={self.chunk_size}, "
                 f"capacity={self.capacity})")
 
 
-def _reopen(prefix: str, chunk_size: int, capacity: int,
-            lock_timeout: float | None) -> FingerprintIndex:
-    return FingerprintIndex.open(prefix, chunk_size, capacity, lock_timeout=lock_timeout)
+def _reopen(prefix: str, chunk_size: int, capacity: int, lock_timeout: float | None,
+            lock_free_reads: bool | None = None) -> FingerprintIndex:
+    return FingerprintIndex.open(prefix, chunk_size, capacity, lock_timeout=lock_timeout,
+                                 lock_free_reads=lock_free_reads)
 
 
 def _create(name: str, lay: _Layout, chunk_size: int) -> segment.Segment:

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shm import fingerprint as F
-from shm.errors import CapacityError, LayoutMismatch
-from shm.fingerprint import FingerprintIndex, Match
+from shm.errors import LayoutMismatch
+from shm.fingerprint import FingerprintIndex, Match, RegisterResult
 from shm.hashing import Namespace, chunk_hashes
 
 NS = Namespace("test-model")
@@ -119,6 +120,58 @@ def test_rolling_hashes_hypothesis(values: list[int], k: int) -> None:
     t = np.array(values, np.uint32)
     want = [ref_hash(values[j:j + k]) for j in range(len(values) - k + 1)]
     assert F.rolling_hashes(t, k).tolist() == want
+
+
+@contextmanager
+def scratch_index(chunk_size: int, capacity: int) -> Iterator[FingerprintIndex]:
+    """An index of its own for one Hypothesis example (function fixtures outlive examples)."""
+    idx = FingerprintIndex.open(f"kvbt_{uuid.uuid4().hex[:10]}", chunk_size, capacity)
+    try:
+        yield idx
+    finally:
+        idx.unlink()
+        idx.close()
+
+
+TOKENS = st.one_of(st.lists(st.integers(0, 3), max_size=300),           # repeats and overlaps
+                   st.lists(st.integers(0, 2**32 - 1), max_size=300))   # the whole token range
+
+
+def probe_against_reference(t: np.ndarray, k: int, stored: np.ndarray, other: set[int]) -> None:
+    """Entries keyed by the slow reference hash of the windows ``stored`` picks (plus keys of no
+    window) are proposed at exactly the windows whose reference key they carry, whatever
+    ``rolling_hashes`` and ``chunk_fingerprints`` compute: the probe rolls its own hash."""
+    values = t.tolist()
+    ref = [ref_hash(values[p:p + k]) ^ NS.id for p in range(len(values) - k + 1)]
+    keyset = {key for key, keep in zip(ref, stored) if keep} | other
+    keys = np.array(sorted(keyset), np.uint64)
+    n = len(keys)
+    words = np.arange(2 * n, dtype=np.uint64).reshape(n, 2)
+    with scratch_index(k, max(n, 1)) as idx:
+        idx.register_prepared(F.Registration(keys, words, words + np.uint64(1 << 40),
+                                             np.zeros(n, np.int64), np.arange(n)))
+        pos, rows = idx._candidates(t, np.uint64(NS.id))
+    got = sorted((int(p), int(r[F.E_KEY])) for p, r in zip(pos, rows))
+    assert got == sorted((p, key) for p, key in enumerate(ref) if key in keyset)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=TOKENS, k=st.integers(1, 40), data=st.data())
+def test_probe_keys_match_reference_hypothesis(values: list[int], k: int,
+                                               data: st.DataObject) -> None:
+    windows = max(len(values) - k + 1, 0)
+    stored = data.draw(st.lists(st.booleans(), min_size=windows, max_size=windows))
+    other = data.draw(st.sets(st.integers(0, M64), max_size=4))
+    probe_against_reference(np.array(values, np.uint32), k, np.array(stored, bool), other)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_probe_keys_match_reference_on_long_queries(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 300))
+    t = toks(int(rng.integers(k, 4000)), seed, 1 << 32 if seed % 2 else 50)
+    stored = rng.random(len(t) - k + 1) < 0.2
+    probe_against_reference(t, k, stored, {int(x) for x in rng.integers(0, 2**63, 8)})
 
 
 @settings(max_examples=80, deadline=None)
@@ -241,7 +294,7 @@ def test_reregister_after_removal(make: Make) -> None:
     doc = toks(8, 9)
     hashes = reg(idx, doc)
     idx.remove(hashes)
-    assert idx.register(NS, doc, hashes) == 2
+    assert idx.register(NS, doc, hashes) == RegisterResult(2, [])
     assert [m.chunk_hash for m in idx.match(NS, doc)] == hashes
 
 
@@ -270,7 +323,7 @@ def test_register_rejects_wrong_hash_count_and_size(make: Make) -> None:
         idx.register(NS, toks(8, 12), [b"\x00" * 16])
     with pytest.raises(ValueError):
         idx.register(NS, toks(4, 12), [b"\x00" * 8])
-    assert idx.register(NS, toks(3, 12), []) == 0
+    assert idx.register(NS, toks(3, 12), []) == RegisterResult(0, [])
 
 
 # -- cover rules ---------------------------------------------------------------------------------
@@ -308,12 +361,12 @@ def test_same_content_gets_one_entry(make: Make) -> None:
     idx = make()
     doc = toks(8, 15)
     first = reg(idx, doc)
-    assert idx.register(NS, doc, first) == 0
+    assert idx.register(NS, doc, first) == RegisterResult(0, [])
     assert len(idx) == 2
     # the same document behind a one-chunk prefix: chunk keys differ, content is the same
     behind = np.concatenate([toks(4, 16), doc]).astype(np.uint32)
     second = chunk_hashes(NS, behind, C)
-    assert idx.register(NS, behind, second) == 1
+    assert idx.register(NS, behind, second) == RegisterResult(1, [])
     assert len(idx) == 3
     got = idx.match(NS, doc)
     assert [m.chunk_hash for m in got] == second[1:]  # re-pointed to the latest copy
@@ -325,7 +378,7 @@ def test_chunk_repeated_inside_one_sequence_gets_one_entry(make: Make) -> None:
     idx = make()
     a = toks(4, 17)
     doc = np.concatenate([a, toks(4, 18), a]).astype(np.uint32)
-    assert idx.register(NS, doc, chunk_hashes(NS, doc, C)) == 2
+    assert idx.register(NS, doc, chunk_hashes(NS, doc, C)) == RegisterResult(2, [])
     assert [m.old_st for m in idx.match(NS, a)] == [0]
 
 
@@ -403,9 +456,8 @@ def test_capacity_is_live_entries_and_ids_are_reused(make: Make) -> None:
     hashes = reg(idx, doc)
     assert len(idx) == 4 and idx.stats()["capacity"] == 4
     more = toks(8, 20)
-    with pytest.raises(CapacityError):
-        idx.register(NS, more, chunk_hashes(NS, more, C))
-    assert len(idx) == 4 and len(idx.match(NS, doc)) == 4  # nothing half-registered
+    assert idx.register(NS, more, chunk_hashes(NS, more, C)) == RegisterResult(0, [0, 1])
+    assert len(idx) == 4 and len(idx.match(NS, doc)) == 4 and idx.match(NS, more) == []
     for i in range(50):  # far more registrations than capacity: ids come back
         idx.remove([hashes[i % 4]])
         new = toks(4, 100 + i)
@@ -510,7 +562,7 @@ def test_clear_drops_everything(make: Make) -> None:
     hashes = reg(idx, doc)
     idx.clear()
     assert len(idx) == 0 and idx.match(NS, doc) == [] and not idx.contains(hashes[0])
-    assert idx.register(NS, doc, hashes) == 2
+    assert idx.register(NS, doc, hashes) == RegisterResult(2, [])
 
 
 def _worker(prefix: str, seed: int, n_docs: int, errors: mp.Queue) -> None:
@@ -594,12 +646,16 @@ def test_writer_killed_with_sigkill_leaves_a_consistent_index(make: Make) -> Non
 SMALL = st.lists(st.integers(0, 2), min_size=0, max_size=10)
 
 
+MACHINE_CAPACITY = 5  # of the 9 contents of 2 tokens over 3: the index is often full
+
+
 class IndexMachine(RuleBasedStateMachine):
-    """Chunk size 2 over a 3-token vocabulary: contents repeat, collide and re-register often."""
+    """Chunk size 2 over a 3-token vocabulary: contents repeat, collide, re-register and overflow
+    the capacity often."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.idx = FingerprintIndex.open(f"kvbt_{uuid.uuid4().hex[:8]}", 2, 12)
+        self.idx = FingerprintIndex.open(f"kvbt_{uuid.uuid4().hex[:8]}", 2, MACHINE_CAPACITY)
         self.model: dict[bytes, tuple[bytes, int]] = {}  # content -> (chunk_hash, old_st)
 
     def teardown(self) -> None:
@@ -613,20 +669,22 @@ class IndexMachine(RuleBasedStateMachine):
         first: dict[bytes, int] = {}
         for i in range(len(hashes)):
             first.setdefault(arr[2 * i:2 * i + 2].tobytes(), i)
-        new = [c for c in first if c not in self.model]
-        if len(self.model) + len(new) > 12:
-            with pytest.raises(CapacityError):
-                self.idx.register(NS, arr, hashes)
-            return
-        assert self.idx.register(NS, arr, hashes) == len(new)
-        for c, i in first.items():
-            self.model[c] = (hashes[i], 2 * i)
+        new, left_out = 0, set()
+        for c, i in first.items():  # in order: re-point, else take a free entry, else left out
+            if c in self.model or len(self.model) < MACHINE_CAPACITY:
+                new += c not in self.model
+                self.model[c] = (hashes[i], 2 * i)
+            else:
+                left_out.add(c)
+        not_indexed = [i for i in range(len(hashes)) if arr[2 * i:2 * i + 2].tobytes() in left_out]
+        assert self.idx.register(NS, arr, hashes) == RegisterResult(new, not_indexed)
 
-    @rule(doc=SMALL, take=st.integers(0, 3))
-    def remove(self, doc: list[int], take: int) -> None:
+    @rule(doc=SMALL, take=st.integers(0, 3), as_words=st.booleans())
+    def remove(self, doc: list[int], take: int, as_words: bool) -> None:
         hashes = chunk_hashes(NS, np.array(doc, np.uint32), 2)[:take]
         gone = [c for c, (h, _) in self.model.items() if h in hashes]
-        assert self.idx.remove(hashes) == len(gone)
+        words = np.frombuffer(b"".join(hashes), "<i8").reshape(-1, 2)  # K0, K1 of store keys
+        assert self.idx.remove(words if as_words else hashes) == len(gone)
         for c in gone:
             del self.model[c]
 
@@ -655,16 +713,20 @@ test_index_against_model = IndexMachine.TestCase
 
 def test_filter_in_use_grows_with_live_entries_and_keeps_every_chunk(make: Make) -> None:
     idx = make(capacity=1 << 16)
-    assert len(idx._filter()) == F.MIN_FILTER_WORDS      # 32 KiB, not the 128 KiB reserved
-    docs = [toks(C * 64, seed) for seed in range(100)]  # 6400 entries: 1600 words needed
-    for d in docs[:50]:
+    reserved = len(idx._bloom)                          # 16384 words (128 KiB)
+    assert len(idx._filter()) == F.MIN_FILTER_WORDS < reserved
+    docs = [toks(C * 1024, seed) for seed in range(48)]  # up to 49152 entries
+    sizes = []
+    for d in docs:
         reg(idx, d)
-    small = len(idx._filter())
-    for d in docs[50:]:
-        reg(idx, d)
-    assert len(idx) == 6400 and len(idx._filter()) >= small
+        words = len(idx._filter())
+        assert words * 64 >= 16 * len(idx), (len(idx), words)  # >= 16 bits per live entry
+        sizes.append(words)
+    assert sizes[:4] == [F.MIN_FILTER_WORDS] * 4         # 4096 entries: still the 32 KiB minimum
+    assert sorted(set(sizes)) == [F.MIN_FILTER_WORDS, 2 * F.MIN_FILTER_WORDS, reserved]
+    assert sizes == sorted(sizes)
     for d in docs[::7]:                                 # everything stays findable
-        assert len(idx.match(NS, d)) == 64
+        assert len(idx.match(NS, d)) == 1024
     idx.clear()
     assert len(idx._filter()) == F.MIN_FILTER_WORDS and idx.match(NS, docs[0]) == []
 
@@ -687,6 +749,6 @@ def test_prepare_then_register_prepared_is_register(make: Make) -> None:
     hashes = chunk_hashes(NS, doc, C)
     prepared = idx.prepare(NS, doc, hashes)      # no lock held: the index is unchanged
     assert len(idx) == 0 and len(prepared.keys) == 6
-    assert idx.register_prepared(prepared) == 6
+    assert idx.register_prepared(prepared) == RegisterResult(6, [])
     assert [m.cur_st for m in idx.match(NS, doc)] == [C * i for i in range(6)]
-    assert idx.register_prepared(idx.prepare(NS, doc, hashes)) == 0   # dedup as register does
+    assert idx.register_prepared(idx.prepare(NS, doc, hashes)) == RegisterResult(0, [])  # dedup
