@@ -16,12 +16,19 @@ it is ours (a lock file of another user could be held forever, or be a file we m
 
 Timeouts follow posix_ipc: ``None`` waits forever, ``0`` fails at once, ``> 0`` waits that long
 (raising ``Busy``).
+
+Lock-free reads (``Guarded.read_stable``, a seqlock) are correct only where the hardware keeps
+loads in program order: x86-64 (TSO). ``LOCK_FREE_READS`` is decided once, from
+``platform.machine()``; everywhere else (aarch64 hosts such as Grace Hopper, ppc64le, ...) every
+read takes the lock, whose acquire and release order memory on every architecture. A ``Guarded``
+built with ``lock_free_reads=`` overrides it (tests force either path on any host).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +40,18 @@ from shm.errors import Busy, ShmError
 from shm.private import open_private, shm_path
 
 T = TypeVar("T")
+
+_ORDERED_LOADS_MACHINES = frozenset({"x86_64", "amd64"})
+
+
+def ordered_loads(machine: str) -> bool:
+    """True when ``machine`` (a ``platform.machine()`` value) keeps loads in program order, so a
+    seqlock read needs no fences: x86-64 only. Unknown or empty names count as weakly ordered."""
+    return machine.lower() in _ORDERED_LOADS_MACHINES
+
+
+#: Lock-free reads are taken on this host (x86-64); elsewhere ``read_stable`` takes the lock.
+LOCK_FREE_READS: bool = ordered_loads(platform.machine())
 
 
 class FileLock:
@@ -94,14 +113,18 @@ class Guarded:
         repair: rebuilds derived state; called with the lock held.
         seq: optional 1-element int64 array in shared memory, a sequence counter for lock-free
             readers: odd while a holder is inside, bumped on entry and exit (``read_stable``).
+        lock_free_reads: whether ``read_stable`` and the callers that consult
+            ``self.lock_free_reads`` may read without the lock; None takes ``LOCK_FREE_READS``
+            (True on x86-64 only). Passing True on a weakly ordered host is unsafe.
     """
 
     def __init__(self, lock: FileLock, dirty: np.ndarray, repair: Callable[[], None],
-                 seq: np.ndarray | None = None) -> None:
+                 seq: np.ndarray | None = None, *, lock_free_reads: bool | None = None) -> None:
         self.lock = lock
         self._dirty = dirty
         self._repair = repair
         self._seq = seq
+        self.lock_free_reads = LOCK_FREE_READS if lock_free_reads is None else lock_free_reads
 
     def __call__(self, timeout: float | None = None) -> "_Section":
         """``with guard(timeout):`` -- a critical section waiting at most ``timeout``."""
@@ -135,24 +158,37 @@ class Guarded:
                 self._seq[0] += 1
         self.lock.release()
 
-    def read_stable(self, read: Callable[[], T], attempts: int = 8) -> T:
+    def read_stable(self, read: Callable[[], T], attempts: int = 8,
+                    timeout: float | None = None) -> T:
         """Run a read-only ``read`` without the lock when no holder changed anything meanwhile
         (seqlock), else under the lock.
 
+        Args:
+            read: reads shared state and returns a result that owns its memory.
+            attempts: lock-free tries before taking the lock.
+            timeout: for the lock wait when it is taken (None forever, 0 fail at once).
+
+        Raises:
+            Busy: the lock stayed taken for ``timeout``.
+
         NOTE: the two reads of the counter happen in Python around ``read`` (an opaque call for the
         compiler), and x86-64 keeps loads in order, so ``read`` sees a state between two whole
-        critical sections or the counters differ. ``read`` must tolerate torn state without
-        crashing or looping (it is retried): the tables keep that property by construction.
+        critical sections or the counters differ. A weakly ordered CPU (aarch64) may reorder the
+        loads inside ``read`` with the loads of the counter and accept a torn state, so without
+        ``lock_free_reads`` (the default off x86-64) ``read`` always runs under the lock.
+        ``read`` must tolerate torn state without crashing or looping (it is retried): the tables
+        keep that property by construction.
         """
         seq = self._seq
         assert seq is not None, "read_stable needs a Guarded built with seq="
-        for _ in range(attempts):
-            before = int(seq[0])
-            if before & 1 == 0:
-                result = read()
-                if int(seq[0]) == before:
-                    return result
-        with self():
+        if self.lock_free_reads:
+            for _ in range(attempts):
+                before = int(seq[0])
+                if before & 1 == 0:
+                    result = read()
+                    if int(seq[0]) == before:
+                        return result
+        with self(timeout):
             return read()
 
 
