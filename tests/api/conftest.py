@@ -6,7 +6,7 @@ checked for their 503.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,12 +34,19 @@ class Cache:
     store: Store
     fingerprints: FingerprintIndex
 
-    def put(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
-        """Store every full chunk of ``tokens`` (each rank) and index it; returns the keys."""
+    def put(self, ns: Namespace, tokens: np.ndarray,
+            missing: Collection[tuple[int, int]] = ()) -> list[bytes]:
+        """Store every full chunk of ``tokens`` (each rank's shard) and index it; returns the keys.
+
+        Args:
+            missing: ``(chunk, rank)`` shards left unstored, as when one rank's store failed.
+        """
         cid = self.store.register_class(ChunkClass.of(ns.model_name, ns.world_size, LAYOUT, CHUNK))
         keys = chunk_hashes(ns, tokens, CHUNK)
         for i, h in enumerate(keys):
             for rank in range(ns.world_size):
+                if (i, rank) in missing:
+                    continue
                 res = self.store.reserve(cid, ChunkKey(ns.id, h, rank),
                                          tokens[i * CHUNK:(i + 1) * CHUNK])
                 if res is not None:

@@ -94,6 +94,20 @@ def test_tensor_parallel_chunks_need_every_rank(client: TestClient, cache: Cache
     assert r.json()["hit_tokens"] == len(a)
 
 
+@pytest.mark.parametrize("missing_rank", [0, 1])
+def test_tensor_parallel_chunk_missing_one_rank_is_not_reported(client: TestClient, cache: Cache,
+                                                                missing_rank: int) -> None:
+    ns2 = Namespace("model-a", 2)
+    a = doc(4, 3)
+    keys = cache.put(ns2, a, missing={(1, missing_rank)})  # chunk 1 lacks one rank's shard
+    r = client.post("/v1/lookup", json={"model_name": "model-a", "world_size": 2,
+                                        "token_ids": a.tolist()})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [m["chunk_hash"] for m in got["matches"]] == [keys[0].hex(), keys[2].hex()]
+    assert got["hit_tokens"] == 2 * CHUNK
+
+
 def test_short_and_empty_prompts(client: TestClient, stored: tuple) -> None:
     for tokens in ([], [1, 2, 3]):
         r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": tokens})
