@@ -50,8 +50,8 @@ Entry states::
 
     state   meaning                          set by
     FREE    unused: on the free stack, or    create; remove (the store evicted or cleared the
-            an id >= high water              chunk); a lookup whose is_live found it gone; repair;
-                                             a crash before LIVE
+            an id >= high water              chunk); a lookup whose is_live, or a sweep whose
+                                             is_stored, found it gone; repair; a crash before LIVE
     LIVE    complete, in both tables          register (written last), into a FREE entry only
 
 Capacity counts LIVE entries only. A removed entry's id goes on the free stack, the first place a
@@ -818,6 +818,48 @@ class FingerprintIndex:
         with self._guard(self._timeout):
             return int(_remove(self._hdr, self._E, self._fpt, self._idt, self._free,
                                self._filter(), hashes))
+
+    def sweep(self, is_stored: Callable[[np.ndarray], np.ndarray], batch: int = 1 << 16) -> int:
+        """Remove the entries whose chunk the store no longer holds: those a crash between an
+        eviction and its ``remove`` left behind. Entries registered meanwhile are spared.
+
+        The store is asked outside the index's lock, ``batch`` entries at a time, so registrations
+        and lookups go on while it answers (a data plane calls this at start-up).
+
+        Args:
+            is_stored: given an int64 ``[n, 2]`` array of chunk-hash words (the form ``remove``
+                takes), one bool per row: True where the store still holds the chunk.
+            batch: entries per question (> 0).
+
+        Returns:
+            The number of entries removed.
+
+        Raises:
+            ValueError: ``is_stored`` answered another number of values.
+        """
+        if batch <= 0:
+            raise ValueError(f"batch must be > 0, got {batch}")
+        removed, start = 0, 0
+        while True:
+            with self._guard(self._timeout):
+                stop = min(int(self._hdr[H_HIGH]), start + batch)
+                ids = start + np.flatnonzero((self._E[start:stop, E_STATE] & _LO32) == _LIVE)
+                rows = self._E[ids]
+            if start >= stop:
+                return removed
+            start = stop
+            if len(ids) == 0:
+                continue
+            words = np.ascontiguousarray(rows[:, E_HASH0:E_HASH1 + 1]).view(np.int64)
+            stored = np.asarray(is_stored(words), bool).reshape(-1)
+            if len(stored) != len(ids):
+                raise ValueError(f"is_stored answered {len(stored)} values for {len(ids)} chunks")
+            if stored.all():
+                continue
+            with self._guard(self._timeout):
+                removed += int(_remove_unchanged(
+                    self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
+                    ids[~stored], np.ascontiguousarray(rows[~stored, E_STAMP])))
 
     def clear(self) -> None:
         """Drop every entry (sequence ids keep counting up)."""

@@ -16,15 +16,16 @@ from shm.store import ChunkKey, key_words
 NS = Namespace("capacity-model", world_size=2)
 C = 4
 
-Open = Callable[[int], FingerprintIndex]
+Open = Callable[..., FingerprintIndex]
 
 
 @pytest.fixture
 def open_index(shm_prefix: str) -> Iterator[Open]:
     made: list[FingerprintIndex] = []
 
-    def _open(capacity: int) -> FingerprintIndex:
-        idx = FingerprintIndex.open(f"{shm_prefix}{len(made)}", C, capacity)
+    def _open(capacity: int, lock_timeout: float | None = None) -> FingerprintIndex:
+        idx = FingerprintIndex.open(f"{shm_prefix}{len(made)}", C, capacity,
+                                    lock_timeout=lock_timeout)
         made.append(idx)
         return idx
 
@@ -166,3 +167,51 @@ def test_churn_of_ten_times_capacity_never_fills_the_index(open_index: Open, see
     res = idx.register(NS, fill, chunk_hashes(NS, fill, C))
     assert res == RegisterResult(capacity - len(live), [len(fill) // C - 3 + i for i in range(3)])
     assert len(idx) == capacity and int(idx._hdr[F.H_HIGH]) == capacity
+
+
+# -- sweep ----------------------------------------------------------------------------------------
+
+
+def held_by(hashes: list[bytes]) -> Callable[[np.ndarray], np.ndarray]:
+    """``is_stored`` of a store that holds exactly ``hashes``."""
+    held = set(hashes)
+    return lambda words: np.array([w.tobytes() in held for w in words], bool)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 1 << 16])
+def test_sweep_removes_entries_the_store_lost(open_index: Open, batch: int) -> None:
+    idx = open_index(64)
+    docs = [doc(60 + i, 4) for i in range(4)]
+    keys = [chunk_hashes(NS, d, C) for d in docs]
+    for d, k in zip(docs, keys):
+        idx.register(NS, d, k)
+    idx.remove(keys[0][1:3])  # holes in the ids: the sweep walks around them
+    kept = keys[0][:1] + keys[2]
+    assert idx.sweep(held_by(kept), batch=batch) == 1 + 4 + 4
+    assert len(idx) == 5 and all(idx.contains(h) for h in kept)
+    assert idx.match(NS, docs[1]) == [] and len(idx.match(NS, docs[2])) == 4
+    assert idx.sweep(held_by(kept), batch=batch) == 0
+
+
+def test_sweep_spares_entries_registered_while_the_store_answered(open_index: Open) -> None:
+    idx = open_index(16, lock_timeout=0)  # asked under the lock, the registration would be Busy
+    a = doc(70, 3)
+    idx.register(NS, a, chunk_hashes(NS, a, C))
+    behind = np.concatenate([doc(71, 1), a])
+
+    def is_stored(words: np.ndarray) -> np.ndarray:
+        idx.register(NS, behind, chunk_hashes(NS, behind, C))  # a's content stored again
+        return np.zeros(len(words), bool)
+
+    assert idx.sweep(is_stored) == 0
+    assert [m.chunk_hash for m in idx.match(NS, a)] == chunk_hashes(NS, behind, C)[1:]
+
+
+def test_sweep_checks_the_answer(open_index: Open) -> None:
+    idx = open_index(16)
+    idx.register(NS, doc(80, 2), chunk_hashes(NS, doc(80, 2), C))
+    with pytest.raises(ValueError, match="answered 1 values for 2"):
+        idx.sweep(lambda words: np.ones(1, bool))
+    with pytest.raises(ValueError):
+        idx.sweep(held_by([]), batch=0)
+    assert len(idx) == 2

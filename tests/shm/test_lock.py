@@ -123,7 +123,8 @@ def test_lock_free_path_falls_back_to_the_lock_while_a_holder_is_inside(shared: 
 
 
 # the prefix only names two lock files, which every example may share
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(values=st.lists(st.integers(-2**63, 2**63 - 1), min_size=4, max_size=4),
        writes=st.integers(0, 3))
 def test_both_paths_read_the_same_values(shm_prefix: str, values: list[int], writes: int) -> None:
