@@ -6,7 +6,11 @@ slots. It does not own keys or the recency order (``shm.index``) nor the bytes t
 The slab is ``num_pages`` pages of ``page_bytes``. A page is free or belongs to one layout class and
 is cut into ``classes[c, NSLOTS]`` slots of ``classes[c, SLOT_BYTES]``. Slot id ``s`` lives in page
 ``s // spp`` at index ``s % spp`` (``spp`` = page_bytes // min_slot_bytes bounds slots per page), at
-byte offset ``page * page_bytes + index * slot_bytes`` of the slab.
+byte offset ``page * page_bytes + index * slot_bytes`` of the slab::
+
+    slab   | page 0                  | page 1                  | page 2   ...
+           | slot 0 | slot 1 | ...   | slot spp | ...          |
+           ^ class c's slots (NSLOTS of SLOT_BYTES); the tail of a page past them is unused
 
 ``pages[p]`` (2 int64 words): CLASS (-1 = free), USED (slots not FREE).
 ``classes[c]`` (16 int64 words): see the ``C_*`` constants; the class row is written before any of
@@ -14,16 +18,38 @@ its pages exists and never changes while the class holds a page (only its counte
 head do). A class that holds no page may be released (USED = 0) and its row reused by another
 class; GEN counts the row's uses, so a process that cached a row's geometry sees it changed.
 
-Allocation for class c, in order:
-  1. a FREE slot from c's free list (doubly linked through obj PREV/NEXT);
-  2. a free page, cut into c's slots;
+Page states::
+
+    free (CLASS -1, USED 0) --a class needs a slot, none of its own is free--> class c, USED >= 1
+      ^                                                                            |
+      +---- its last object leaves (evict, clear, abort, reclaim), in that kernel -+
+
+Invariants between critical sections (checked by the store's state machine test):
+
+- a page belongs to a class exactly when it holds an object: CLASS != -1 <=> USED >= 1, so no
+  class holds an empty page and every emptied page is in the free pool for any class;
+- ``classes[c, PAGES]`` counts the pages of class c; c's free list (doubly linked through obj
+  PREV/NEXT, head ``classes[c, FREE_HEAD]``) holds exactly the FREE slots of c's pages;
+- ``pages[p, USED]`` counts the RESERVED and COMMITTED slots of page p.
+
+Allocation for class c, repeated until c's free list has a slot:
+  1. a FREE slot from c's free list;
+  2. a free page (the lowest), cut into c's slots;
   3. eviction, walking the recency list from the least recently used object, skipping pinned ones:
-     an object of class c gives up its own slot; an object of another class is evicted together with
-     the other objects of its page (when none of them is pinned or reserved) and the page moves to c.
+     an object of class c gives up its slot (its page, when it was the last, goes back to the pool
+     and step 2 takes it); an object of another class is evicted together with the other objects
+     of its page (when none of them is pinned or reserved), which empties the page for step 2.
+  One allocation evicts at most one page's worth of objects (``spp``); nothing evictable -> FULL.
+
+Eviction log: the kernels that evict append the key words (K0, K1, NS, RANK) of every COMMITTED
+object they drop to ``ev`` (int64 ``[rows, 4]``), counting rows in ``evn[EV_N]`` and rows that
+did not fit in ``evn[EV_LOST]``; the store hands them to its caller (``Store.take_evicted``).
+Aborted or reclaimed reservations were never visible, so they are not logged.
 
 NOTE: every kernel here runs with the store lock held. ``rebuild`` restores all derived state
 (hash table, recency list, free lists, counters, pin counts) from the obj STATE words, the page and
-class rows, and the pin table; it is what runs after a holder died inside a critical section.
+class rows, and the pin table; it is what runs after a holder died inside a critical section, and
+it gives back to the pool a page left empty by such a holder.
 """
 
 from __future__ import annotations
@@ -53,6 +79,9 @@ S_MAGIC, S_STATE, S_K0, S_PID, S_NUM_TOKENS = 0, 1, 2, 7, 8
 SLOT_HDR_BYTES = 128
 
 EXISTS, FULL = -1, -2
+# eviction log counters (see the module docstring)
+EV_N, EV_LOST = 0, 1
+EV_COUNTERS = 2
 
 
 @numba.njit(cache=True)
@@ -92,6 +121,36 @@ def _assign_page(h, classes, pages, obj, p, c):
 
 
 @numba.njit(cache=True)
+def _release_page(h, classes, pages, obj, p):
+    """Page ``p`` holds no object: unlink its slots from its class free list, make it free."""
+    spp = h[H_SPP]
+    c = pages[p, G_CLASS]
+    for i in range(classes[c, C_NSLOTS]):
+        s = p * spp + i
+        _free_unlink(classes, obj, c, s)
+        obj[s, CLASS] = NIL
+    classes[c, C_PAGES] -= 1
+    pages[p, G_CLASS] = NIL
+
+
+@numba.njit(cache=True)
+def _slot_freed(h, classes, pages, obj, s):
+    """Slot ``s`` just went back on its class free list: count it; an emptied page goes free."""
+    p = s // h[H_SPP]
+    pages[p, G_USED] -= 1
+    if pages[p, G_USED] == 0:
+        _release_page(h, classes, pages, obj, p)
+
+
+@numba.njit(cache=True)
+def _free_page(pages):
+    for p in range(len(pages)):
+        if pages[p, G_CLASS] == NIL:
+            return p
+    return NIL
+
+
+@numba.njit(cache=True)
 def _page_evictable(h, classes, pages, obj, p):
     spp = h[H_SPP]
     c = pages[p, G_CLASS]
@@ -103,57 +162,72 @@ def _page_evictable(h, classes, pages, obj, p):
 
 
 @numba.njit(cache=True)
-def evict(h, classes, pages, obj, table, s):
-    """Drop the COMMITTED, unpinned object in slot ``s``; the slot returns to its class free list."""
+def _log(ev, evn, obj, s):
+    n = evn[EV_N]
+    if n < len(ev):
+        for w in range(4):
+            ev[n, w] = obj[s, K0 + w]
+        evn[EV_N] = n + 1
+    else:
+        evn[EV_LOST] += 1
+
+
+@numba.njit(cache=True)
+def evict(h, classes, pages, obj, table, s, ev, evn):
+    """Drop the COMMITTED, unpinned object in slot ``s`` and log its key; the slot returns to its
+    class free list, or its page to the pool when it was the page's last object."""
     c = obj[s, CLASS]
     obj[s, STATE] = FREE
+    _log(ev, evn, obj, s)
     delete(table, obj, s)
     lru_unlink(h, obj, s)
     _free_push(classes, obj, c, s)
-    pages[s // h[H_SPP], G_USED] -= 1
     classes[c, C_COMMITTED] -= 1
     classes[c, C_EVICTIONS] += 1
     h[H_COMMITTED] -= 1
     h[H_EVICTIONS] += 1
+    _slot_freed(h, classes, pages, obj, s)
 
 
 @numba.njit(cache=True)
-def _steal_page(h, classes, pages, obj, table, p, c):
+def _evict_page(h, classes, pages, obj, table, p, ev, evn):
+    """Evict every object of page ``p`` (none pinned or reserved): the page goes to the pool."""
     spp = h[H_SPP]
-    old = pages[p, G_CLASS]
-    for i in range(classes[old, C_NSLOTS]):
+    nslots = classes[pages[p, G_CLASS], C_NSLOTS]
+    for i in range(nslots):
         s = p * spp + i
         if obj[s, STATE] == COMMITTED:
-            evict(h, classes, pages, obj, table, s)
-        _free_unlink(classes, obj, old, s)
-        obj[s, CLASS] = NIL
-    classes[old, C_PAGES] -= 1
-    _assign_page(h, classes, pages, obj, p, c)
+            evict(h, classes, pages, obj, table, s, ev, evn)
 
 
 @numba.njit(cache=True)
-def _alloc(h, classes, pages, obj, table, c):
-    if classes[c, C_FREE_HEAD] == NIL:
-        for p in range(len(pages)):
-            if pages[p, G_CLASS] == NIL:
-                _assign_page(h, classes, pages, obj, p, c)
-                break
-    if classes[c, C_FREE_HEAD] == NIL:
-        v = h[H_LRU_HEAD]
-        while v != NIL:
-            nxt = obj[v, NEXT]
-            if obj[v, PINS] == 0:
-                if obj[v, CLASS] == c:
-                    evict(h, classes, pages, obj, table, v)
-                    break
-                p = v // h[H_SPP]
-                if _page_evictable(h, classes, pages, obj, p):
-                    _steal_page(h, classes, pages, obj, table, p, c)
-                    break
-            v = nxt
+def _evict_for(h, classes, pages, obj, table, c, ev, evn):
+    """Evict the least recently used unpinned object of class ``c``, or the whole page of an
+    object of another class; False when nothing is evictable."""
+    v = h[H_LRU_HEAD]
+    while v != NIL:
+        if obj[v, PINS] == 0:
+            if obj[v, CLASS] == c:
+                evict(h, classes, pages, obj, table, v, ev, evn)
+                return True
+            p = v // h[H_SPP]
+            if _page_evictable(h, classes, pages, obj, p):
+                _evict_page(h, classes, pages, obj, table, p, ev, evn)
+                return True
+        v = obj[v, NEXT]
+    return False
+
+
+@numba.njit(cache=True)
+def _alloc(h, classes, pages, obj, table, c, ev, evn):
+    while classes[c, C_FREE_HEAD] == NIL:
+        p = _free_page(pages)
+        if p != NIL:
+            _assign_page(h, classes, pages, obj, p, c)
+        elif not _evict_for(h, classes, pages, obj, table, c, ev, evn):
+            return NIL
     s = classes[c, C_FREE_HEAD]
-    if s != NIL:
-        _free_unlink(classes, obj, c, s)
+    _free_unlink(classes, obj, c, s)
     return s
 
 
@@ -165,13 +239,17 @@ def slot_offset(h, classes, obj, s):
 
 
 @numba.njit(cache=True)
-def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid, slab, tokens):
+def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid, slab, tokens, ev, evn):
     """Reserve a slot of class ``c`` for a key and write its slot header (key, state, token ids):
     the slot id, EXISTS when the key is already reserved or committed, FULL when nothing is free
-    or evictable."""
-    if find(table, obj, k0, k1, ns, rank) != NIL:
+    or evictable. A committed key found here becomes the most recently used (it was stored
+    again); the keys of objects evicted to make room go to the log ``ev``/``evn``."""
+    found = find(table, obj, k0, k1, ns, rank)
+    if found != NIL:
+        if obj[found, STATE] == COMMITTED:
+            touch(h, obj, found)
         return EXISTS
-    s = _alloc(h, classes, pages, obj, table, c)
+    s = _alloc(h, classes, pages, obj, table, c, ev, evn)
     if s == NIL:
         return FULL
     obj[s, K0] = k0
@@ -219,13 +297,17 @@ def commit(h, classes, obj, slab, s, k0, k1, ns, rank, pid):
 
 
 @numba.njit(cache=True)
-def reserve_many(h, classes, pages, obj, table, c, words, pid, slab, tokens):
-    """``reserve`` for each key row of ``words`` with the token row of ``tokens``."""
-    out = np.empty(len(words), np.int64)
-    for k in range(len(words)):
+def reserve_many(h, classes, pages, obj, table, c, words, pid, slab, tokens, out, start, ev,
+                 evn):
+    """``reserve`` for each key row of ``words`` from ``start`` on, with the token row of
+    ``tokens``, writing ``out``; stops early while the log has less room than one allocation can
+    fill (``spp`` rows). Returns the index of the first key not done (``len(words)`` when all)."""
+    k = start
+    while k < len(words) and len(ev) - evn[EV_N] >= h[H_SPP]:
         out[k] = reserve(h, classes, pages, obj, table, c, words[k, 0], words[k, 1], words[k, 2],
-                         words[k, 3], pid, slab, tokens[k])
-    return out
+                         words[k, 3], pid, slab, tokens[k], ev, evn)
+        k += 1
+    return k
 
 
 @numba.njit(cache=True)
@@ -256,11 +338,12 @@ def abort_many(h, classes, pages, obj, table, slots, words, pid):
 
 @numba.njit(cache=True)
 def abort(h, classes, pages, obj, table, s):
+    """RESERVED -> FREE (the page goes to the pool when nothing else is in it)."""
     obj[s, STATE] = FREE
     delete(table, obj, s)
     _free_push(classes, obj, obj[s, CLASS], s)
-    pages[s // h[H_SPP], G_USED] -= 1
     h[H_RESERVED] -= 1
+    _slot_freed(h, classes, pages, obj, s)
 
 
 @numba.njit(cache=True)
@@ -329,14 +412,14 @@ def reclaim(h, classes, pages, obj, table, pins, dead):
 
 
 @numba.njit(cache=True)
-def clear(h, classes, pages, obj, table):
-    """Evict every COMMITTED unpinned object; returns how many."""
+def clear(h, classes, pages, obj, table, ev, evn):
+    """Evict every COMMITTED unpinned object, logging their keys; returns how many."""
     n = 0
     v = h[H_LRU_HEAD]
     while v != NIL:
         nxt = obj[v, NEXT]
         if obj[v, PINS] == 0:
-            evict(h, classes, pages, obj, table, v)
+            evict(h, classes, pages, obj, table, v, ev, evn)
             n += 1
         v = nxt
     return n
@@ -380,6 +463,8 @@ def rebuild(h, classes, pages, obj, table, pins):
             pages[p, G_USED] += 1
             if obj[s, STATE] == RESERVED:
                 h[H_RESERVED] += 1
+        if c != NIL and pages[p, G_USED] == 0:
+            _release_page(h, classes, pages, obj, p)  # emptied by a holder that died
     live = np.nonzero(obj[:, STATE] == COMMITTED)[0]
     order = live[np.argsort(obj[live, TICK], kind="mergesort")]
     h[H_TICK] = 0

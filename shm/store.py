@@ -40,6 +40,15 @@ Object states, and who may move them (full table in ``shm.index``)::
     RESERVED -> FREE                abort(), or reclaim() when the writer pid is dead
     COMMITTED -> pinned             pin(): readers (count per pid in the pin table)
     COMMITTED, unpinned -> FREE     eviction (least recently used first) or clear()
+    COMMITTED -> most recent        pin(), and reserve() of a key already committed (stored again)
+
+A page whose last object leaves (eviction, clear, abort, reclaim) goes back to the free pool at
+once, so any layout class takes it before anything is evicted (page table in ``shm.slab``).
+
+Eviction report: each ``Store`` keeps the keys of the committed objects that its own calls
+(``reserve``, ``reserve_slots``, ``clear``) evicted, until ``take_evicted()`` hands them over; the
+kernels write them into an array, never one Python object per key. At most ``evicted_limit`` rows
+wait; older ones are dropped and counted in ``evicted_dropped``.
 
 NOTE: every mutation runs under the lock, inside a numba kernel. MAGIC is written last at creation,
 so a half-initialized store (creator killed) is detected and recreated. A holder killed inside a
@@ -51,6 +60,8 @@ Reservations and pins of dead pids are reclaimed on attach and whenever ``reclai
 from __future__ import annotations
 
 import os
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,6 +89,8 @@ SLOT_HDR_WORDS = slab.SLOT_HDR_BYTES // 8
 
 DEFAULT_PAGE_BYTES = 256 << 20
 DEFAULT_MIN_SLOT_BYTES = 64 << 10
+EVICTED_LIMIT = 1 << 20
+_EV_ROWS = 4096  # eviction log rows a batch reserve fills before it is drained (at least spp)
 
 
 @dataclass(frozen=True)
@@ -255,7 +268,11 @@ class Store:
     Attributes:
         name: the segment prefix.
         size: slab bytes.
+        evicted_limit: most evicted keys kept for ``take_evicted`` (the newest are kept).
+        evicted_dropped: evicted keys dropped so far because more than ``evicted_limit`` waited.
     """
+
+    evicted_limit: int = EVICTED_LIMIT
 
     def __init__(self, prefix: str, meta: Segment, slab_seg: Segment, lock: FileLock) -> None:
         self.name = prefix
@@ -279,6 +296,12 @@ class Store:
         self._class_cache: dict[int, tuple[int, ChunkClass]] = {}   # id -> (GEN, class)
         self._geometry: dict[int, tuple[int, _Geometry]] = {}
         self._pid = os.getpid()
+        self._ev = np.empty((max(_EV_ROWS, int(self._h[H_SPP])), 4), np.int64)
+        self._evn = np.zeros(slab.EV_COUNTERS, np.int64)
+        self._evicted: deque[np.ndarray] = deque()
+        self._evicted_rows = 0
+        self._evicted_lock = threading.Lock()
+        self.evicted_dropped = 0
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -429,7 +452,9 @@ class Store:
         for attempt in range(2):
             with self._guard(timeout):
                 s = slab.reserve(self._h, self._classes, self._pages, self._obj, self._table,
-                                 class_id, *key.words(), self._pid, self.slab, tokens)
+                                 class_id, *key.words(), self._pid, self.slab, tokens, self._ev,
+                                 self._evn)
+                self._keep_evicted(self._ev, self._evn)
             if s != slab.FULL or attempt or self.reclaim() == (0, 0):
                 break
         if s == slab.FULL:
@@ -448,8 +473,9 @@ class Store:
 
         Returns:
             int64 per key: the slot id, ``EXISTS`` (-1: committed or being written elsewhere,
-            nothing to copy) or ``FULL`` (-2: no free or evictable slot, even after reclaiming
-            the slots of dead processes).
+            nothing to copy; a committed one becomes the most recently used) or ``FULL`` (-2: no
+            free or evictable slot, even after reclaiming the slots of dead processes). Keys of
+            the objects evicted meanwhile wait for ``take_evicted``.
         """
         cc = self.chunk_class(class_id)
         tokens = np.ascontiguousarray(token_ids, dtype="<u4")
@@ -458,15 +484,24 @@ class Store:
                              f"got {tokens.shape} (a chunk holds {cc.chunk_size} tokens)")
         words = key_words(keys)
         with self._guard(timeout):
-            slots = slab.reserve_many(self._h, self._classes, self._pages, self._obj,
-                                      self._table, class_id, words, self._pid, self.slab, tokens)
+            slots = self._reserve_many(class_id, words, tokens)
         full = np.nonzero(slots == slab.FULL)[0]
         if len(full) and self.reclaim() != (0, 0):
             with self._guard(timeout):
-                slots[full] = slab.reserve_many(
-                    self._h, self._classes, self._pages, self._obj, self._table, class_id,
-                    words[full], self._pid, self.slab, tokens[full])
+                slots[full] = self._reserve_many(class_id, words[full], tokens[full])
         return slots
+
+    def _reserve_many(self, class_id: int, words: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        # lock held; the kernel stops when the eviction log might overflow, so drain and go on
+        out = np.empty(len(words), np.int64)
+        done = 0
+        while True:
+            done = slab.reserve_many(self._h, self._classes, self._pages, self._obj, self._table,
+                                     class_id, words, self._pid, self.slab, tokens, out, done,
+                                     self._ev, self._evn)
+            self._keep_evicted(self._ev, self._evn)
+            if done == len(words):
+                return out
 
     def commit(self, res: Reservation) -> None:
         """Make a filled reservation visible to readers.
@@ -634,9 +669,51 @@ class Store:
         return (int(freed), int(dropped))
 
     def clear(self) -> int:
-        """Evict every committed, unpinned object; returns how many."""
+        """Evict every committed, unpinned object; returns how many. Their keys wait for
+        ``take_evicted``."""
         with self._guard():
-            return int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table))
+            ev = np.empty((max(int(self._h[slab.H_COMMITTED]), 0), 4), np.int64)
+            evn = np.zeros(slab.EV_COUNTERS, np.int64)
+            n = int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table, ev,
+                               evn))
+            self._keep_evicted(ev, evn)
+        return n
+
+    def take_evicted(self) -> np.ndarray:
+        """Keys of the committed objects this ``Store`` (this process) evicted or cleared since
+        the last call, oldest first; they are forgotten here.
+
+        Returns:
+            int64 ``[n, 4]``: the words K0, K1, NS, RANK of each key, as ``ChunkKey.words()``.
+            At most ``evicted_limit`` rows (the newest); ``evicted_dropped`` counts the others.
+        """
+        with self._evicted_lock:
+            parts, self._evicted, self._evicted_rows = self._evicted, deque(), 0
+        if not parts:
+            return np.empty((0, 4), np.int64)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _keep_evicted(self, ev: np.ndarray, evn: np.ndarray) -> None:
+        n, lost = int(evn[slab.EV_N]), int(evn[slab.EV_LOST])
+        evn[:] = 0
+        if n == 0 and lost == 0:
+            return
+        with self._evicted_lock:
+            self.evicted_dropped += lost
+            if n:
+                self._evicted.append(ev[:n].copy())
+                self._evicted_rows += n
+            excess = self._evicted_rows - max(self.evicted_limit, 0)
+            while excess > 0:
+                first = self._evicted[0]
+                cut = min(excess, len(first))
+                if cut == len(first):
+                    self._evicted.popleft()
+                else:
+                    self._evicted[0] = first[cut:]
+                self._evicted_rows -= cut
+                self.evicted_dropped += cut
+                excess -= cut
 
     def _rebuild(self) -> None:
         slab.rebuild(self._h, self._classes, self._pages, self._obj, self._table, self._pins)

@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-from shm.store import Store
+from shm import index
+from shm.store import Store, key_words
 
 from .storeutil import CLASS_A, fill_value, intact, key, put, tokens_for
 
@@ -47,6 +48,12 @@ def main(argv: list[str]) -> int:
         cm = store._guard()
         cm.__enter__()
         store._table[:] = -1  # a half-finished update of derived state
+    elif command == "die-mid-clear":
+        cm = store._guard()
+        cm.__enter__()
+        # the first write of evicting each of these objects (STATE), and nothing after it
+        slots = index.find_committed(store._table, store._obj, key_words([key(i) for i in args]))
+        store._obj[slots, index.STATE] = index.FREE
     else:
         raise SystemExit(f"unknown command {command}")
     print("ready", flush=True)

@@ -261,3 +261,151 @@ def test_contains_shards_checks_every_rank(store: Store) -> None:
     found = store.contains_shards(7, [key(1).chunk_hash, key(2).chunk_hash, key(3).chunk_hash], 2)
     assert found.tolist() == [[True, True], [True, False], [False, False]]
     assert store.contains_shards(8, [key(1).chunk_hash]).tolist() == [[False]]  # namespace
+
+
+def _pages_of(store: Store) -> dict[str, int]:
+    return {s.chunk_class.model_name: s.pages for s in store.stats().classes}
+
+
+def test_a_class_without_pages_stores_after_a_clear(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    for i in range(SLOTS_A):              # A takes every page
+        put(store, a, i)
+    assert store.clear() == SLOTS_A
+    assert store.stats().free_pages == SMALL.num_pages   # emptied pages went back to the pool
+    assert _pages_of(store) == {"model-a": 0, "model-b": 0}
+    for i in range(100, 104):             # B owned nothing and still stores, without evicting
+        put(store, b, i)
+    assert all(intact(store, i) for i in range(100, 104))
+    assert store.stats().evictions == SLOTS_A
+
+
+def test_a_page_emptied_by_a_clear_with_pins_goes_to_another_class(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    for i in range(SLOTS_A):
+        put(store, a, i)
+    pins = store.pin([key(0)])            # page 0 keeps one pinned object
+    store.clear()
+    assert _pages_of(store) == {"model-a": 1, "model-b": 0}
+    for i in range(100, 103):             # three free pages: no eviction, nothing FULL
+        put(store, b, i)
+    assert store.stats().free_pages == 0 and intact(store, 0)
+    store.unpin(pins)
+
+
+def test_an_aborted_batch_gives_its_pages_back(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    ks = [key(i) for i in range(SLOTS_A)]
+    slots = store.reserve_slots(a, ks, np.stack([tokens_for(i) for i in range(SLOTS_A)]))
+    assert (slots >= 0).all() and store.stats().free_pages == 0
+    store.abort_slots(slots, ks)
+    assert store.stats().free_pages == SMALL.num_pages
+    put(store, b, 100)
+    assert intact(store, 100)
+
+
+def test_evicting_the_last_object_of_a_page_frees_it(store: Store) -> None:
+    b = store.register_class(CLASS_B)     # one slot a page
+    for i in range(SMALL.num_pages + 2):  # each store past the fourth evicts B's oldest object
+        put(store, b, i)
+    assert store.stats().free_pages == 0
+    assert _pages_of(store) == {"model-b": SMALL.num_pages}
+    a = store.register_class(CLASS_A)
+    put(store, a, 100)                    # A takes the page of B's least recently used object
+    assert _pages_of(store) == {"model-a": 1, "model-b": SMALL.num_pages - 1}
+    assert not store.contains_key(key(2)) and intact(store, 3) and intact(store, 100)
+
+
+def test_a_restored_chunk_becomes_recently_used(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for i in range(SLOTS_A):              # 0 is the least recently used
+        put(store, c, i)
+    assert store.reserve(c, key(0), tokens_for(0)) is None      # re-stored: nothing to copy
+    put(store, c, 1000)                   # evicts 1, not 0
+    assert store.contains([key(0), key(1)]).tolist() == [True, False]
+    slots = store.reserve_slots(c, [key(2)], tokens_for(2)[None])   # the batch path too
+    assert slots.tolist() == [slab.EXISTS]
+    put(store, c, 1001)                   # evicts 3, not 2
+    assert store.contains([key(2), key(3)]).tolist() == [True, False]
+    assert intact(store, 0) and intact(store, 2)
+
+
+def words_of(ids: list[int] | range) -> np.ndarray:
+    return np.array([key(i).words() for i in ids], np.int64).reshape(-1, 4)
+
+
+def test_evictions_are_reported_once_by_the_store_that_made_them(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for i in range(SLOTS_A):
+        put(store, c, i)
+    assert store.take_evicted().shape == (0, 4)        # nothing evicted yet
+    put(store, c, 100)
+    put(store, c, 101)                                  # evicts 0, then 1
+    assert np.array_equal(store.take_evicted(), words_of([0, 1]))
+    assert store.take_evicted().shape == (0, 4)         # taken: forgotten
+    ks = [key(i) for i in range(200, 203)]
+    slots = store.reserve_slots(c, ks, np.stack([tokens_for(i) for i in range(200, 203)]))
+    store.abort_slots(slots, ks)                        # aborted reservations are no evictions
+    assert np.array_equal(store.take_evicted(), words_of([2, 3, 4]))
+    with Store.open(store.name) as other:               # another Store sees only its own
+        for i in range(300, 304):                       # 3 free slots, then 5 goes
+            put(other, c, i)
+        assert np.array_equal(other.take_evicted(), words_of([5]))
+    assert store.take_evicted().shape == (0, 4)
+    assert store.evicted_dropped == 0
+
+
+def test_a_stolen_page_reports_each_of_its_objects(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    for i in range(SLOTS_A):
+        put(store, a, i)
+    store.pin([key(3)])[0].release()                    # 3 recent, but on the stolen page
+    put(store, b, 100)                                  # takes page 0: objects 0..7
+    got = store.take_evicted()
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, words_of(range(8)).tolist()))
+
+
+def test_clear_reports_what_it_removed(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    for i in range(5):
+        put(store, c, i)
+    pins = store.pin([key(2)])
+    assert store.clear() == 4
+    assert np.array_equal(store.take_evicted(), words_of([0, 1, 3, 4]))   # recency order
+    store.unpin(pins)
+
+
+def test_the_report_keeps_the_newest_keys_within_its_limit(store: Store) -> None:
+    c = store.register_class(CLASS_A)
+    store.evicted_limit = 5
+    for i in range(SLOTS_A + 3):                        # evicts 0, 1, 2
+        put(store, c, i)
+    store.clear()                                       # then 3 .. 34
+    assert np.array_equal(store.take_evicted(), words_of(range(30, 35)))
+    assert store.evicted_dropped == 30
+
+
+def test_a_batch_evicting_more_than_the_log_holds_reports_every_key(shm_prefix: str) -> None:
+    # 2 pages of 4096 tiny slots: one allocation may fill the whole log, so the batch is drained
+    # between keys
+    cfg = StoreConfig(capacity_bytes=4 << 20, page_bytes=2 << 20, min_slot_bytes=512)
+    tiny = ChunkClass("tiny", 1, 1, 1, "float16", 16)
+    spp = cfg.slots_per_page
+    with Store.open(shm_prefix, cfg) as st:
+        t = st.register_class(tiny)
+        b = st.register_class(CLASS_B)
+        ids = range(2 * spp)
+        ks = [key(i) for i in ids]
+        st.commit_slots(st.reserve_slots(t, ks, np.stack([tokens_for(i) for i in ids])), ks)
+        assert st.stats().num_objects == 2 * spp and st.take_evicted().shape == (0, 4)
+        per_page = (2 << 20) // CLASS_B.slot_bytes
+        new = [key(i) for i in range(10**6, 10**6 + per_page + 1)]   # needs both pages
+        slots = st.reserve_slots(b, new, np.zeros((len(new), 16), np.uint32))
+        assert (slots >= 0).all()
+        assert np.array_equal(st.take_evicted(), words_of(ids))      # page 0, then page 1
+        assert st.evicted_dropped == 0
+    destroy(shm_prefix)

@@ -14,7 +14,7 @@ import pytest
 from shm import index, slab
 from shm.store import Store, destroy
 
-from .storeutil import CLASS_A, SMALL, intact, key, put, tokens_for
+from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, intact, key, put, tokens_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE = 60
@@ -72,6 +72,32 @@ def assert_consistent(store: Store) -> None:
         s = before["_obj"][s, index.NEXT]
     assert lru == sorted(lru, key=lambda s: before["_obj"][s, index.TICK])
     assert len(lru) == before["_h"][slab.H_COMMITTED]
+    assert_pages(before)
+    assert_pages(after)
+    for col in (slab.C_PAGES, slab.C_COMMITTED):
+        assert np.array_equal(before["_classes"][:, col], after["_classes"][:, col]), col
+
+
+def assert_pages(t: dict[str, np.ndarray]) -> None:
+    """The page table's invariants (``shm.slab``): a page belongs to a class exactly when it holds
+    an object, PAGES counts a class's pages, a class's free list holds exactly its FREE slots."""
+    pages, classes, obj = t["_pages"], t["_classes"], t["_obj"]
+    spp = int(t["_h"][slab.H_SPP])
+    held = pages[:, slab.G_CLASS] != index.NIL
+    assert np.array_equal(held, pages[:, slab.G_USED] > 0), "a class holds an empty page"
+    for c in np.nonzero(classes[:, slab.C_USED])[0]:
+        mine = np.nonzero(pages[:, slab.G_CLASS] == c)[0]
+        assert classes[c, slab.C_PAGES] == len(mine)
+        slots = (mine[:, None] * spp + np.arange(classes[c, slab.C_NSLOTS])).ravel()
+        free, s = [], classes[c, slab.C_FREE_HEAD]
+        while s != index.NIL and len(free) <= len(obj):
+            free.append(int(s))
+            s = obj[s, index.NEXT]
+        assert sorted(free) == sorted(slots[obj[slots, index.STATE] == index.FREE].tolist())
+        assert (obj[slots, index.CLASS] == c).all()
+        for p in mine:
+            assert pages[p, slab.G_USED] == np.count_nonzero(obj[slots[slots // spp == p],
+                                                                  index.STATE])
 
 
 def test_concurrent_writers_and_readers_never_see_torn_chunks(store: Store) -> None:
@@ -148,3 +174,28 @@ def test_reservation_of_a_killed_writer_is_reclaimed_on_attach(shm_prefix: str) 
         assert st.stats().num_reserved == 0
         assert st.reserve(st.register_class(CLASS_A), key(5), tokens_for(5)) is not None
     destroy(shm_prefix)
+
+
+def test_a_page_emptied_by_a_holder_that_died_goes_back_to_the_pool(store: Store) -> None:
+    a = store.register_class(CLASS_A)
+    b = store.register_class(CLASS_B)
+    for i in range(SLOTS_A):              # A holds every page; page 0 holds objects 0..7
+        put(store, a, i)
+    with held("die-mid-clear", store.name, *range(8)):
+        pass
+    # the rebuild drops the objects whose STATE went FREE, and with them page 0
+    stats = store.stats()
+    assert (stats.num_objects, stats.free_pages) == (SLOTS_A - 8, 1)
+    assert_consistent(store)
+    put(store, b, 100)                    # B takes the free page: nothing evicted
+    assert store.stats().evictions == 0
+    assert intact(store, 100) and all(intact(store, i) for i in range(8, SLOTS_A))
+
+
+def test_a_reclaimed_reservation_gives_its_page_back(store: Store) -> None:
+    store.register_class(CLASS_A)
+    with held("hold-reservation", store.name, 5):
+        assert store.stats().free_pages == SMALL.num_pages - 1
+    assert store.reclaim() == (1, 0)
+    assert store.stats().free_pages == SMALL.num_pages
+    assert_consistent(store)
