@@ -190,27 +190,6 @@ def _mix(z: np.uint64) -> np.uint64:
 
 
 @njit(cache=True)
-def rolling_hashes(tokens: np.ndarray, k: int) -> np.ndarray:
-    """Rolling hash of every length-``k`` window (``len(tokens) - k + 1`` values, uint64)."""
-    n = tokens.shape[0] - k + 1
-    out = np.empty(max(n, 0), np.uint64)
-    if n <= 0:
-        return out
-    b = np.uint64(BASE)
-    top = np.uint64(1)
-    for _ in range(k - 1):
-        top = top * b
-    h = np.uint64(0)
-    for i in range(k):
-        h = h * b + np.uint64(tokens[i])
-    out[0] = h
-    for j in range(1, n):
-        h = (h - np.uint64(tokens[j - 1]) * top) * b + np.uint64(tokens[j + k - 1])
-        out[j] = h
-    return out
-
-
-@njit(cache=True)
 def chunk_fingerprints(tokens: np.ndarray, k: int) -> np.ndarray:
     """Rolling hash of each non-overlapping full chunk ``tokens[i*k:(i+1)*k]`` (uint64)."""
     n = tokens.shape[0] // k
@@ -586,11 +565,12 @@ def _hash_words(chunk_hashes: ChunkHashes) -> np.ndarray:
                                                              np.dtype(np.uint64)):
             raise ValueError(f"chunk hash words must be an int64 [n, 2] array, got "
                              f"{a.dtype} {a.shape}")
-        return np.ascontiguousarray(a).view(np.uint64)
+        return np.array(a, order="C").view(np.uint64)
     for h in chunk_hashes:
         if len(h) != DIGEST_BYTES:
             raise ValueError(f"chunk hashes must be {DIGEST_BYTES} bytes, got {len(h)}")
-    return np.frombuffer(b"".join(chunk_hashes), np.uint64).reshape(-1, 2)
+    # writable like the array form: numba compiles a kernel again for read-only arguments
+    return np.frombuffer(bytearray(b"".join(chunk_hashes)), np.uint64).reshape(-1, 2)
 
 
 @dataclass(frozen=True)

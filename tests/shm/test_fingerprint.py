@@ -104,22 +104,20 @@ def ref_best(cur: list[int], seq: list[int], old: list[int], k: int) -> tuple[in
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_rolling_hashes_match_reference(seed: int) -> None:
+def test_chunk_fingerprints_match_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     k = int(rng.integers(1, 40))
     t = toks(int(rng.integers(0, 120)), seed)
-    got = F.rolling_hashes(t, k)
-    want = [ref_hash(t[j:j + k].tolist()) for j in range(len(t) - k + 1)]
-    assert got.tolist() == want
-    assert F.chunk_fingerprints(t, k).tolist() == want[::k][: len(t) // k]
+    want = [ref_hash(t[c * k:(c + 1) * k].tolist()) for c in range(len(t) // k)]
+    assert F.chunk_fingerprints(t, k).tolist() == want
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=60), st.integers(1, 9))
-def test_rolling_hashes_hypothesis(values: list[int], k: int) -> None:
+def test_chunk_fingerprints_hypothesis(values: list[int], k: int) -> None:
     t = np.array(values, np.uint32)
-    want = [ref_hash(values[j:j + k]) for j in range(len(values) - k + 1)]
-    assert F.rolling_hashes(t, k).tolist() == want
+    want = [ref_hash(values[c * k:(c + 1) * k]) for c in range(len(values) // k)]
+    assert F.chunk_fingerprints(t, k).tolist() == want
 
 
 @contextmanager
@@ -140,7 +138,7 @@ TOKENS = st.one_of(st.lists(st.integers(0, 3), max_size=300),           # repeat
 def probe_against_reference(t: np.ndarray, k: int, stored: np.ndarray, other: set[int]) -> None:
     """Entries keyed by the slow reference hash of the windows ``stored`` picks (plus keys of no
     window) are proposed at exactly the windows whose reference key they carry, whatever
-    ``rolling_hashes`` and ``chunk_fingerprints`` compute: the probe rolls its own hash."""
+    ``chunk_fingerprints`` computes: the probe rolls its own hash over the query."""
     values = t.tolist()
     ref = [ref_hash(values[p:p + k]) ^ NS.id for p in range(len(values) - k + 1)]
     keyset = {key for key, keep in zip(ref, stored) if keep} | other
@@ -396,7 +394,7 @@ def test_thue_morse_pair_collides_but_never_matches(make: Make) -> None:
     y = (1000 + 7 * (1 - t)).astype(np.uint32)
     assert not np.array_equal(x, y)
     assert ref_hash(x.tolist()) == ref_hash(y.tolist())  # a real 64-bit collision
-    assert F.rolling_hashes(x, k)[0] == F.rolling_hashes(y, k)[0]
+    assert F.chunk_fingerprints(x, k)[0] == F.chunk_fingerprints(y, k)[0]
     idx = make(chunk_size=k, capacity=16)
     (hx,) = reg(idx, x)
     pos, _ = idx._candidates(y, np.uint64(NS.id))
