@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,17 @@ def test_create_attach_close_unlink(shm_prefix: str) -> None:
         Segment(name)
 
 
+def queued_for(path: str, pid: int) -> bool:
+    """True when process ``pid`` is blocked in the kernel waiting for the flock on ``path``:
+    ``/proc/locks`` lists each waiter as ``N: -> FLOCK ADVISORY WRITE PID MAJ:MIN:INODE ...``."""
+    st = os.stat(path)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        rows = [line.split() for line in f]
+    return any(r[1:3] == ["->", "FLOCK"] and r[5:7] == [str(pid), where] for r in rows
+               if len(r) > 6)
+
+
 def test_timeout_rule(shm_prefix: str) -> None:
     path = lock_path(shm_prefix, "t")
     holder = subprocess.Popen(
@@ -55,20 +67,28 @@ def test_timeout_rule(shm_prefix: str) -> None:
             lock.acquire(timeout=0)
         with pytest.raises(Busy):
             lock.acquire(timeout=0.05)
-        got = threading.Event()
+        got, released = threading.Event(), threading.Event()
+        seen: list[bool] = []
 
         def wait_forever() -> None:
             lock.acquire(timeout=None)
+            seen.append(released.is_set())
             got.set()
             lock.release()
 
         waiter = threading.Thread(target=wait_forever)
         waiter.start()
-        assert not got.is_set()
+        # the waiter must queue in the kernel behind the holder; getting the lock instead fails
+        deadline = time.monotonic() + 30
+        while not queued_for(path, os.getpid()):
+            assert not got.wait(0.01), "acquire(timeout=None) got a lock another process holds"
+            assert time.monotonic() < deadline, "acquire(timeout=None) never waited for the lock"
+        released.set()
         holder.kill()          # the kernel drops the dead holder's lock
         holder.wait(30)
         assert got.wait(30)
         waiter.join(30)
+        assert seen == [True]  # the lock came only after the holder was gone
     finally:
         holder.kill()
         holder.wait(30)
