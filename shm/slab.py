@@ -44,7 +44,10 @@ Allocation for class c, repeated until c's free list has a slot:
 Eviction log: the kernels that evict append the key words (K0, K1, NS, RANK) of every COMMITTED
 object they drop to ``ev`` (int64 ``[rows, 4]``), counting rows in ``evn[EV_N]`` and rows that
 did not fit in ``evn[EV_LOST]``; the store hands them to its caller (``Store.take_evicted``).
-Aborted or reclaimed reservations were never visible, so they are not logged.
+``reserve_many`` stops while fewer than ``spp`` rows are left and ``clear`` when the log is full,
+so the store drains it and calls again inside the same critical section (nothing is lost;
+EV_LOST only backs the bound). Aborted or reclaimed reservations were never visible, so they are
+not logged, nor are objects a rebuild drops (their evictor died before reporting them).
 
 NOTE: every kernel here runs with the store lock held. ``rebuild`` restores all derived state
 (hash table, recency list, free lists, counters, pin counts) from the obj STATE words, the page and
@@ -413,10 +416,11 @@ def reclaim(h, classes, pages, obj, table, pins, dead):
 
 @numba.njit(cache=True)
 def clear(h, classes, pages, obj, table, ev, evn):
-    """Evict every COMMITTED unpinned object, logging their keys; returns how many."""
+    """Evict every COMMITTED unpinned object, logging their keys, until the log is full; returns
+    how many (call again after draining a full log)."""
     n = 0
     v = h[H_LRU_HEAD]
-    while v != NIL:
+    while v != NIL and evn[EV_N] < len(ev):
         nxt = obj[v, NEXT]
         if obj[v, PINS] == 0:
             evict(h, classes, pages, obj, table, v, ev, evn)

@@ -90,7 +90,9 @@ SLOT_HDR_WORDS = slab.SLOT_HDR_BYTES // 8
 DEFAULT_PAGE_BYTES = 256 << 20
 DEFAULT_MIN_SLOT_BYTES = 64 << 10
 EVICTED_LIMIT = 1 << 20
-_EV_ROWS = 4096  # eviction log rows a batch reserve fills before it is drained (at least spp)
+# eviction log rows beyond the ``spp`` that one allocation may fill: a batch reserve drains the log
+# (back in Python) after about this many evictions
+_EV_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,7 @@ class Store:
         self._class_cache: dict[int, tuple[int, ChunkClass]] = {}   # id -> (GEN, class)
         self._geometry: dict[int, tuple[int, _Geometry]] = {}
         self._pid = os.getpid()
-        self._ev = np.empty((max(_EV_ROWS, int(self._h[H_SPP])), 4), np.int64)
+        self._ev = np.empty((int(self._h[H_SPP]) + _EV_ROWS, 4), np.int64)
         self._evn = np.zeros(slab.EV_COUNTERS, np.int64)
         self._evicted: deque[np.ndarray] = deque()
         self._evicted_rows = 0
@@ -671,13 +673,15 @@ class Store:
     def clear(self) -> int:
         """Evict every committed, unpinned object; returns how many. Their keys wait for
         ``take_evicted``."""
+        n = 0
         with self._guard():
-            ev = np.empty((max(int(self._h[slab.H_COMMITTED]), 0), 4), np.int64)
-            evn = np.zeros(slab.EV_COUNTERS, np.int64)
-            n = int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table, ev,
-                               evn))
-            self._keep_evicted(ev, evn)
-        return n
+            while True:
+                n += int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table,
+                                    self._ev, self._evn))
+                full = self._evn[slab.EV_N] == len(self._ev)
+                self._keep_evicted(self._ev, self._evn)
+                if not full:
+                    return n
 
     def take_evicted(self) -> np.ndarray:
         """Keys of the committed objects this ``Store`` (this process) evicted or cleared since

@@ -11,7 +11,7 @@ import pytest
 from shm import index, slab
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.layout import ChunkClass
-from shm.store import Store, StoreConfig, destroy
+from shm.store import _EV_ROWS, Store, StoreConfig, destroy
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, fill_value, intact, key, put, tokens_for
 
@@ -390,22 +390,40 @@ def test_the_report_keeps_the_newest_keys_within_its_limit(store: Store) -> None
 
 
 def test_a_batch_evicting_more_than_the_log_holds_reports_every_key(shm_prefix: str) -> None:
-    # 2 pages of 4096 tiny slots: one allocation may fill the whole log, so the batch is drained
-    # between keys
-    cfg = StoreConfig(capacity_bytes=4 << 20, page_bytes=2 << 20, min_slot_bytes=512)
+    # 3 pages of 4096 tiny slots; the log holds 4096 + spp rows, so the batch that takes all three
+    # pages for class B is drained on the way
+    cfg = StoreConfig(capacity_bytes=6 << 20, page_bytes=2 << 20, min_slot_bytes=512)
     tiny = ChunkClass("tiny", 1, 1, 1, "float16", 16)
     spp = cfg.slots_per_page
+    assert cfg.num_pages * spp > spp + _EV_ROWS
     with Store.open(shm_prefix, cfg) as st:
         t = st.register_class(tiny)
         b = st.register_class(CLASS_B)
-        ids = range(2 * spp)
+        ids = range(cfg.num_pages * spp)
         ks = [key(i) for i in ids]
         st.commit_slots(st.reserve_slots(t, ks, np.stack([tokens_for(i) for i in ids])), ks)
-        assert st.stats().num_objects == 2 * spp and st.take_evicted().shape == (0, 4)
-        per_page = (2 << 20) // CLASS_B.slot_bytes
-        new = [key(i) for i in range(10**6, 10**6 + per_page + 1)]   # needs both pages
+        assert st.stats().num_objects == len(ids) and st.take_evicted().shape == (0, 4)
+        per_page = cfg.page_bytes // CLASS_B.slot_bytes
+        new = [key(i) for i in range(10**6, 10**6 + 2 * per_page + 1)]   # needs every page
         slots = st.reserve_slots(b, new, np.zeros((len(new), 16), np.uint32))
         assert (slots >= 0).all()
-        assert np.array_equal(st.take_evicted(), words_of(ids))      # page 0, then page 1
+        assert np.array_equal(st.take_evicted(), words_of(ids))      # page 0, 1, then 2
         assert st.evicted_dropped == 0
+    destroy(shm_prefix)
+
+
+def test_a_clear_larger_than_the_log_reports_every_key(shm_prefix: str) -> None:
+    cfg = StoreConfig(capacity_bytes=6 << 20, page_bytes=2 << 20, min_slot_bytes=512)
+    tiny = ChunkClass("tiny", 1, 1, 1, "float16", 16)
+    with Store.open(shm_prefix, cfg) as st:
+        t = st.register_class(tiny)
+        ids = range(cfg.num_pages * cfg.slots_per_page)
+        assert len(ids) > cfg.slots_per_page + _EV_ROWS
+        ks = [key(i) for i in ids]
+        st.commit_slots(st.reserve_slots(t, ks, np.stack([tokens_for(i) for i in ids])), ks)
+        pins = st.pin_slots([key(0), key(len(ids) - 1)])     # skipped on every pass
+        assert st.clear() == len(ids) - 2
+        assert np.array_equal(st.take_evicted(), words_of(ids[1:-1]))
+        assert st.stats().num_objects == 2
+        st.unpin_slots(pins)
     destroy(shm_prefix)
