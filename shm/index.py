@@ -17,7 +17,8 @@ Object row ``obj[s]`` (one per slot id ``s``, 12 int64 words = 96 B)::
     6    PINS    reader pin count (derived from the pin table)
     7    PREV    recency list (COMMITTED) ...
     8    NEXT    ... or the class free list (FREE)
-    9    TICK    logical time of the last commit or pin (the recency order survives a rebuild)
+    9    TICK    logical time of the last commit, pin or re-store (the recency order survives a
+                 rebuild)
     10   CLASS   layout class of the slot's page, -1 when the page is unassigned
     11   -       spare
 
@@ -26,6 +27,10 @@ State table::
     FREE --reserve--> RESERVED --commit--> COMMITTED --pin--> COMMITTED, PINS>0
       ^                  |  (abort, or writer died)     |  <--unpin--
       +------------------+------------------------------+  evict (PINS == 0 only)
+
+    Recency: commit appends to the recency list; pin, and a reserve that finds the key COMMITTED
+    (the chunk stored again), move the object to its most recent end; eviction takes the least
+    recent unpinned object first.
 
 Hash table: open addressing, linear probing, ``table[i]`` = slot id or -1; deletion by backward shift
 (no tombstones, so probe chains never rot). Only RESERVED and COMMITTED objects are in it; readers
