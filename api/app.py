@@ -7,16 +7,17 @@ as ``KVBLEND_*`` environment variables).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp
 
 from api import errors, kvblend_version
-from api.auth import Tokens
+from api.auth import Tokens, require_admin, require_token
 from api.limits import BodyLimit
 from api.lookup import LookupFastPath
 from api.metrics import build_registry
@@ -79,13 +80,49 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.tokens = Tokens.of(settings)
     app.state.settings = settings
     errors.install(app)
-    for module in (health, status, instances, lookup, chunks, metrics, events):
-        app.include_router(module.router)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    routers = [m.router for m in (health, status, instances, lookup, chunks, metrics, events)]
+    for router in routers:
+        app.include_router(router)
+    app.openapi = lambda: _openapi(app, routers)  # type: ignore[method-assign]
     return app
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _guards(routers: Iterable[APIRouter]) -> dict[str, Callable[..., Any]]:
+    """The auth dependency (``require_token`` or ``require_admin``) of each guarded operation."""
+    guards: dict[str, Callable[..., Any]] = {}
+    for router in routers:
+        for route in router.routes:
+            if not isinstance(route, APIRoute) or route.operation_id is None:
+                continue
+            for dep in (*router.dependencies, *route.dependencies):
+                if dep.dependency in (require_token, require_admin):
+                    guards[route.operation_id] = dep.dependency
+    return guards
+
+
+def _declare_auth(schema: dict[str, Any], tokens: Tokens, routers: Iterable[APIRouter]) -> None:
+    """Declare bearer auth on exactly the operations that refuse a caller without a token.
+
+    FastAPI declares it wherever the auth dependency runs; but without an API token the routes
+    serve everyone, so there the operation says ``security: [{}]`` (anonymous callers served),
+    or ``[{}, {"bearer": []}]`` where an admin token may be presented. Only clearing the cache
+    needs a token when the admin token is the only one. With no token at all the bearer scheme
+    itself goes.
+    """
+    guards = _guards(routers)
+    optional: list[dict[str, list[str]]] = [{}] if tokens.admin is None else [{}, {"bearer": []}]
+    for item in schema["paths"].values():
+        for op in item.values():
+            guard = guards.get(op.get("operationId", ""))
+            if guard is None or "security" not in op:
+                continue
+            if tokens.api is None and not (tokens.admin is not None and guard is require_admin):
+                op["security"] = [dict(req) for req in optional]
+    if tokens.api is None and tokens.admin is None:
+        schema["components"].pop("securitySchemes", None)
+
+
+def _openapi(app: FastAPI, routers: Iterable[APIRouter]) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
@@ -103,6 +140,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             for code, resp in op.get("responses", {}).items():
                 if code[0] in "45":  # errors are problem+json only, never plain JSON
                     resp.get("content", {}).pop("application/json", None)
+    _declare_auth(schema, app.state.tokens, routers)
     app.openapi_schema = schema
     return schema
 

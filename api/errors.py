@@ -6,7 +6,9 @@ Routes raise typed exceptions (the store's, the data plane's, or the few below) 
     {"type": "about:blank", "title": "Not Found", "status": 404,
      "detail": "no instance 7", "instance": "/v1/instances/7", "code": "InstanceNotFound"}
 
-``code`` names the exception; validation errors add ``errors`` (location, message, kind).
+``code`` names the exception; validation errors add ``errors`` (location, message, kind). Every
+invalid body is a 422, a body that does not parse as JSON included; a 405 lists in ``Allow`` every
+method the path serves.
 
 Exception tree of the API itself::
 
@@ -33,12 +35,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from shm.errors import Busy, CapacityError, ChunkNotFound, LayoutMismatch, ShmError, StoreFull
 
 log = logging.getLogger("kvblend.api")
 
 PROBLEM_JSON = "application/problem+json"
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE")
 
 
 class ApiError(Exception):
@@ -177,8 +182,34 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException), "handler registered for the wrong type"
-    return problem_response(exc.status_code, str(exc.detail), request.url.path, "HTTPException",
-                            headers=exc.headers)
+    path = request.url.path
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI answers 400 to a body it could not read as JSON (invalid UTF-8, nesting too
+        # deep) but 422 to one that is not JSON at all: both are an invalid body, 422 here.
+        return problem_response(422, "invalid request", path, "RequestValidationError", [{
+            "loc": ["body"], "msg": f"the body is not valid JSON: {exc.__cause__}",
+            "type": "json_invalid"}])
+    headers = exc.headers
+    if exc.status_code == 405:  # the router names one route's methods; the path may have more
+        headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app,
+                                                                         request.scope))}
+    return problem_response(exc.status_code, str(exc.detail), path, "HTTPException",
+                            headers=headers)
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route of ``app`` serves at the path of ``scope``, for ``Allow``.
+
+    Starlette answers 405 with the methods of the first route whose path matched, so a path that
+    two routes serve (``GET`` and ``DELETE /v1/instances/{id}``) would list only one of them.
+    """
+    served = []
+    for method in METHODS:
+        probe: Scope = {"type": "http", "path": scope["path"], "method": method, "headers": [],
+                        "root_path": scope.get("root_path", ""), "query_string": b""}
+        if any(route.matches(probe)[0] is Match.FULL for route in app.router.routes):
+            served.append(method)
+    return served
 
 
 def install(app: FastAPI) -> None:

@@ -11,12 +11,13 @@ from api.deps import DataPlaneDep
 from api.errors import responses
 from api.lookup import request_id_of
 from api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstance
+from dataplane.messages import TOKEN_HEX
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"],
                    dependencies=[Depends(require_token)])
 
 InstanceId = Annotated[int, Path(ge=0, le=2**63 - 1, description="As returned by registration.")]
-InstanceToken = Annotated[str, Header(alias="X-Instance-Token", max_length=64,
+InstanceToken = Annotated[str, Header(alias="X-Instance-Token", max_length=TOKEN_HEX,
                                       description="The token registration returned.")]
 
 
