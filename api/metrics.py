@@ -44,6 +44,9 @@ HELP = {
     "retrieve_failures": "Retrieve calls that failed.",
     "retrieve_failed_chunks": "Chunks a retrieve could not deliver (evicted meanwhile).",
     "fingerprint_new_entries": "Fingerprint entries added.",
+    "fingerprint_evicted_entries": "Fingerprint entries dropped because their chunk was evicted.",
+    "fingerprint_not_indexed_chunks": "Chunks stored but not indexed: the fingerprint index was "
+                                      "full of live entries (raise --fingerprint-capacity).",
     "dataplane_restarts": "Times the supervisor restarted the data plane.",
     "dataplane_errors": "Data-plane calls answered with an error.",
 }

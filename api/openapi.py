@@ -13,9 +13,10 @@ from api.app import create_app
 from api.settings import Settings
 
 
-def schema() -> dict[str, Any]:
-    """The schema of an app with default settings (settings do not change the schema)."""
-    return create_app(Settings(api_token=None)).openapi()
+def schema(api_token: str | None = None) -> dict[str, Any]:
+    """The schema of an app with default settings: a service without a token (the committed
+    ``openapi/openapi.json``). With ``api_token``, routes also declare bearer auth and 401/403."""
+    return create_app(Settings(api_token=api_token)).openapi()
 
 
 def render() -> str:

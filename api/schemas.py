@@ -94,7 +94,8 @@ class CudaIpc(BaseModel):
 
     handle: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$",
                         description="The 64-byte cudaIpcMemHandle of the allocation, base64.")
-    offset: int = Field(0, ge=0, description="Bytes from the allocation's base to the buffer.")
+    offset: int = Field(0, ge=0, le=2**53,  # exact as a JSON number
+                        description="Bytes from the allocation's base to the buffer.")
     device_uuid: str = Field(min_length=1, max_length=64, description="The GPU's UUID.",
                              examples=["GPU-5f3c2d1e-8a9b-4c7d-9e0f-1a2b3c4d5e6f"])
 

@@ -1,7 +1,8 @@
 """What one API worker attaches to: the shm store, the fingerprint index, the event log, and its
 link to the data plane. Opened by the app's lifespan, closed when it ends.
 
-The API only attaches: the supervisor (``kvblend serve``) creates the store. The fingerprint index
+The API only attaches: the supervisor (``kvblend serve``) creates the store. Opening first runs
+``shm.warm.warm`` so no request compiles a kernel. The fingerprint index
 and the event log are create-or-attach, with the same arguments the supervisor used.
 """
 
@@ -14,6 +15,7 @@ from api.settings import Backend, Settings, resolve_backend
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.store import Store
+from shm.warm import warm
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Services:
             LayoutMismatch: the fingerprint index was created with other arguments.
         """
         prefix = settings.shm_prefix
+        warm(prefix)  # compile before serving: the first lookup must not compile on the loop
         store = Store.open(prefix)
         try:
             fingerprints = FingerprintIndex.open(prefix, settings.chunk_size,

@@ -142,7 +142,7 @@ def run_ours(n_chunks: int, query: np.ndarray, pos, seq, chunk, iters: int, warm
         for i, toks in sequences(n_chunks, CHUNK, PER_SEQ, VOCAB, SEED):
             keys = chunk_hashes(NS, toks, CHUNK)
             t0 = time.perf_counter()
-            n_reg += idx.register(NS, toks, keys)
+            n_reg += idx.register(NS, toks, keys).new
             reg_s += time.perf_counter() - t0
             for p, s, c in zip(pos, seq, chunk):
                 if s == i:

@@ -23,6 +23,7 @@ from dataplane.transfer import Shared, open_fingerprints
 from shm.errors import ForeignObject
 from shm.events import EventLog
 from shm.store import Store
+from shm.warm import warm
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -48,9 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.info("kernels ready in %.2f s", warm(args.shm_prefix))  # before the first real call
     store = Store.open(args.shm_prefix)
     fingerprints = open_fingerprints(args.shm_prefix, args.chunk_size)
     events = EventLog.open(args.shm_prefix)
+    # a data plane killed between an eviction and its fingerprint removal left entries behind
+    swept = fingerprints.sweep(store.holds_hashes)
+    if swept:
+        log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
+        events.add_many({"fingerprint_evicted_entries": swept})
     engine = make_engine(args.backend, store)
     shared = Shared(store, fingerprints, events, args.chunk_size)
     limits = Limits(args.lease, args.max_instances, args.max_instances_per_client)

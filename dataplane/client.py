@@ -81,6 +81,8 @@ class TransferResult:
         failed: chunk indexes (store) or match indexes (retrieve) not done.
         copied: chunks copied (a store skips chunks already stored).
         nbytes: bytes copied.
+        not_indexed: chunk indexes of a store that were stored but that lookups will not find
+            (the fingerprint index is full of live entries); ``ok`` does not count them.
     """
 
     ok: bool
@@ -88,6 +90,7 @@ class TransferResult:
     failed: list[int]
     copied: int = 0
     nbytes: int = 0
+    not_indexed: list[int] = field(default_factory=list)
 
 
 class Transfer:
@@ -111,7 +114,7 @@ class Transfer:
         if self._result is None:
             done: TransferDone = self._pending.result(timeout)
             self._result = TransferResult(not done.failed, done.num_chunks, list(done.failed),
-                                          done.copied, done.nbytes)
+                                          done.copied, done.nbytes, list(done.not_indexed))
         return self._result
 
     def done(self) -> bool:

@@ -230,6 +230,8 @@ class TransferDone(_Msg):
         copied: chunks actually copied (a store skips chunks already stored).
         failed: indexes (chunk index of a store; match index of a retrieve) that were not done.
         nbytes: bytes copied.
+        not_indexed: chunk indexes of a store that are stored but that lookups will not find
+            (the fingerprint index is full of live entries).
     """
 
     instance_id: int
@@ -238,6 +240,7 @@ class TransferDone(_Msg):
     failed: list[int]
     nbytes: int
     duration_s: float
+    not_indexed: list[int] = []
 
 
 class ErrorReply(_Msg):

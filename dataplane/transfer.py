@@ -24,6 +24,7 @@ It does not own threads or sockets (``dataplane.server``) or how bytes move (``d
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from dataplane.errors import BadRequest, OutOfRange
 from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
 from shm.errors import CapacityError, ShmError
 from shm.events import EventLog
-from shm.fingerprint import H_CAP, FingerprintIndex, Registration
+from shm.fingerprint import H_CAP, FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.segment import Segment
 from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
@@ -44,6 +45,9 @@ from shm.store import ChunkKey, Store, key_words
 if TYPE_CHECKING:
     from dataplane.backend import InstanceBuffer
     from dataplane.instances import Instance
+
+
+log = logging.getLogger("kvblend.dataplane")
 
 
 @dataclass(frozen=True)
@@ -171,29 +175,60 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     copied = int(np.count_nonzero(slots >= 0))
     failed = np.flatnonzero(slots == FULL).tolist()
     skipped = n - copied - len(failed)
-    new = _register_fingerprints(sh, inst, hashes, prepared)
+    forget_evicted(sh)
+    reg = _register_fingerprints(sh, inst, hashes, prepared)
+    if reg.not_indexed:
+        _warn_not_indexed(sh)
     nbytes = copied * chunk_bytes
     reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
-                         nbytes=nbytes, duration_s=time.monotonic() - t0)
+                         nbytes=nbytes, duration_s=time.monotonic() - t0,
+                         not_indexed=reg.not_indexed)
     sh.events.record("store_end", **base, copied=copied, storage_hits=skipped,
-                     failed=failed, fingerprint_new=new, bytes=nbytes,
-                     duration_s=reply.duration_s, ok=not failed)
+                     failed=failed, fingerprint_new=reg.new, not_indexed=len(reg.not_indexed),
+                     bytes=nbytes, duration_s=reply.duration_s, ok=not failed)
     sh.events.add_many({"stores": 1, "store_chunks": copied,
                         "store_skipped_chunks": skipped, "store_bytes": nbytes,
                         "store_failed_chunks": len(failed),
-                        "fingerprint_new_entries": new})
+                        "fingerprint_new_entries": reg.new,
+                        "fingerprint_not_indexed_chunks": len(reg.not_indexed)})
     return reply
 
 
+def forget_evicted(sh: Shared) -> int:
+    """Drop the fingerprint entries of the chunks this process's store evicted since the last
+    call. An entry goes when any rank's shard of its chunk goes: a lookup must not offer a chunk
+    some rank cannot retrieve. Returns the entries removed."""
+    evicted = sh.store.take_evicted()
+    if not len(evicted):
+        return 0
+    removed = sh.fingerprints.remove(np.ascontiguousarray(evicted[:, :2]))
+    if removed:
+        sh.events.add_many({"fingerprint_evicted_entries": removed})
+    return removed
+
+
+_not_indexed_warned = False
+
+
+def _warn_not_indexed(sh: Shared) -> None:
+    """Log once per process that the index is full of live entries (the count is in metrics)."""
+    global _not_indexed_warned
+    if not _not_indexed_warned:
+        _not_indexed_warned = True
+        log.warning("the fingerprint index is full of live chunks: new chunks are stored but not "
+                    "found by lookups (counted in kvblend_fingerprint_not_indexed_chunks_total); "
+                    "raise --fingerprint-capacity")
+
+
 def _register_fingerprints(sh: Shared, inst: "Instance", hashes: list[bytes],
-                           prepared: Registration) -> int:
+                           prepared: Registration) -> RegisterResult:
     """Rank 0 registers the chunks' fingerprints. Another rank registers only those the index
     lacks: a lookup that ran while rank 0's shard was stored but this rank's was not found the
     chunks not live and dropped their entries."""
     if not hashes:
-        return 0
+        return RegisterResult(0, [])
     if inst.rank != 0 and all(sh.fingerprints.contains(h) for h in hashes):
-        return 0
+        return RegisterResult(0, [])
     return sh.fingerprints.register_prepared(prepared)
 
 

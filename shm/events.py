@@ -56,7 +56,7 @@ COUNTERS = (
     "retrieves", "retrieve_chunks", "retrieve_bytes", "retrieve_failures",
     "retrieve_failed_chunks",
     "lookups", "lookup_requested_tokens", "lookup_hit_tokens",
-    "fingerprint_new_entries",
+    "fingerprint_new_entries", "fingerprint_evicted_entries", "fingerprint_not_indexed_chunks",
     "dataplane_restarts", "dataplane_errors",
 )
 

@@ -610,6 +610,26 @@ class Store:
             lambda: index.find_committed(self._table, self._obj, words))
         return (found >= 0).reshape(n, world_size)
 
+    def holds_hashes(self, words: np.ndarray) -> np.ndarray:
+        """Boolean per row of an int64 ``[n, 2]`` array of chunk-hash words (``remove``'s form in
+        ``shm.fingerprint``): True where rank 0's shard of that chunk is committed now, in any
+        namespace (a chunk hash is rooted in its namespace). One pass over the objects under the
+        lock: for the fingerprint index's start-up sweep, not for hot paths."""
+        words = np.asarray(words, np.int64).reshape(-1, 2)
+        with self._guard():
+            obj = self._obj
+            live = (obj[:, index.STATE] == index.COMMITTED) & (obj[:, index.RANK] == 0)
+            held = obj[live][:, [index.K0, index.K1]]
+        order = np.lexsort((held[:, 1], held[:, 0]))
+        k0, k1 = held[order, 0], held[order, 1]
+        lo = np.searchsorted(k0, words[:, 0], "left")
+        hi = np.searchsorted(k0, words[:, 0], "right")
+        first = np.minimum(lo, max(len(k0) - 1, 0))
+        out = (hi > lo) & (k1[first] == words[:, 1]) if len(k0) else np.zeros(len(words), bool)
+        for i in np.flatnonzero(hi - lo > 1):  # one k0 in several objects: compare all their k1
+            out[i] = bool((k1[lo[i]:hi[i]] == words[i, 1]).any())
+        return out
+
     def contains_key(self, key: ChunkKey) -> bool:
         """True when ``key`` is committed now (lock-free; the single-key fast path)."""
         table, obj, words = self._table, self._obj, key.words()

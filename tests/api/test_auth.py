@@ -151,7 +151,7 @@ def test_admin_token_alone_guards_only_the_admin_operations(admin_only_client: T
 
 
 def test_openapi_keeps_the_bearer_scheme() -> None:
-    doc = schema()
+    doc = schema(TOKEN)
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     clear = doc["paths"]["/v1/chunks"]["delete"]
     assert clear["security"] == [{"bearer": []}] and {"401", "403"} <= set(clear["responses"])

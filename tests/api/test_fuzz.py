@@ -141,10 +141,8 @@ def test_an_instance_token_longer_than_any_token_is_refused_at_the_edge(client: 
     assert body["errors"][0]["loc"] == ["header", "X-Instance-Token"]
 
 
-# -- found by the long run, in a file this work does not own ------------------------------------
+# -- found by the long run -----------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="api/schemas.py: CudaIpc.offset has no upper bound, so an "
-                   "offset >= 2^64 passes the schema and fails to encode for the data plane (500)")
 def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None:
     body = {"model_name": "m", "num_layers": 2, "num_tokens": 64, "hidden_dim": 8,
             "cuda_ipc": {"handle": "A" * 86 + "==", "offset": 2**64, "device_uuid": "GPU-1"}}

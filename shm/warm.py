@@ -1,0 +1,80 @@
+"""Warm-up: compile (or load from numba's cache) every kernel of the hot paths before serving.
+
+This module owns making the first real request as fast as the next: without it the first store
+compiles the slab and fingerprint kernels (about 10 s on a quiet machine), and the first lookup
+compiles the probe on the API's event loop. ``warm`` runs each hot operation once on a scratch
+store and index of its own (a few KiB, under ``<prefix>_warm<pid>``), then removes them; the
+kernels' types do not depend on sizes, so the real store's calls find them compiled.
+
+``COLD`` names the kernels that only repair and reclaim paths run (after a process died); they
+compile when first needed. A test checks every other kernel of ``shm`` is compiled after ``warm``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from shm.fingerprint import FingerprintIndex
+from shm.hashing import Namespace, chunk_hashes
+from shm.layout import ChunkClass, DType, KVLayout
+from shm.lock import lock_path
+from shm.lookup import lookup
+from shm.private import unlink_private
+from shm.store import ChunkKey, Store, StoreConfig
+
+COLD = frozenset({"shm.slab.reclaim", "shm.slab.rebuild", "shm.pins.compact",
+                  "shm.fingerprint._rebuild", "shm.fingerprint._bloom_rebuild"})
+_CHUNK = 16
+
+
+def warm(prefix: str) -> float:
+    """Run the store's and the fingerprint index's hot kernels once; returns seconds taken.
+
+    Args:
+        prefix: the service's prefix; the scratch structures live under ``<prefix>_warm<pid>``
+            and are removed before this returns.
+    """
+    t0 = time.monotonic()
+    scratch = f"{prefix}_warm{os.getpid()}"
+    store = Store.open(scratch, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
+                                            min_slot_bytes=4096), wipe=True)
+    fps = FingerprintIndex.open(scratch, _CHUNK, capacity=64, wipe=True)
+    try:
+        _exercise(store, fps)
+    finally:
+        fps.unlink()
+        fps.close()
+        store.unlink()
+        store.close()
+        unlink_private(lock_path(scratch, "store"), lock_path(scratch, "fp"))
+    return time.monotonic() - t0
+
+
+def _exercise(store: Store, fps: FingerprintIndex) -> None:
+    ns = Namespace("warm-up")
+    layout = KVLayout(1, 4 * _CHUNK, 8, DType.parse("float16"))
+    cid = store.register_class(ChunkClass.of(ns.model_name, 1, layout, _CHUNK))
+    tokens = np.arange(3 * _CHUNK, dtype=np.uint32)
+    hashes = chunk_hashes(ns, tokens, _CHUNK)
+    keys = [ChunkKey(ns.id, h) for h in hashes]
+    rows = tokens.reshape(3, _CHUNK)
+    slots = store.reserve_slots(cid, keys[:2], rows[:2])
+    store.commit_slots(slots[:1], keys[:1])
+    store.abort_slots(slots[1:], keys[1:2])
+    single = store.reserve(cid, keys[2], rows[2])
+    if single is not None:
+        single.commit()
+    pinned = store.pin_slots(keys)
+    store.unpin_slots(pinned)
+    store.contains_key(keys[0])
+    fps.register_prepared(fps.prepare(ns, tokens, hashes))
+    lookup(store, fps, ns, np.concatenate([tokens[5:], tokens]))
+    fps.remove(hashes[:1])
+    store.clear()
+    fps.clear()
+
+
+__all__ = ["warm", "COLD"]

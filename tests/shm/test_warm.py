@@ -1,0 +1,73 @@
+"""``shm.warm``: after it, the hot paths of a real store and index compile (or load from numba's
+cache) no kernel. Checked in a fresh interpreter: this one has run kernels in other tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# Warm under one prefix, then run the service's hot operations on a store and index of other
+# sizes (types must not depend on them), including eviction and the data plane's evicted-key
+# removal, and report every kernel that gained a compiled or loaded signature meanwhile.
+CHECK = """
+import importlib, sys
+import numpy as np
+from numba.core.registry import CPUDispatcher
+from shm.warm import warm
+from shm.fingerprint import FingerprintIndex
+from shm.hashing import Namespace, chunk_hashes
+from shm.layout import ChunkClass, DType, KVLayout
+from shm.lookup import lookup
+from shm.store import ChunkKey, Store, StoreConfig
+
+prefix = sys.argv[1]
+warm(prefix)
+kernels = [fn for name in ("shm.slab", "shm.index", "shm.pins", "shm.fingerprint", "shm.lock")
+           for fn in vars(importlib.import_module(name)).values() if isinstance(fn, CPUDispatcher)]
+before = {id(fn): len(fn.overloads) for fn in kernels}
+
+C = 32
+store = Store.open(prefix, StoreConfig(capacity_bytes=4 << 20, page_bytes=1 << 20,
+                                       min_slot_bytes=4096), wipe=True)
+fps = FingerprintIndex.open(prefix, C, capacity=256, wipe=True)
+ns = Namespace("model-b", 2)
+cid = store.register_class(ChunkClass.of(ns.model_name, 2, KVLayout(2, 8 * C, 16,
+                                                                     DType.parse("bfloat16")), C))
+for doc in range(40):  # far past the store's capacity: evictions on every batch
+    tokens = np.random.default_rng(doc).integers(0, 50_000, 8 * C, dtype=np.uint32)
+    hashes = chunk_hashes(ns, tokens, C)
+    for rank in (0, 1):
+        keys = [ChunkKey(ns.id, h, rank) for h in hashes]
+        slots = store.reserve_slots(cid, keys, tokens.reshape(-1, C))
+        ok = slots >= 0
+        store.commit_slots(slots[ok], [k for k, o in zip(keys, ok) if o])
+    prepared = fps.prepare(ns, tokens, hashes)
+    evicted = store.take_evicted()
+    fps.remove(np.ascontiguousarray(evicted[:, :2]))
+    fps.register_prepared(prepared)
+    found = lookup(store, fps, ns, np.concatenate([tokens[3:], tokens]))
+    keys = [ChunkKey(ns.id, m.chunk_hash, 0) for m in found.matches]
+    store.unpin_slots(store.pin_slots(keys))
+fps.sweep(store.holds_hashes)
+store.clear()
+store.take_evicted()
+fps.clear()
+for o in (fps, store):
+    o.unlink()
+    o.close()
+print(" ".join(f"{fn.py_func.__module__}.{fn.__name__}" for fn in kernels
+               if len(fn.overloads) != before[id(fn)]) or "none")
+"""
+
+
+def _run(prefix: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", CHECK, prefix], capture_output=True, text=True,
+                         timeout=900, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_no_kernel_compiles_after_warm(shm_prefix: str) -> None:
+    assert _run(shm_prefix) == ["none"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{shm_prefix}_warm")]
