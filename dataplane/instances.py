@@ -179,7 +179,7 @@ class Registry:
             self._check_namespace_layout(cc)
             buffer = self._engine.open(req.buffer, layout, owner_uid)
             try:
-                class_id = self._store.register_class(cc)
+                class_id = self._register_class(cc)
             except (shm_errors.LayoutMismatch, shm_errors.CapacityError) as exc:
                 buffer.close()
                 raise LayoutMismatch(str(exc)) from exc
@@ -190,6 +190,23 @@ class Registry:
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
                  req.request_id)
         return inst
+
+    def _register_class(self, cc: ChunkClass) -> int:
+        """The id of ``cc``'s layout class. When every row of the class table is taken, first
+        give back the rows of classes that hold no chunk and that no instance uses: a class whose
+        chunks were evicted or cleared after its last instance went is released by nobody else,
+        and without this a store that has seen ``max_classes`` models refuses every new one."""
+        try:
+            return self._store.register_class(cc)
+        except shm_errors.CapacityError:
+            with self._lock:
+                in_use = {i.class_id for i in self._by_id.values()}
+            released = [c for c in range(self._store.config.max_classes)
+                        if c not in in_use and self._store.release_class(c)]
+            if not released:
+                raise
+            log.info("released %d layout classes (no chunks, no instances)", len(released))
+            return self._store.register_class(cc)
 
     def _insert(self, req: RegisterInstance, layout: KVLayout, class_id: int,
                 buffer: InstanceBuffer, owner_uid: int, client: int | None,

@@ -87,3 +87,25 @@ def test_a_restarted_data_plane_sweeps_entries_of_lost_chunks(shm_prefix: str) -
         assert len(fps) == 4 * len(kept)
         for d in kept:
             assert len(fps.match(ns, d)) == 4
+
+
+def test_classes_of_models_whose_chunks_are_gone_make_room_for_new_models(
+        shm_prefix: str) -> None:
+    # 2 pages: each model's chunks evict the page of an earlier model, whose instance is gone;
+    # before, the 33rd model was refused ("all 32 layout classes are in use") for good
+    _service(shm_prefix, 2 << 20, 4096)
+    docs = _docs(40, seed=4)
+    dp = start_dataplane(shm_prefix)
+    try:
+        with BlendClient(dataplane_address=dp.address) as client:
+            for m, doc in enumerate(docs):
+                kv = client.cpu_kv_buffer(L, T, D, torch.float16)
+                inst = client.register_kv_cache(kv, model_name=f"model-{m}")
+                assert client.store_pre_computed(inst, doc).wait().ok
+                client.unregister(inst)  # its class still holds the chunks just stored
+            ns = Namespace(f"model-{len(docs) - 1}")
+            assert len(client.lookup(docs[-1], model_name=ns.model_name).matches) == 4
+    finally:
+        assert dp.stop() == 0
+    with Store.open(shm_prefix) as store:
+        assert len(store.stats().classes) <= store.config.max_classes
