@@ -36,6 +36,7 @@ from api.metrics import count_lookup
 from api.services import Services
 from shm.hashing import Namespace
 from shm.lookup import lookup
+from shm.telemetry import LookupEnd, LookupStart
 
 OCTET_STREAM = "application/octet-stream"
 
@@ -114,14 +115,14 @@ def run_lookup(services: Services, query: Query, request_id: str, started: float
 def answer(services: Services, query: Query, request_id: str, started: float) -> bytes:
     """Match ``query``, record its events, counters and latency; the ``LookupResponse`` JSON."""
     events = services.events
-    events.record("lookup_start", request_id=request_id, model_name=query.namespace.model_name,
-                  num_tokens=len(query.tokens))
+    events.record(LookupStart(request_id=request_id, model_name=query.namespace.model_name,
+                              num_tokens=len(query.tokens)))
     result = lookup(services.store, services.fingerprints, query.namespace, query.tokens)
     elapsed = time.perf_counter() - started
     count_lookup(events, result.requested_tokens, result.hit_tokens, elapsed)
-    events.record("lookup_end", request_id=request_id, requested_tokens=result.requested_tokens,
-                  hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
-                  duration_ms=round(elapsed * 1e3, 3))
+    events.record(LookupEnd(request_id=request_id, requested_tokens=result.requested_tokens,
+                            hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
+                            duration_ms=round(elapsed * 1e3, 3)))
     body = {"matches": [{"old_st": m.old_st, "old_ed": m.old_ed, "cur_st": m.cur_st,
                          "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex()}
                         for m in result.matches],

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES, check_label
+from shm.telemetry import EventKind
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
 ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_BYTES,
@@ -186,7 +187,8 @@ class Event(BaseModel):
 
     seq: int = Field(description="Position in the ring, increasing.")
     time: float = Field(0.0, description="Unix time in seconds.")
-    kind: str = Field(description="lookup_start, lookup_end, store_start, store_end, ...")
+    kind: EventKind = Field(description="What happened; the other fields depend on it "
+                                        "(``shm.telemetry``).")
     request_id: str | None = Field(None, description="The request id of the call, if any.")
 
 

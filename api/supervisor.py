@@ -52,6 +52,7 @@ from shm.fingerprint import FingerprintIndex
 from shm.lock import lock_path
 from shm.private import check_socket, open_private
 from shm.store import Store, StoreConfig
+from shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.serve")
 
@@ -185,10 +186,10 @@ class Supervisor:
         env = {**os.environ, **settings.model_copy(update={"backend": self.backend}).to_env()}
         env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
         self.dataplane = Child("dataplane", self._dataplane_argv(), env, DATAPLANE_GRACE,
-                               "dataplane_restarts", ready_line=b"dataplane ready",
+                               Counter.DATAPLANE_RESTARTS, ready_line=b"dataplane ready",
                                wake=self._wake)
         where = (probe_host(settings.host), settings.port)
-        self.api = Child("api", self._api_argv(), env, API_GRACE, "api_restarts",
+        self.api = Child("api", self._api_argv(), env, API_GRACE, Counter.API_RESTARTS,
                          probe=lambda: healthz(*where), wake=self._wake)
 
     def _dataplane_argv(self) -> list[str]:

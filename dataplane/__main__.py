@@ -23,6 +23,7 @@ from dataplane.transfer import Shared, open_fingerprints
 from shm.errors import ForeignObject
 from shm.events import EventLog
 from shm.store import Store
+from shm.telemetry import Counter
 from shm.warm import warm
 
 log = logging.getLogger("kvblend.dataplane")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     swept = fingerprints.sweep(store.holds_hashes)
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
-        events.add_many({"fingerprint_evicted_entries": swept})
+        events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
     engine = make_engine(args.backend, store)
     shared = Shared(store, fingerprints, events, args.chunk_size)
     limits = Limits(args.lease, args.max_instances, args.max_instances_per_client)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ForeignObject as exc:
         log.error("%s", exc)
         return 2
-    events.add("dataplane_starts")
+    events.add(Counter.DATAPLANE_STARTS)
     print(f"dataplane ready pid={os.getpid()} backend={engine.backend.value} "
           f"address={address}", flush=True)
     while not stop.wait(1.0):  # wakes for signals on every Python version

@@ -40,7 +40,9 @@ from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LeaseRenewe
                                 frame, request_decoder)
 from dataplane.transfer import Shared, run_retrieve, run_store
 from shm import errors as shm_errors
+from shm.events import EventLog
 from shm.private import check_socket
+from shm.telemetry import Counter, RetrieveError, StoreError
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -63,12 +65,15 @@ class Connection:
         uid: the peer's uid, read once at accept.
     """
 
-    def __init__(self, sock: socket.socket, uid: int) -> None:
-        self.sock, self.uid = sock, uid
+    def __init__(self, sock: socket.socket, uid: int, events: EventLog) -> None:
+        self.sock, self.uid, self._events = sock, uid, events
         self.id = next(_conn_ids)
         self._send_lock = threading.Lock()
 
     def reply(self, call_id: int, msg: Any) -> None:
+        """Send a reply (an ``ErrorReply`` counts as a data-plane error)."""
+        if isinstance(msg, ErrorReply):
+            self._events.add(Counter.DATAPLANE_ERRORS)
         data = frame(call_id, msg)
         try:
             with self._send_lock:
@@ -169,7 +174,7 @@ class DataPlane:
         with self._conns_lock:
             full = len(self._conns) >= self._max_connections
             if uid == self._uid and not full:
-                conn = Connection(sock, uid)
+                conn = Connection(sock, uid, self.shared.events)
                 self._conns.add(conn)
                 return conn
         log.warning("refused a connection from uid %d (%s)", uid,
@@ -209,7 +214,7 @@ class DataPlane:
                 for inst in self.registry.expired():
                     if self.registry.claim_drop(inst):
                         log.info("the lease of instance %d ran out: dropping it", inst.id)
-                        self.shared.events.add("instances_expired")
+                        self.shared.events.add(Counter.INSTANCES_EXPIRED)
                         inst.submit(_drop_job(self.registry), bounded=False)
             except Exception:
                 log.exception("maintenance pass failed")
@@ -247,7 +252,7 @@ class DataPlane:
                               lease_s=self.registry.limits.lease_s)
         if isinstance(msg, RenewLease):
             inst = self.registry.authorize(msg.instance_id, msg.token)
-            self.shared.events.add("lease_renewals")
+            self.shared.events.add(Counter.LEASE_RENEWALS)
             return LeaseRenewed(instance_id=inst.id, lease_s=self.registry.limits.lease_s)
         raise BadRequest(f"unsupported call {type(msg).__name__}")
 
@@ -256,14 +261,15 @@ class DataPlane:
         if isinstance(msg, UnregisterInstance):
             self.registry.remove(inst)
             return Unregistered(instance_id=inst.id)
-        run = run_store if isinstance(msg, StoreChunks) else run_retrieve
-        counter = "store_failures" if isinstance(msg, StoreChunks) else "retrieve_failures"
+        store = isinstance(msg, StoreChunks)
+        run = run_store if store else run_retrieve
         try:
             return run(self.shared, inst, msg)
         except BaseException as exc:
-            self.shared.events.add(counter)
-            self.shared.events.record(f"{counter.split('_')[0]}_error", request_id=msg.request_id,
-                                      instance_id=inst.id, error=repr(exc)[:200])
+            self.shared.events.add(Counter.STORE_FAILURES if store else Counter.RETRIEVE_FAILURES)
+            failed = StoreError if store else RetrieveError
+            self.shared.events.record(failed(request_id=msg.request_id, instance_id=inst.id,
+                                             error=repr(exc)[:200]))
             raise _remote(exc) from exc
 
 

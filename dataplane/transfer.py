@@ -41,6 +41,7 @@ from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.segment import Segment
 from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
 from shm.store import ChunkKey, Store, key_words
+from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
 
 if TYPE_CHECKING:
     from dataplane.backend import InstanceBuffer
@@ -131,7 +132,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     per = max(1, GROUP_BYTES // max(1, chunk_bytes))
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
                 tokens=len(tokens), chunks=n)
-    sh.events.record("store_start", **base)
+    sh.events.record(StoreStart(**base))
     buf, store = inst.buffer, sh.store
     rows = tokens[:n * C].reshape(n, C)
     starts = msg.offset + C * np.arange(n, dtype=np.int64)
@@ -183,14 +184,14 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
                          nbytes=nbytes, duration_s=time.monotonic() - t0,
                          not_indexed=reg.not_indexed)
-    sh.events.record("store_end", **base, copied=copied, storage_hits=skipped,
-                     failed=failed, fingerprint_new=reg.new, not_indexed=len(reg.not_indexed),
-                     bytes=nbytes, duration_s=reply.duration_s, ok=not failed)
-    sh.events.add_many({"stores": 1, "store_chunks": copied,
-                        "store_skipped_chunks": skipped, "store_bytes": nbytes,
-                        "store_failed_chunks": len(failed),
-                        "fingerprint_new_entries": reg.new,
-                        "fingerprint_not_indexed_chunks": len(reg.not_indexed)})
+    sh.events.record(StoreEnd(**base, copied=copied, storage_hits=skipped, failed=failed,
+                              fingerprint_new=reg.new, not_indexed=len(reg.not_indexed),
+                              bytes=nbytes, duration_s=reply.duration_s, ok=not failed))
+    sh.events.add_many({Counter.STORES: 1, Counter.STORE_CHUNKS: copied,
+                        Counter.STORE_SKIPPED_CHUNKS: skipped, Counter.STORE_BYTES: nbytes,
+                        Counter.STORE_FAILED_CHUNKS: len(failed),
+                        Counter.FINGERPRINT_NEW_ENTRIES: reg.new,
+                        Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed)})
     return reply
 
 
@@ -203,7 +204,7 @@ def forget_evicted(sh: Shared) -> int:
         return 0
     removed = sh.fingerprints.remove(np.ascontiguousarray(evicted[:, :2]))
     if removed:
-        sh.events.add_many({"fingerprint_evicted_entries": removed})
+        sh.events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, removed)
     return removed
 
 
@@ -253,7 +254,7 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     ns = _namespace(inst, msg.cache_salt)
     n = len(msg.matches)
     base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
-    sh.events.record("retrieve_start", **base)
+    sh.events.record(RetrieveStart(**base))
     buf, store = inst.buffer, sh.store
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
     cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
@@ -285,10 +286,10 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     nbytes = copied * inst.layout.chunk_bytes(C)
     done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
                         failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0)
-    sh.events.record("retrieve_end", **base, copied=copied, failed=failed, bytes=nbytes,
-                     duration_s=done.duration_s, ok=not failed)
-    sh.events.add_many({"retrieves": 1, "retrieve_chunks": copied, "retrieve_bytes": nbytes,
-                        "retrieve_failed_chunks": len(failed)})
+    sh.events.record(RetrieveEnd(**base, copied=copied, failed=failed, bytes=nbytes,
+                                 duration_s=done.duration_s, ok=not failed))
+    sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
+                        Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed)})
     return done
 
 

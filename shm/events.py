@@ -34,10 +34,14 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from shm import segment
 from shm.lock import FileLock, lock_path
+from shm.telemetry import COUNTER_NAMES, Event
+
+_DECLARED = frozenset(COUNTER_NAMES)
 
 MAGIC = 0x6B76626C6576656E
 VERSION = 1
@@ -48,18 +52,6 @@ NAME_BYTES = 48
 SLOT_HDR = 16
 DEFAULT_CAPACITY = 1024
 DEFAULT_SLOT_BYTES = 1024
-
-#: Counters that exist from creation (others are added on first ``add``).
-COUNTERS = (
-    "stores", "store_chunks", "store_skipped_chunks", "store_bytes", "store_failures",
-    "store_failed_chunks",
-    "retrieves", "retrieve_chunks", "retrieve_bytes", "retrieve_failures",
-    "retrieve_failed_chunks",
-    "lookups", "lookup_requested_tokens", "lookup_hit_tokens",
-    "fingerprint_new_entries", "fingerprint_evicted_entries", "fingerprint_not_indexed_chunks",
-    "dataplane_restarts", "dataplane_errors",
-)
-
 
 def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int]:
     names_at = HEADER_WORDS * 8
@@ -124,13 +116,13 @@ class EventLog:
 
     # -- events -----------------------------------------------------------------------------
 
-    def record(self, kind: str, **fields: Any) -> int:
-        """Append an event ``{"seq", "time", "pid", "kind", **fields}``; returns its seq.
+    def record(self, event: Event) -> int:
+        """Append ``event`` as ``{"kind", **its fields, "time", "pid", "seq"}``; returns its seq.
 
-        Fields must be JSON-able. An event longer than a slot keeps only its scalar fields that
-        fit, and gets ``"truncated": true``.
+        An event longer than a slot keeps only its scalar fields that fit, and gets
+        ``"truncated": true``.
         """
-        event = {"kind": kind, "time": time.time(), "pid": self._pid, **fields}
+        event = {**msgspec.to_builtins(event), "time": time.time(), "pid": self._pid}
         self._lock.acquire()
         try:
             seq = int(self._h[H_HEAD]) + 1
@@ -182,10 +174,11 @@ class EventLog:
     # -- counters ---------------------------------------------------------------------------
 
     def add(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to a named counter (created at 0 on first use).
+        """Add ``n`` to a counter declared in ``shm.telemetry`` (created at 0 on first use in a
+        log made by an older version).
 
         Raises:
-            ValueError: the name is too long, or all ``MAX_COUNTERS`` counters exist.
+            ValueError: the counter is not declared, or all ``MAX_COUNTERS`` counters exist.
         """
         self._lock.acquire()
         try:
@@ -213,9 +206,9 @@ class EventLog:
         i = self._index.get(counter)
         if i is not None:
             return i
+        if counter not in _DECLARED:
+            raise ValueError(f"counter {counter!r} is not declared in shm.telemetry")
         raw = counter.encode()
-        if not raw or len(raw) >= NAME_BYTES:
-            raise ValueError(f"counter name must be 1..{NAME_BYTES - 1} bytes: {counter!r}")
         for j in range(MAX_COUNTERS):
             name = bytes(self._names[j]).rstrip(b"\0")
             if name == raw:
@@ -292,7 +285,7 @@ def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
     h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf)
     names_at = _layout(capacity, slot_bytes)[0]
     names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, seg.buf, names_at)
-    for i, counter in enumerate(COUNTERS):
+    for i, counter in enumerate(COUNTER_NAMES):
         raw = counter.encode()
         names[i, :len(raw)] = np.frombuffer(raw, np.uint8)
     h[[H_CAPACITY, H_SLOT_BYTES, H_VERSION]] = [capacity, slot_bytes, VERSION]
@@ -301,4 +294,4 @@ def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
     return seg
 
 
-__all__ = ["EventLog", "COUNTERS"]
+__all__ = ["EventLog"]

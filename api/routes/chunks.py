@@ -8,6 +8,7 @@ from api.auth import require_admin
 from api.deps import EventsDep, FingerprintsDep, StoreDep
 from api.errors import responses
 from api.schemas import ChunksCleared
+from shm.telemetry import Clear
 
 router = APIRouter(prefix="/v1", tags=["chunks"], dependencies=[Depends(require_admin)])
 
@@ -27,5 +28,5 @@ def clear_chunks(store: StoreDep, fingerprints: FingerprintsDep, events: EventsD
     store.take_evicted()  # the whole index goes below; nothing to remove one by one
     entries = fingerprints.stats()["num_entries"]
     fingerprints.clear()
-    events.record("clear", chunks_removed=removed, fingerprints_removed=entries)
+    events.record(Clear(chunks_removed=removed, fingerprints_removed=entries))
     return ChunksCleared(chunks_removed=removed, fingerprints_removed=entries)

@@ -15,6 +15,7 @@ from api.auth import is_admin, require_token
 from api.deps import EventsDep
 from api.errors import responses
 from api.schemas import Event, EventList
+from shm.telemetry import EventKind
 
 router = APIRouter(prefix="/v1", tags=["observability"], dependencies=[Depends(require_token)])
 
@@ -30,8 +31,8 @@ ERROR_TEXT = "error"  # an error's text may quote a model name: its kind stays, 
 def list_events(request: Request, events: EventsDep,
                 limit: Annotated[int, Query(ge=1, le=100_000,
                                             description="At most this many events.")] = 100,
-                kind: Annotated[str | None, Query(
-                    description="Only events of this kind, e.g. lookup_end.")] = None,
+                kind: Annotated[EventKind | None, Query(
+                    description="Only events of this kind.")] = None,
                 ) -> EventList:
     recent = events.recent(limit if kind is None else None)
     if kind is not None:

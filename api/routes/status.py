@@ -9,6 +9,7 @@ from api.auth import require_token
 from api.deps import ServicesDep
 from api.errors import responses
 from api.schemas import DataPlaneStatus, FingerprintStatus, Status, StorageStatus
+from shm.telemetry import Counter
 
 router = APIRouter(prefix="/v1", tags=["status"], dependencies=[Depends(require_token)])
 
@@ -24,7 +25,7 @@ def get_status(services: ServicesDep) -> Status:
     instances = link.try_list_instances() if ping is not None else None
     if instances is None:
         ping = None
-    restarts = services.events.counters().get("dataplane_restarts", 0)
+    restarts = services.events.counters().get(Counter.DATAPLANE_RESTARTS, 0)
     return Status(
         version=kvblend_version(), chunk_size=services.settings.chunk_size,
         backend=ping.backend if ping is not None else services.backend.value,

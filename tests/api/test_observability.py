@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from shm.events import EventLog
 from shm.hashing import Namespace
+from shm.telemetry import StoreError
 from tests.api.apps import ADMIN, bearer, serving
 from tests.api.conftest import CHUNK, TOKEN, Cache, make_settings, problem
 
@@ -142,8 +143,8 @@ def test_with_only_an_admin_token_the_open_api_is_redacted(shm_prefix: str, cach
 
 def test_error_texts_are_redacted_too(shm_prefix: str, cache: Cache) -> None:
     events = EventLog.open(shm_prefix)
-    events.record("store_error", request_id="r-9", instance_id=3,
-                  error="LayoutMismatch(\"model 'tenant-secret' is stored with L=2\")")
+    events.record(StoreError(request_id="r-9", instance_id=3,
+                             error="LayoutMismatch(\"model 'tenant-secret' is stored with L=2\")"))
     events.close()
     with serving(shm_prefix, api_token=TOKEN, admin_token=ADMIN) as client:
         def error_seen(token: str) -> object:

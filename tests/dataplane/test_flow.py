@@ -190,6 +190,8 @@ def test_bad_calls_get_typed_errors_and_the_process_keeps_serving(
         pong = ch.call(Ping(), timeout=5)
         assert isinstance(pong, Pong) and pong.backend.value == "cpu" and pong.chunk_size == CHUNK
         assert client.store_pre_computed(inst, tokens).wait(timeout=10).ok
+    with EventLog.open(dataplane.prefix) as events:
+        assert events.counters()["dataplane_errors"] == 9  # each refusal above, counted
 
 
 def test_timeouts_follow_the_posix_ipc_rule(shm_prefix: str) -> None:
