@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES, check_label
+from shm.names import KVBUF_PATTERN
 from shm.telemetry import EventKind
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
@@ -119,7 +120,7 @@ class RegisterInstance(BaseModel):
     hidden_dim: int = Field(gt=0, le=1 << 20)
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     shm_name: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]{1,64}_kvbuf_[0-9a-f]{32}$",
+        None, pattern=KVBUF_PATTERN,
         description="POSIX shared-memory name of a CPU buffer the engine created and owns: "
                     "`<shm_prefix>_kvbuf_<32 lowercase hex>`.")
     cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")

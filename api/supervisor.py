@@ -49,7 +49,7 @@ from api.settings import Backend, Settings, resolve_backend
 from shm.errors import LayoutMismatch
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
-from shm.lock import lock_path
+from shm.names import Names
 from shm.private import check_socket, open_private
 from shm.store import Store, StoreConfig
 from shm.telemetry import Counter
@@ -258,7 +258,7 @@ class Supervisor:
         self._wake.set()
 
     def _take_prefix(self) -> None:
-        path = lock_path(self.settings.shm_prefix, "serve")
+        path = Names(self.settings.shm_prefix).lock("serve")
         self._lock_fd = open_private(path, create=True)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

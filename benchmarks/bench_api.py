@@ -15,7 +15,6 @@ Run: ``python benchmarks/bench_api.py [--chunks 100000] [--workers 1,2]``
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -34,7 +33,7 @@ from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
 from shm.layout import ChunkClass, KVLayout
 from shm.lookup import lookup
-from shm.segment import unlink
+from shm.names import destroy
 from shm.store import ChunkKey, Store
 
 CHUNK = 256
@@ -228,9 +227,7 @@ def main() -> None:
             print(f"| {name} | {workers} | {p50:.2f} ms | {p99:.2f} ms | "
                   f"{'-' if rate is None else f'{rate:,.0f}'} |")
     finally:
-        for path in glob.glob(f"/dev/shm/{settings.shm_prefix}*"):
-            if not unlink(os.path.basename(path)):
-                os.unlink(path)
+        destroy(settings.shm_prefix)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from dataplane.client import BlendClient  # noqa: E402
 from dataplane.messages import Ping  # noqa: E402
 from shm.events import EventLog  # noqa: E402
 from shm.fingerprint import FingerprintIndex  # noqa: E402
-from shm.store import Store, StoreConfig, destroy  # noqa: E402
+from shm.names import destroy  # noqa: E402
+from shm.store import Store, StoreConfig  # noqa: E402
 
 LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128)}  # (L, D), bfloat16
 CHUNK = 256
@@ -246,13 +247,6 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
         destroy(prefix)
-        for suffix in ("_fp", "_events"):
-            from shm.segment import unlink
-            unlink(prefix + suffix)
-        for path in (f"/dev/shm/{prefix}_fp.lock", f"/dev/shm/{prefix}_events.lock",
-                     f"/dev/shm/{prefix}_dataplane.json"):
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 if __name__ == "__main__":

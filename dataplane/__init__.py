@@ -57,14 +57,14 @@ Client: ``dataplane.client.BlendClient`` (see there).
 
 from __future__ import annotations
 
-import os
+from shm.names import Names
 
 __version__ = "0.1.0"
 
 
 def default_address(prefix: str) -> str:
     """The data plane's socket for store prefix ``prefix``: ``/dev/shm/{prefix}_dataplane.sock``."""
-    return os.path.join("/dev/shm", f"{prefix}_dataplane.sock")
+    return Names(prefix).socket
 
 
 __all__ = ["default_address", "__version__"]

@@ -61,6 +61,7 @@ from shm.fingerprint import Match
 from shm.hashing import Namespace, as_tokens
 from shm.layout import DType
 from shm.lookup import LookupResult
+from shm.names import KVBUF_HEX, Names
 from shm.segment import Segment
 
 _TORCH_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
@@ -198,7 +199,7 @@ class BlendClient:
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
         nbytes = 2 * num_layers * num_tokens * hidden_dim * dtype.itemsize
-        name = f"{self.prefix}_kvbuf_{secrets.token_hex(16)}"  # the form the data plane admits
+        name = Names(self.prefix).kvbuf(secrets.token_hex(KVBUF_HEX // 2))  # what it admits
         seg = Segment(name, nbytes, create=True)
         kv = torch.frombuffer(seg.buf, dtype=torch.uint8).view(dtype).view(
             2, num_layers, num_tokens, hidden_dim)

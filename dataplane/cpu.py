@@ -14,24 +14,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import stat
 
 import numpy as np
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import TOKEN_HEX, Backend, BufferSpec, ShmBuffer
+from dataplane.messages import Backend, BufferSpec, ShmBuffer
 from shm.layout import KVLayout
+from shm.names import Names
+from shm.private import shm_path
 from shm.store import Store
-
-SHM_DIR = "/dev/shm"
-
-
-def buffer_name_pattern(prefix: str) -> re.Pattern[str]:
-    """The names engine buffers of the service under ``prefix`` must have."""
-    return re.compile(re.escape(prefix) + "_kvbuf_[0-9a-f]{%d}" % TOKEN_HEX)
-
 
 class CpuBuffer(InstanceBuffer):
     def __init__(self, mapping: mmap.mmap, layout: KVLayout, slab: np.ndarray) -> None:
@@ -76,14 +69,15 @@ class CpuEngine(CopyEngine):
 
     def __init__(self, store: Store) -> None:
         self._slab = store.slab
-        self._names = buffer_name_pattern(store.name)
+        self._names = Names(store.name)
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
         if not isinstance(spec, ShmBuffer):
             raise BadRequest("the CPU data plane takes shm buffers only (got a CUDA buffer)")
-        if self._names.fullmatch(spec.name) is None:
+        if not self._names.is_kvbuf(spec.name):
             raise BadRequest(f"shm buffer {spec.name!r} is not an engine buffer of this service: "
-                             f"name it {self._names.pattern!r} (BlendClient.cpu_kv_buffer does)")
+                             f"name it '{self._names.prefix}_kvbuf_<32 lowercase hex>' "
+                             "(BlendClient.cpu_kv_buffer does)")
         fd = _open_owned(spec.name, owner_uid, layout.nbytes)
         try:
             mapping = mmap.mmap(fd, layout.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -97,7 +91,7 @@ class CpuEngine(CopyEngine):
 def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
     """A descriptor of ``/dev/shm/<name>``: a regular file of ``owner_uid`` of >= ``nbytes``."""
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(shm_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise BadRequest(f"cannot open shm buffer {name!r}: {exc.strerror}") from exc
     try:
@@ -116,4 +110,4 @@ def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
     return fd
 
 
-__all__ = ["CpuEngine", "CpuBuffer", "buffer_name_pattern"]
+__all__ = ["CpuEngine", "CpuBuffer"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -45,6 +44,7 @@ from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, Unk
 from dataplane.messages import TOKEN_HEX, InstanceInfo, RegisterInstance, ShmBuffer
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
+from shm.names import Names
 from shm.private import read_private, write_private
 from shm.store import Store
 
@@ -130,10 +130,6 @@ class Instance:
                     self._queued -= 1
 
 
-def state_path(prefix: str) -> str:
-    return os.path.join("/dev/shm", f"{prefix}_dataplane.json")
-
-
 class Registry:
     """The instances of one data plane.
 
@@ -147,7 +143,7 @@ class Registry:
 
     def __init__(self, prefix: str, store: Store, engine: CopyEngine, chunk_size: int,
                  limits: Limits | None = None) -> None:
-        self._path = state_path(prefix)
+        self._path = Names(prefix).state
         self._store, self._engine, self._chunk = store, engine, chunk_size
         self.limits = limits or Limits()
         self._lock = threading.Lock()       # the table
@@ -353,4 +349,4 @@ def _layout_of(req: RegisterInstance, chunk_size: int) -> tuple[KVLayout, ChunkC
         raise BadRequest(str(exc)) from exc
 
 
-__all__ = ["Instance", "Limits", "Registry", "state_path", "MAX_QUEUED"]
+__all__ = ["Instance", "Limits", "Registry", "MAX_QUEUED"]

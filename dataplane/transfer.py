@@ -34,11 +34,10 @@ import numpy as np
 
 from dataplane.errors import BadRequest, OutOfRange
 from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
-from shm.errors import CapacityError, ShmError
+from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
-from shm.fingerprint import H_CAP, FingerprintIndex, RegisterResult, Registration
+from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
-from shm.segment import Segment
 from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
 from shm.store import ChunkKey, Store, key_words
 from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
@@ -62,15 +61,18 @@ class Shared:
 
 
 def open_fingerprints(prefix: str, chunk_size: int) -> FingerprintIndex:
-    """Attach the existing fingerprint index with the capacity it was created with.
+    """Attach the existing fingerprint index (its capacity is the supervisor's choice).
 
     Raises:
         FileNotFoundError: the supervisor has not created it.
+        LayoutMismatch: it was created for another chunk size.
     """
-    seg = Segment(f"{prefix}_fp")
-    capacity = int(np.ndarray((H_CAP + 1,), np.int64, seg.buf)[H_CAP])
-    seg.close()
-    return FingerprintIndex.open(prefix, chunk_size, capacity=capacity)
+    fps = FingerprintIndex.attach(prefix)
+    if fps.chunk_size != chunk_size:
+        fps.close()
+        raise LayoutMismatch(f"the fingerprint index holds chunks of {fps.chunk_size} tokens, "
+                             f"the data plane was started for {chunk_size}")
+    return fps
 
 
 def tokens_of(raw: bytes) -> np.ndarray:

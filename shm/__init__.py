@@ -3,7 +3,9 @@
 Depends on nothing else of kvblend. Modules: ``segment`` (one mapped segment), ``lock`` (the
 cross-process lock), ``layout`` (geometry), ``index`` / ``slab`` / ``pins`` (the store's kernels),
 ``store`` (the public store), ``hashing`` (chunk keys), ``fingerprint`` (the blend matcher),
-``lookup`` (matcher + store), ``events`` (recent events and counters), ``errors``.
+``lookup`` (matcher + store), ``events`` (recent events and counters), ``telemetry`` (the counters
+and event kinds it may hold), ``names`` (every name under a prefix, and ``destroy``), ``private``
+(opening only what is ours), ``warm`` (kernels loaded before serving), ``errors``.
 """
 
 import os

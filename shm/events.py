@@ -38,7 +38,8 @@ import msgspec
 import numpy as np
 
 from shm import segment
-from shm.lock import FileLock, lock_path
+from shm.lock import FileLock
+from shm.names import Names
 from shm.telemetry import COUNTER_NAMES, Event
 
 _DECLARED = frozenset(COUNTER_NAMES)
@@ -69,8 +70,8 @@ class EventLog:
         capacity: events kept (older ones are overwritten).
     """
 
-    def __init__(self, seg: segment.Segment, lock: FileLock) -> None:
-        self.name = seg.name
+    def __init__(self, prefix: str, seg: segment.Segment, lock: FileLock) -> None:
+        self.prefix, self.name = prefix, seg.name
         self._seg, self._lock = seg, lock
         buf = seg.buf
         self._h = np.ndarray((HEADER_WORDS,), np.int64, buf)
@@ -100,8 +101,8 @@ class EventLog:
         """
         if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
             raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
-        lock = FileLock(lock_path(prefix, "events"))
-        name = f"{prefix}_events"
+        lock = FileLock(Names(prefix).lock("events"))
+        name = Names(prefix).events
         lock.acquire()
         try:
             seg = _attach(name)
@@ -112,7 +113,7 @@ class EventLog:
             lock.close()
             raise
         lock.release()
-        return cls(seg, lock)
+        return cls(prefix, seg, lock)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class EventLog:
         self.close()
 
     def __reduce__(self) -> tuple:
-        return (EventLog.open, (self.name.removesuffix("_events"),))
+        return (EventLog.open, (self.prefix,))
 
 
 def _encode(event: dict[str, Any], limit: int) -> bytes:

@@ -89,7 +89,8 @@ from numba import njit
 from shm import segment
 from shm.errors import LayoutMismatch
 from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
-from shm.lock import FileLock, Guarded, lock_path
+from shm.lock import FileLock, Guarded
+from shm.names import Names
 from shm.private import shm_path, unlink_private
 
 MAGIC = int.from_bytes(b"KVBFPIX1", "little")
@@ -657,8 +658,8 @@ class FingerprintIndex:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
         lay = _Layout.of(capacity)
-        name = f"{prefix}_fp"
-        lock = FileLock(lock_path(prefix, "fp"))
+        name = Names(prefix).fp
+        lock = FileLock(Names(prefix).lock("fp"))
         try:
             lock.acquire(lock_timeout)
             try:
@@ -667,6 +668,30 @@ class FingerprintIndex:
                 lock.release()
         except BaseException:
             lock.close()
+            raise
+        return cls(prefix, seg, lock, lock_timeout, lock_free_reads)
+
+    @classmethod
+    def attach(cls, prefix: str, *, lock_timeout: float | None = None,
+               lock_free_reads: bool | None = None) -> "FingerprintIndex":
+        """Attach to the existing ``{prefix}_fp`` with the chunk size and capacity it was created
+        with (read from its header). Arguments as ``open``.
+
+        Raises:
+            FileNotFoundError: there is no index under ``prefix``.
+            LayoutMismatch: it is of another format or half built.
+        """
+        name = Names(prefix).fp
+        seg = segment.Segment(name)
+        try:
+            hdr = np.ndarray((16,), np.int64, seg.buf).copy() if seg.size >= HEADER_BYTES else None
+            if hdr is None or (int(hdr[H_MAGIC]), int(hdr[H_VERSION])) != (MAGIC, VERSION) or \
+                    seg.size != _Layout.of(int(hdr[H_CAP])).size:
+                raise LayoutMismatch(f"fingerprint index {name!r} is not a complete index of "
+                                     f"version {VERSION}: open it with open(..., wipe=True)")
+            lock = FileLock(Names(prefix).lock("fp"))
+        except BaseException:
+            seg.close()
             raise
         return cls(prefix, seg, lock, lock_timeout, lock_free_reads)
 
@@ -980,7 +1005,7 @@ class FingerprintIndex:
         Raises:
             ForeignObject: one of the names is not ours; both are left in place.
         """
-        unlink_private(shm_path(self.name), lock_path(self.prefix, "fp"))
+        unlink_private(shm_path(self.name), Names(self.prefix).lock("fp"))
 
     def __enter__(self) -> "FingerprintIndex":
         return self

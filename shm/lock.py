@@ -37,7 +37,7 @@ from typing import TypeVar
 import numpy as np
 
 from shm.errors import Busy, ShmError
-from shm.private import open_private, shm_path
+from shm.private import open_private
 
 T = TypeVar("T")
 
@@ -203,10 +203,6 @@ class _Section:
 
     def __exit__(self, kind: type | None, *rest: object) -> None:
         self.guard.exit(kind)
-
-
-def lock_path(prefix: str, what: str) -> str:
-    return shm_path(f"{prefix}_{what}.lock")
 
 
 def pid_alive(pid: int) -> bool:

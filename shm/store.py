@@ -73,7 +73,8 @@ from shm import pins as pintable
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.hashing import as_tokens
 from shm.layout import ChunkClass, DType
-from shm.lock import FileLock, Guarded, lock_path, pid_alive
+from shm.lock import FileLock, Guarded, pid_alive
+from shm.names import Names
 from shm.private import shm_path, unlink_private
 from shm.segment import Progress, Segment
 from shm.segment import unlink as segment_unlink
@@ -326,7 +327,7 @@ class Store:
             ForeignObject: a segment or the lock file of ``prefix`` is not ours; it was neither
                 used nor removed, whatever ``wipe`` and ``recreate_on_mismatch`` say.
         """
-        lock = FileLock(lock_path(prefix, "store"))
+        lock = FileLock(Names(prefix).lock("store"))
         lock.acquire()
         try:
             if wipe:
@@ -767,7 +768,7 @@ class Store:
 
 def _attach(prefix: str, config: StoreConfig | None) -> tuple[Segment | None, Segment | None]:
     try:
-        meta = Segment(f"{prefix}_meta")
+        meta = Segment(Names(prefix).meta)
     except FileNotFoundError:
         return None, None
     h = np.frombuffer(meta.buf, np.int64, HEADER_WORDS).copy()
@@ -790,7 +791,7 @@ def _attach(prefix: str, config: StoreConfig | None) -> tuple[Segment | None, Se
             raise LayoutMismatch(
                 f"store {prefix!r} has (page_bytes, pages, min_slot_bytes, max_classes, max_pins)"
                 f" = {have}, requested {want}: wipe it to start empty with the new geometry")
-    slab_seg = Segment(f"{prefix}_slab", int(h[H_PAGE_BYTES] * h[H_NUM_PAGES]))
+    slab_seg = Segment(Names(prefix).slab, int(h[H_PAGE_BYTES] * h[H_NUM_PAGES]))
     return meta, slab_seg
 
 
@@ -798,9 +799,9 @@ def _create(prefix: str, cfg: StoreConfig, progress: Progress | None) -> tuple[S
     if cfg.num_pages < 1:
         raise ValueError("capacity_bytes is smaller than one page")
     destroy_segments(prefix)
-    slab_seg = Segment(f"{prefix}_slab", cfg.num_pages * cfg.page_bytes, create=True,
+    slab_seg = Segment(Names(prefix).slab, cfg.num_pages * cfg.page_bytes, create=True,
                        progress=progress)
-    meta = Segment(f"{prefix}_meta", _meta_size(cfg), create=True)
+    meta = Segment(Names(prefix).meta, _meta_size(cfg), create=True)
     off = 0
     arrays = {}
     for part, shape, dt in _parts(cfg):
@@ -831,7 +832,7 @@ def destroy_segments(prefix: str) -> None:
     Raises:
         ForeignObject: one of them is not ours; both are left in place.
     """
-    segment_unlink(f"{prefix}_meta", f"{prefix}_slab")
+    segment_unlink(Names(prefix).meta, Names(prefix).slab)
 
 
 def destroy(prefix: str) -> None:
@@ -840,8 +841,8 @@ def destroy(prefix: str) -> None:
     Raises:
         ForeignObject: one of the three names is not ours; all are left in place.
     """
-    unlink_private(shm_path(f"{prefix}_meta"), shm_path(f"{prefix}_slab"),
-                   lock_path(prefix, "store"))
+    names = Names(prefix)
+    unlink_private(shm_path(names.meta), shm_path(names.slab), names.lock("store"))
 
 
 __all__ = ["Store", "StoreConfig", "StoreStats", "ClassStats", "ChunkKey", "Reservation",

@@ -20,9 +20,8 @@ import numpy as np
 from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
 from shm.layout import ChunkClass, DType, KVLayout
-from shm.lock import lock_path
 from shm.lookup import lookup
-from shm.private import unlink_private
+from shm.names import Names, destroy
 from shm.store import ChunkKey, Store, StoreConfig
 
 COLD = frozenset({"shm.slab.reclaim", "shm.slab.rebuild", "shm.pins.compact",
@@ -38,18 +37,16 @@ def warm(prefix: str) -> float:
             and are removed before this returns.
     """
     t0 = time.monotonic()
-    scratch = f"{prefix}_warm{os.getpid()}"
+    scratch = Names(prefix).scratch(os.getpid())
     store = Store.open(scratch, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
                                             min_slot_bytes=4096), wipe=True)
     fps = FingerprintIndex.open(scratch, _CHUNK, capacity=64, wipe=True)
     try:
         _exercise(store, fps)
     finally:
-        fps.unlink()
         fps.close()
-        store.unlink()
         store.close()
-        unlink_private(lock_path(scratch, "store"), lock_path(scratch, "fp"))
+        destroy(scratch)
     return time.monotonic() - t0
 
 

@@ -20,7 +20,7 @@ from dataplane.server import _bind
 from shm.errors import ForeignObject
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
-from shm.lock import lock_path
+from shm.names import Names
 from shm.private import open_private
 from shm.store import Store
 
@@ -150,7 +150,7 @@ def test_another_user_cannot_open_or_remove_any_name(shm_prefix: str,
                                                      stranger: OtherUser) -> None:
     with Store.open(shm_prefix, SMALL), FingerprintIndex.open(shm_prefix, 16, 64), \
             EventLog.open(shm_prefix):
-        os.close(open_private(lock_path(shm_prefix, "serve"), create=True))
+        os.close(open_private(Names(shm_prefix).lock("serve"), create=True))
         paths = [f"/dev/shm/{shm_prefix}{suffix}" for suffix in STORE_NAMES]
         assert all(os.path.exists(p) for p in paths)
         result = stranger.run(_TRY_EACH, *paths)

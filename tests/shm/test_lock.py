@@ -15,7 +15,9 @@ from shm import lock as L
 from shm.errors import Busy
 from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
-from shm.lock import FileLock, Guarded, lock_path
+from shm.lock import FileLock, Guarded
+from shm.names import Names
+from shm.private import shm_path
 
 NS = Namespace("ordering-model")
 
@@ -37,7 +39,7 @@ class Shared:
     """A guarded counter pair in a real lock file, plus a second opener of the same lock."""
 
     def __init__(self, prefix: str, lock_free_reads: bool | None) -> None:
-        path = lock_path(prefix, "order")
+        path = shm_path(f"{prefix}_order.lock")
         self.lock = FileLock(path)
         self.other = FileLock(path)  # another open file description: excluded like a process
         self.words = np.zeros(2, np.int64)  # [0] dirty, [1] seq
@@ -152,7 +154,7 @@ def test_fingerprint_match_takes_the_lock_unless_reads_may_skip_it(shm_prefix: s
     on an empty index waits for the lock; forced on, it answers without it. Both answer alike."""
     locked = FingerprintIndex.open(shm_prefix, 4, 64, lock_timeout=0, lock_free_reads=False)
     free = FingerprintIndex.open(shm_prefix, 4, 64, lock_timeout=0, lock_free_reads=True)
-    holder = FileLock(lock_path(shm_prefix, "fp"))
+    holder = FileLock(Names(shm_prefix).lock("fp"))
     try:
         query = np.arange(12, dtype=np.uint32)
         holder.acquire(0)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from shm.errors import Busy, ForeignObject
-from shm.lock import FileLock, lock_path, pid_alive
+from shm.lock import FileLock, pid_alive
+from shm.private import shm_path
 from shm.segment import Segment, exists, unlink
 
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
@@ -54,7 +55,7 @@ def queued_for(path: str, pid: int) -> bool:
 
 
 def test_timeout_rule(shm_prefix: str) -> None:
-    path = lock_path(shm_prefix, "t")
+    path = shm_path(f"{shm_prefix}_t.lock")
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
@@ -100,7 +101,7 @@ def test_timeout_rule(shm_prefix: str) -> None:
 
 
 def test_threads_of_one_process_exclude_each_other(shm_prefix: str) -> None:
-    lock = FileLock(lock_path(shm_prefix, "t"))
+    lock = FileLock(shm_path(f"{shm_prefix}_t.lock"))
     lock.acquire()
     with pytest.raises(Busy):
         lock.acquire(timeout=0)
