@@ -195,8 +195,7 @@ class Registry:
         try:
             return self._store.register_class(cc)
         except shm_errors.CapacityError:
-            with self._lock:
-                in_use = {i.class_id for i in self._by_id.values()}
+            in_use = self._classes_in_use()
             released = [c for c in range(self._store.config.max_classes)
                         if c not in in_use and self._store.release_class(c)]
             if not released:
@@ -234,7 +233,15 @@ class Registry:
             raise TooMany(f"this connection holds {mine} instances, the per-client limit "
                           "(--max-instances-per-client)")
 
+    def _classes_in_use(self) -> set[int]:
+        with self._lock:
+            return {i.class_id for i in self._by_id.values()}
+
     def _check_namespace_layout(self, cc: ChunkClass) -> None:
+        """Refuse another layout for a namespace while chunks or instances of its layout exist;
+        a class of the namespace that holds neither is released (the model may change layout
+        once its chunks are evicted or cleared)."""
+        in_use = self._classes_in_use()
         for c in range(self._store.config.max_classes):
             try:
                 other = self._store.chunk_class(c)
@@ -242,6 +249,10 @@ class Registry:
                 continue
             if other.model_name == cc.model_name and other.world_size == cc.world_size and \
                     other.chunk_size == cc.chunk_size and other != cc:
+                if c not in in_use and self._store.release_class(c):
+                    log.info("released layout class %d of %r (no chunks, no instances)", c,
+                             cc.model_name)
+                    continue
                 raise LayoutMismatch(
                     f"model {cc.model_name!r} (world_size {cc.world_size}) is stored with "
                     f"L={other.num_layers}, D={other.hidden_dim}, {other.dtype}; this buffer has "

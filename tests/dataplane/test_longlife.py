@@ -4,9 +4,11 @@ a store, and a restarted data plane sweeps entries a crash left behind."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dataplane.client import BlendClient
+from dataplane.errors import LayoutMismatch
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
@@ -109,3 +111,26 @@ def test_classes_of_models_whose_chunks_are_gone_make_room_for_new_models(
         assert dp.stop() == 0
     with Store.open(shm_prefix) as store:
         assert len(store.stats().classes) <= store.config.max_classes
+
+
+def test_a_model_changes_layout_once_its_chunks_are_gone(shm_prefix: str) -> None:
+    _service(shm_prefix, 2 << 20, 4096)
+    doc = _docs(1, seed=5)[0]
+    dp = start_dataplane(shm_prefix)
+    try:
+        with BlendClient(dataplane_address=dp.address) as client:
+            inst = client.register_kv_cache(client.cpu_kv_buffer(L, T, D, torch.float16),
+                                             model_name="m")
+            assert client.store_pre_computed(inst, doc).wait().ok
+            client.unregister(inst)
+            other = client.cpu_kv_buffer(L, T, D // 2, torch.float16)
+            with pytest.raises(LayoutMismatch):  # its chunks are still stored
+                client.register_kv_cache(other, model_name="m")
+            with Store.open(shm_prefix) as store:
+                assert store.clear() == 4
+            # before: refused for good ("model 'm' is stored with ... D=64") with nothing stored
+            inst = client.register_kv_cache(other, model_name="m")
+            assert client.store_pre_computed(inst, doc).wait().ok
+            assert len(client.lookup(doc, model_name="m").matches) == 4
+    finally:
+        assert dp.stop() == 0
