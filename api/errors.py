@@ -17,9 +17,12 @@ Exception tree of the API itself::
     ├── AdminRequired            the API token where the admin's is due 403
     ├── InstanceNotFound         no registered instance with that id    404
     ├── PayloadTooLarge          a body over ``--max-request-kb``       413
-    └── UnsupportedMediaType     a body that is neither JSON nor bytes  415
+    ├── UnsupportedMediaType     a body that is neither JSON nor bytes  415
+    └── InvalidInput             parsed, but impossible                 422
 
-The data plane's typed errors (``dataplane.errors``) join the table in ``api.link``.
+The data plane's typed errors keep the statuses of ``dataplane.errors.HTTP_STATUS``, so a client
+raises the same class the data plane did (``dataplane.errors.http_error``); a store error raised
+in the API gets the status of what the data plane would answer for it (``FROM_SHM``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from shm.errors import Busy, CapacityError, ChunkNotFound, LayoutMismatch, ShmError, StoreFull
+from dataplane.errors import FROM_SHM
+from dataplane.errors import HTTP_STATUS as DATAPLANE_STATUS
 
 log = logging.getLogger("kvblend.api")
 
@@ -73,28 +77,25 @@ class UnsupportedMediaType(ApiError):
     """A request body in a content type the route does not take."""
 
 
-# Most specific first is not required: the handler walks the exception's MRO.
+class InvalidInput(ApiError, ValueError):
+    """A request that parsed but says something impossible (a model name over its byte limit, a
+    binary body that is not whole uint32 ids)."""
+
+
+# The whole table, fixed at import; the handler walks the exception's MRO (most specific wins).
+# Anything else, a ValueError included, is a 500: an error we did not mean to raise.
 ERROR_STATUS: dict[type[BaseException], int] = {
     Unauthorized: 401,
     AdminRequired: 403,
     InstanceNotFound: 404,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
-    ChunkNotFound: 404,
-    LayoutMismatch: 409,
-    StoreFull: 507,
-    CapacityError: 507,
-    Busy: 503,
-    ShmError: 500,
+    InvalidInput: 422,
+    **DATAPLANE_STATUS,
+    **{shm_error: DATAPLANE_STATUS[ours] for shm_error, ours in FROM_SHM.items()},
     pydantic.ValidationError: 422,
     msgspec.DecodeError: 422,
-    ValueError: 422,
 }
-
-
-def register_error(exc_type: type[BaseException], status: int) -> None:
-    """Add a row to the table (the data plane's typed errors are added at import of the link)."""
-    ERROR_STATUS[exc_type] = status
 
 
 class Problem(BaseModel):
@@ -103,7 +104,7 @@ class Problem(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
         "type": "about:blank", "title": "Unprocessable Content", "status": 422,
         "detail": "token ids must lie in [0, 2^32)", "instance": "/v1/lookup",
-        "code": "ValueError"}]})
+        "code": "InvalidInput"}]})
 
     type: str = Field("about:blank", description="Problem type URI; about:blank for all of ours.")
     title: str = Field(description="The HTTP status phrase.", examples=["Not Found"])

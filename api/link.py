@@ -16,21 +16,11 @@ import base64
 import threading
 import time
 
-from api.errors import register_error
 from api.schemas import Instance, InstanceCreated, KVLayoutOut, RegisterInstance
 from dataplane import errors as dp_errors
 from dataplane import messages as dp
 from dataplane.channel import Channel
 from shm.layout import KVLayout
-
-for _exc, _status in ((dp_errors.RemoteError, 500), (dp_errors.UnknownInstance, 404),
-                      (dp_errors.Forbidden, 403), (dp_errors.TooMany, 429),
-                      (dp_errors.BadRequest, 422), (dp_errors.OutOfRange, 422),
-                      (dp_errors.LayoutMismatch, 409), (dp_errors.StoreFull, 507),
-                      (dp_errors.BackendError, 500), (dp_errors.DataPlaneUnavailable, 503),
-                      (dp_errors.Timeout, 504)):
-    register_error(_exc, _status)
-
 
 class DataPlaneLink:
     """Typed calls to the data plane at ``address``.

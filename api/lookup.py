@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import Role, Tokens
-from api.errors import UnsupportedMediaType, problem_for
+from api.errors import InvalidInput, UnsupportedMediaType, problem_for
 from api.metrics import count_lookup
 from api.services import Services
 from shm.hashing import Namespace
@@ -64,8 +64,15 @@ def _ids_array(token_ids: list[int]) -> np.ndarray:
 
 @lru_cache(maxsize=256)
 def namespace_of(model_name: str, world_size: int, cache_salt: str) -> Namespace:
-    """The namespace of a lookup, cached (building one hashes its root)."""
-    return Namespace(model_name, world_size, cache_salt)
+    """The namespace of a lookup, cached (building one hashes its root).
+
+    Raises:
+        InvalidInput: a label the namespace refuses (``shm.hashing.check_label``).
+    """
+    try:
+        return Namespace(model_name, world_size, cache_salt)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
 
 
 class Query:
@@ -83,17 +90,18 @@ async def read_query(request: Request, model_name: str | None, world_size: int,
 
     Raises:
         msgspec.ValidationError: a JSON body that does not match ``LookupRequest``.
-        ValueError: a binary body whose length is not a multiple of 4, or no ``model_name``.
+        InvalidInput: a binary body whose length is not a multiple of 4, no ``model_name``, or
+            a label over its byte limit.
         UnsupportedMediaType: neither JSON nor octet-stream.
     """
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     body = await request.body()
     if ctype == OCTET_STREAM:
         if len(body) % 4:
-            raise ValueError(f"a binary body holds little-endian uint32 token ids: {len(body)} "
+            raise InvalidInput(f"a binary body holds little-endian uint32 token ids: {len(body)} "
                              "bytes is not a multiple of 4")
         if not model_name:
-            raise ValueError("binary lookups need the model_name query parameter")
+            raise InvalidInput("binary lookups need the model_name query parameter")
         return Query(namespace_of(model_name, world_size, cache_salt),
                      np.frombuffer(body, dtype="<u4"))
     if ctype != "application/json" and not ctype.endswith("+json"):

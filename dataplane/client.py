@@ -51,8 +51,7 @@ import numpy as np
 import torch
 
 from dataplane.channel import Channel, Pending
-from dataplane.errors import (BadRequest, DataPlaneError, DataPlaneUnavailable, Forbidden,
-                              LayoutMismatch, RemoteError, TooMany, UnknownInstance)
+from dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable, http_error
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
                                 MatchSpec, Ping, Pong, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
@@ -66,9 +65,6 @@ from shm.segment import Segment
 
 _TORCH_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
                  torch.float32: DType.FLOAT32}
-_HTTP_ERRORS: dict[int, type[DataPlaneError]] = {
-    403: Forbidden, 404: UnknownInstance, 409: LayoutMismatch, 422: BadRequest, 429: TooMany,
-    503: DataPlaneUnavailable}
 log = logging.getLogger("kvblend.client")
 
 
@@ -393,11 +389,12 @@ class BlendClient:
             raise DataPlaneUnavailable(f"kvblend API unreachable: {exc}") from exc
         if resp.status_code >= 400:
             try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            raise _HTTP_ERRORS.get(resp.status_code, RemoteError)(
-                f"{method} {path}: HTTP {resp.status_code}: {detail}")
+                problem = resp.json()
+                detail, code = str(problem.get("detail", resp.text)), str(problem.get("code", ""))
+            except (ValueError, AttributeError):
+                detail, code = resp.text, ""
+            raise http_error(resp.status_code, code,
+                             f"{method} {path}: HTTP {resp.status_code}: {detail}")
         return resp
 
     def close(self) -> None:

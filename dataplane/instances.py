@@ -165,8 +165,10 @@ class Registry:
 
         Raises:
             BadRequest: bad names, layout fields or dtype, or a buffer that is not the client's.
-            LayoutMismatch: the namespace's chunks were stored with another layout.
+            LayoutMismatch: the namespace's chunks were stored with another layout (or
+                ``shm.errors.LayoutMismatch`` from the store).
             TooMany: the instance limits are reached.
+            shm.errors.CapacityError: every layout class holds chunks or instances.
             BackendError: the buffer cannot be mapped.
         """
         layout, cc = _layout_of(req, self._chunk)
@@ -176,9 +178,9 @@ class Registry:
             buffer = self._engine.open(req.buffer, layout, owner_uid)
             try:
                 class_id = self._register_class(cc)
-            except (shm_errors.LayoutMismatch, shm_errors.CapacityError) as exc:
+            except BaseException:
                 buffer.close()
-                raise LayoutMismatch(str(exc)) from exc
+                raise  # the server answers by dataplane.errors.FROM_SHM
             inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
         assert inst.thread is not None
         inst.thread.start()

@@ -60,6 +60,8 @@ class ErrorKind(str, enum.Enum):
     OUT_OF_RANGE = "out_of_range"
     LAYOUT_MISMATCH = "layout_mismatch"
     STORE_FULL = "store_full"
+    CAPACITY = "capacity"
+    BUSY = "busy"
     BACKEND = "backend"
     INTERNAL = "internal"
 

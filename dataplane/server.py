@@ -32,14 +32,13 @@ from typing import Any
 from dataplane import __version__
 from dataplane.backend import CopyEngine
 from dataplane.channel import recv_frame
-from dataplane.errors import BackendError, BadRequest, RemoteError, StoreFull, reply_for
+from dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
 from dataplane.instances import Instance, Limits, Registry
 from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LeaseRenewed, ListInstances,
                                 Ping, Pong, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
                                 frame, request_decoder)
 from dataplane.transfer import Shared, run_retrieve, run_store
-from shm import errors as shm_errors
 from shm.events import EventLog
 from shm.private import check_socket
 from shm.telemetry import Counter, RetrieveError, StoreError
@@ -233,12 +232,12 @@ class DataPlane:
                     inst.submit(_transfer_job(self, conn, call_id, msg))
                 return
             conn.reply(call_id, self._control(conn, msg))
-        except RemoteError as exc:
-            conn.reply(call_id, reply_for(exc))
         except Exception as exc:
-            log.exception("call %s failed (request_id=%s)", type(msg).__name__,
-                          getattr(msg, "request_id", None))
-            conn.reply(call_id, ErrorReply(kind=ErrorKind.INTERNAL, message=repr(exc)))
+            err = remote_error(exc)
+            if isinstance(err, BackendError) and not isinstance(exc, RemoteError):
+                log.exception("call %s failed (request_id=%s)", type(msg).__name__,
+                              getattr(msg, "request_id", None))
+            conn.reply(call_id, reply_for(err))
 
     def _control(self, conn: Connection, msg: Any) -> Any:
         if isinstance(msg, Ping):
@@ -270,19 +269,9 @@ class DataPlane:
             failed = StoreError if store else RetrieveError
             self.shared.events.record(failed(request_id=msg.request_id, instance_id=inst.id,
                                              error=repr(exc)[:200]))
-            raise _remote(exc) from exc
-
-
-def _remote(exc: BaseException) -> BaseException:
-    if isinstance(exc, RemoteError):
-        return exc
-    if isinstance(exc, shm_errors.StoreFull):
-        return StoreFull(str(exc))
-    if isinstance(exc, (shm_errors.ShmError, ValueError)):
-        return BadRequest(str(exc))
-    if isinstance(exc, Exception):
-        return BackendError(repr(exc))
-    return exc
+            if not isinstance(exc, Exception):
+                raise
+            raise remote_error(exc) from exc
 
 
 def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> Any:

@@ -4,7 +4,6 @@
 
     ShmError                     anything the store raises on purpose
     ├── StoreFull                no free slot and nothing evictable (all pinned or reserved)
-    ├── ChunkNotFound            no committed object under that key (never stored, or evicted)
     ├── LayoutMismatch           existing segments or a chunk disagree with the requested layout/version
     ├── CapacityError            a fixed-size table (layout classes, pins, index entries) is full
     ├── Busy                     a timed wait for the cross-process lock ran out
@@ -18,10 +17,6 @@ class ShmError(Exception):
 
 class StoreFull(ShmError):
     """No free slot, and every candidate for eviction is pinned or reserved."""
-
-
-class ChunkNotFound(ShmError, KeyError):
-    """No committed object under that key."""
 
 
 class LayoutMismatch(ShmError):

@@ -69,7 +69,7 @@ any CPU, and a killed process's executed stores all land); the compiler is not f
 in program order, and nothing here gives it a reason not to. A registration that re-points an
 existing entry clears it first, so a crash there drops the entry (a lost cache hit, never a wrong
 one). Lookups copy the candidates' entries out under the lock and verify outside it; an object
-evicted after ``is_live`` answered can still be returned (the store then reports ``ChunkNotFound``).
+evicted after ``is_live`` answered can still be returned (the retrieve then reports that chunk failed).
 The reads without the lock are of the live counter alone (one aligned word, never torn): ``len``
 and ``stats`` report it, and ``match`` skips an empty index by it (a stale zero costs that lookup
 its hits, never a wrong one) only where ``shm.lock.LOCK_FREE_READS`` (x86-64); on other CPUs

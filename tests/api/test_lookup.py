@@ -306,5 +306,5 @@ def test_refused_names_and_salts_are_422_and_harm_nothing(auth_client: TestClien
                                                          binary_body: bool) -> None:
     for _ in range(2):  # the same bad request again answers the same
         body = problem(bad_lookup(auth_client, field, value, binary_body), 422)
-        assert body["code"] == "ValueError" and field in body["detail"]
+        assert body["code"] == "InvalidInput" and field in body["detail"]
     still_serves(auth_client, stored[0])
