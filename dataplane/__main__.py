@@ -15,10 +15,12 @@ import signal
 import sys
 import threading
 
+import pydantic
+
 from dataplane import default_address
 from dataplane.backend import make_engine
-from dataplane.instances import Limits
 from dataplane.server import DataPlane
+from dataplane.settings import DataPlaneSettings
 from dataplane.transfer import Shared, open_fingerprints
 from shm.errors import ForeignObject
 from shm.events import EventLog
@@ -29,45 +31,54 @@ from shm.warm import warm
 log = logging.getLogger("kvblend.dataplane")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dataplane", description=__doc__.split("\n")[0])
-    p.add_argument("--shm-prefix", required=True, help="segment prefix of the store to attach")
-    p.add_argument("--chunk-size", type=int, required=True, help="tokens per chunk")
-    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
-    p.add_argument("--socket", default=None, help="Unix socket path (default: under /dev/shm)")
-    p.add_argument("--reclaim-interval", type=float, default=1.0,
+def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
+    """The process's settings: flags win over ``KVBLEND_DP_*`` variables, which win over the
+    defaults of ``DataPlaneSettings``. Exits 2 with the reason on a missing or bad value."""
+    p = argparse.ArgumentParser(prog="python -m dataplane", description=__doc__.split("\n")[0],
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--shm-prefix", help="segment prefix of the store to attach")
+    p.add_argument("--chunk-size", type=int, help="tokens per chunk")
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--socket", help="Unix socket path (default: under /dev/shm)")
+    p.add_argument("--reclaim-interval", type=float,
                    help="seconds between reclaim passes over dead pids' reservations and pins")
-    p.add_argument("--lease", type=float, default=Limits.lease_s,
+    p.add_argument("--lease", type=float,
                    help="seconds an instance lives without a renewal by its owner")
-    p.add_argument("--max-instances", type=int, default=Limits.max_instances)
-    p.add_argument("--max-instances-per-client", type=int, default=Limits.max_per_client)
-    p.add_argument("--max-connections", type=int, default=256)
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    p.add_argument("--max-instances", type=int)
+    p.add_argument("--max-instances-per-client", type=int)
+    p.add_argument("--max-connections", type=int)
+    p.add_argument("--first-mib", type=float, help="MiB of a call's first batch")
+    p.add_argument("--group-mib", type=float, help="MiB of a store's chunks per completion mark")
+    p.add_argument("--log-level")
+    args = p.parse_args(argv)
+    try:
+        return DataPlaneSettings(**vars(args))
+    except pydantic.ValidationError as exc:
+        p.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+    settings = parse_args(argv)
+    prefix = settings.shm_prefix
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("kernels ready in %.2f s", warm(args.shm_prefix))  # before the first real call
-    store = Store.open(args.shm_prefix)
-    fingerprints = open_fingerprints(args.shm_prefix, args.chunk_size)
-    events = EventLog.open(args.shm_prefix)
+    log.info("kernels ready in %.2f s", warm(prefix))  # before the first real call
+    store = Store.open(prefix)
+    fingerprints = open_fingerprints(prefix, settings.chunk_size)
+    events = EventLog.open(prefix)
     # a data plane killed between an eviction and its fingerprint removal left entries behind
     swept = fingerprints.sweep(store.holds_hashes)
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
-    engine = make_engine(args.backend, store)
-    shared = Shared(store, fingerprints, events, args.chunk_size)
-    limits = Limits(args.lease, args.max_instances, args.max_instances_per_client)
-    plane = DataPlane(args.shm_prefix, shared, engine, args.reclaim_interval, limits,
-                      args.max_connections)
+    engine = make_engine(settings.backend, store)
+    shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning())
+    plane = DataPlane(prefix, shared, engine, settings.reclaim_interval, settings.limits(),
+                      settings.max_connections)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    address = args.socket or default_address(args.shm_prefix)
+    address = settings.socket or default_address(prefix)
     try:
         plane.start(address)
     except ForeignObject as exc:

@@ -4,7 +4,7 @@ This module owns the order of operations that keeps the store consistent whateve
 
 - store: compute the chunk keys, reserve the call's slots in batches (``Store.reserve_slots``:
   EXISTS = already stored or being stored elsewhere, not copied again; FULL = failed), enqueue
-  the copies in groups of about ``GROUP_BYTES`` with a completion marker after each group, and
+  the copies in groups of about ``Tuning.group_bytes`` with a completion marker after each group, and
   commit each group once its marker completed, while later groups are still copying; on any
   failure wait for the copies in flight, then abort every reservation not yet committed. Rank 0
   (``worker_id`` 0 or None) then registers the chunks' fingerprints (after the last commit: the
@@ -16,7 +16,7 @@ This module owns the order of operations that keeps the store consistent whateve
   from the prompt's at ``cur_st``, or that found the pin table full (other retrieves hold it) is
   reported failed by match index; nothing is written for it.
 
-The first batch of a call is small (about ``FIRST_BYTES``): its copies start while the rest is
+The first batch of a call is small (about ``Tuning.first_bytes``): its copies start while the rest is
 reserved or pinned. No per-chunk Python object is built past the chunk keys.
 
 It does not own threads or sockets (``dataplane.server``) or how bytes move (``dataplane.backend``).
@@ -25,7 +25,6 @@ It does not own threads or sockets (``dataplane.server``) or how bytes move (``d
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,13 +50,29 @@ log = logging.getLogger("kvblend.dataplane")
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """Batch sizes of a transfer (``dataplane.settings`` builds it).
+
+    Attributes:
+        first_bytes: a call's first batch, whose copies start while the rest is reserved or
+            pinned.
+        group_bytes: chunks per completion marker of a store; a group's commits overlap the
+            copies of later groups.
+    """
+
+    first_bytes: int = 16 << 20
+    group_bytes: int = 32 << 20
+
+
+@dataclass(frozen=True)
 class Shared:
-    """The shared-memory state a transfer works on."""
+    """The shared-memory state a transfer works on, and how it batches."""
 
     store: Store
     fingerprints: FingerprintIndex
     events: EventLog
     chunk_size: int
+    tuning: Tuning = Tuning()
 
 
 def open_fingerprints(prefix: str, chunk_size: int) -> FingerprintIndex:
@@ -86,10 +101,6 @@ def _namespace(inst: "Instance", cache_salt: str) -> Namespace:
 
 
 
-# Tuning (MiB, read at start): the first batch of a call, whose copies start while the rest is
-# reserved or pinned; and the chunks per completion marker, whose commits overlap later copies.
-FIRST_BYTES = int(float(os.environ.get("KVBLEND_DP_FIRST_MIB", "16")) * (1 << 20))
-GROUP_BYTES = int(float(os.environ.get("KVBLEND_DP_GROUP_MIB", "32")) * (1 << 20))
 # the slot header's int64 words (``shm.store``): SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, ...
 _HDR_WORDS = 7
 _W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
@@ -98,10 +109,11 @@ _W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
 PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
 
 
-def _batches(n: int, chunk_bytes: int, most: int | None = None) -> list[tuple[int, int]]:
+def _batches(n: int, chunk_bytes: int, first_bytes: int, most: int | None = None
+             ) -> list[tuple[int, int]]:
     """Chunk index ranges of the call's reserve/pin batches: a small first one, then the rest
     (in pieces of at most ``most`` when given)."""
-    first = min(n, max(1, FIRST_BYTES // max(1, chunk_bytes)))
+    first = min(n, max(1, first_bytes // max(1, chunk_bytes)))
     if most is not None:
         first = min(first, most)
     step = most or max(1, n)
@@ -131,7 +143,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     ns = _namespace(inst, msg.cache_salt)
     n = len(tokens) // C
     chunk_bytes = inst.layout.chunk_bytes(C)
-    per = max(1, GROUP_BYTES // max(1, chunk_bytes))
+    per = max(1, sh.tuning.group_bytes // max(1, chunk_bytes))
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
                 tokens=len(tokens), chunks=n)
     sh.events.record(StoreStart(**base))
@@ -145,7 +157,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     done = 0  # chunks [0, done) are committed (or were lost to reclaim)
     try:
         buf.begin(msg.event)
-        for lo, hi in _batches(n, chunk_bytes):
+        for lo, hi in _batches(n, chunk_bytes, sh.tuning.first_bytes):
             hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
@@ -265,7 +277,7 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
     try:
         buf.begin(msg.event)
-        for lo, hi in _batches(n, inst.layout.chunk_bytes(C), PIN_BATCH):
+        for lo, hi in _batches(n, inst.layout.chunk_bytes(C), sh.tuning.first_bytes, PIN_BATCH):
             slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
             held.append((lo, hi, None))
             usable[lo:hi] = _usable(sh, inst, ns, slots[lo:hi], keys[lo:hi], tokens, cur[lo:hi])

@@ -5,6 +5,7 @@ the checks of pinned chunks (tokens, layout class) before anything is copied."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -89,16 +90,19 @@ def store_msg(tokens: np.ndarray) -> StoreChunks:
                        request_id="r")
 
 
+CHUNK_BYTES = 2 * L * CHUNK * D * 2
+
+
 @pytest.fixture
-def small_groups(monkeypatch: pytest.MonkeyPatch) -> int:
-    chunk_bytes = 2 * L * CHUNK * D * 2
-    monkeypatch.setattr(tr, "FIRST_BYTES", 2 * chunk_bytes)  # a first batch of 2 chunks
-    monkeypatch.setattr(tr, "GROUP_BYTES", 3 * chunk_bytes)  # then groups of 3
-    return chunk_bytes
+def grouped(shared: tr.Shared) -> tr.Shared:
+    """``shared`` batching a first batch of 2 chunks, then groups of 3."""
+    return replace(shared, tuning=tr.Tuning(first_bytes=2 * CHUNK_BYTES,
+                                            group_bytes=3 * CHUNK_BYTES))
 
 
 def test_commits_each_group_only_after_its_copies_completed(
-        shared: tr.Shared, small_groups: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        grouped: tr.Shared, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = grouped
     inst = make_inst(shared)
     buf = inst.buffer
     assert isinstance(buf, Recorder)
@@ -129,7 +133,8 @@ def test_commits_each_group_only_after_its_copies_completed(
     assert again.copied == 0 and again.failed == [] and commits == []
 
 
-def test_a_failed_copy_aborts_every_reservation(shared: tr.Shared, small_groups: int) -> None:
+def test_a_failed_copy_aborts_every_reservation(grouped: tr.Shared) -> None:
+    shared = grouped
     inst = make_inst(shared, fail_at=7)
     tokens = np.arange(N * CHUNK) + 7
     with pytest.raises(RuntimeError, match="copy failed"):
@@ -150,8 +155,8 @@ def _retrieve(sh: tr.Shared, inst: FakeInst, prompt: np.ndarray, hashes: list[by
     return tr.run_retrieve(sh, inst, msg)  # type: ignore[arg-type]
 
 
-def test_retrieve_checks_tokens_and_layout_of_each_pinned_chunk(
-        shared: tr.Shared, small_groups: int) -> None:
+def test_retrieve_checks_tokens_and_layout_of_each_pinned_chunk(grouped: tr.Shared) -> None:
+    shared = grouped
     inst = make_inst(shared)
     tokens = np.arange(6 * CHUNK) + 1
     assert tr.run_store(shared, inst, store_msg(tokens)).copied == 6  # type: ignore[arg-type]

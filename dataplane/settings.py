@@ -1,0 +1,63 @@
+"""Configuration of one data-plane process: built once at start (``python -m dataplane`` flags,
+else ``KVBLEND_DP_*`` variables, else the defaults below) and passed down; nothing reads the
+environment anywhere else.
+
+It owns the knobs, not what they do: ``dataplane.instances.Limits`` (leases and instance bounds),
+``dataplane.transfer.Tuning`` (batch sizes) and the server's intervals are built from it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dataplane.instances import Limits
+from dataplane.transfer import Tuning
+
+MIB = 1 << 20
+
+
+class DataPlaneSettings(BaseSettings):
+    """Attributes:
+        shm_prefix: the store's prefix (the supervisor created the store and the index).
+        chunk_size: tokens per chunk; must be the fingerprint index's.
+        backend: ``cpu``, ``cuda`` or ``auto``.
+        socket: the channel's Unix socket; None: ``shm.names.Names(prefix).socket``.
+        reclaim_interval: seconds between passes over dead processes' reservations and pins,
+            and over expired leases.
+        lease: seconds an instance lives without a renewal by its owner.
+        max_instances: instances of the whole data plane.
+        max_instances_per_client: instances one connection may register.
+        max_connections: channel connections at once.
+        first_mib: MiB of a call's first batch, whose copies start while the rest is reserved
+            or pinned.
+        group_mib: MiB of chunks per completion marker of a store; a group's commits overlap
+            later groups' copies.
+        log_level: logging level name.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVBLEND_DP_", frozen=True)
+
+    shm_prefix: str = Field(min_length=1)
+    chunk_size: int = Field(gt=0)
+    backend: Literal["cpu", "cuda", "auto"] = "auto"
+    socket: str | None = None
+    reclaim_interval: float = Field(1.0, gt=0)
+    lease: float = Field(Limits.lease_s, gt=0)
+    max_instances: int = Field(Limits.max_instances, gt=0)
+    max_instances_per_client: int = Field(Limits.max_per_client, gt=0)
+    max_connections: int = Field(256, gt=0)
+    first_mib: float = Field(16.0, gt=0)
+    group_mib: float = Field(32.0, gt=0)
+    log_level: str = "INFO"
+
+    def limits(self) -> Limits:
+        return Limits(self.lease, self.max_instances, self.max_instances_per_client)
+
+    def tuning(self) -> Tuning:
+        return Tuning(int(self.first_mib * MIB), int(self.group_mib * MIB))
+
+
+__all__ = ["DataPlaneSettings"]
