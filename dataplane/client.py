@@ -2,9 +2,10 @@
 
 This module owns the engine side: finding the service, creating CPU buffers in shared memory,
 sharing CUDA buffers and events by IPC, and turning channel replies into ``Transfer`` results.
-Control (register, unregister, lookup) goes over HTTP to the API; store and retrieve go straight
-to the data plane over the local channel. Without a URL (``dataplane_address=...``) everything goes
-to the data plane and the shared-memory store directly.
+Control (register, unregister, lookup) goes through ``dataplane.control``: over HTTP to the API, or
+without a URL (``dataplane_address=...``) to the data plane and the shared-memory store directly;
+store and retrieve go straight to the data plane over the local channel. Importing this module
+loads torch, httpx, msgspec and the channel, never the store's kernels.
 
 Example::
 
@@ -20,7 +21,8 @@ CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recor
 (store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream
 before its first copy. When ``event`` is None for a CUDA buffer, the client records one of the
 instance's own interprocess events on the current stream (a small pool per instance: an event is
-reused only once the call that carried it completed, so the data plane keeps it opened).
+reused only once the call that carried it completed and was released, so the data plane keeps
+it opened).
 
 Instances are capabilities (docs/security.md): registration answers a token that every later
 call on the instance carries, and a lease that the client renews from a background thread every
@@ -32,13 +34,13 @@ alone, which the data plane records on the instance's stream right after the cal
 and before it replies. So once ``wait()`` returned (or ``done()`` is True) it marks exactly the
 completion of this call's copies (already complete: ``stream.wait_event(t.cuda_event)`` then
 orders the stream after them without stalling it). Before the reply it may not be recorded yet,
-and waiting on it then orders after nothing: use ``wait()``. It stays this call's event while
-the ``Transfer`` is referenced; afterwards a later call of the same instance may re-record it.
+and waiting on it then orders after nothing: use ``wait()``. It stays this call's event until
+``Transfer.release()`` (or the end of ``with client.retrieve(...) as t:``) gives it back to the
+instance's pool for a later call.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
 import threading
@@ -46,20 +48,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
 from dataplane.channel import Channel, Pending
-from dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable, http_error
+from dataplane.control import Control, DirectControl, HttpControl
+from dataplane.errors import BadRequest, DataPlaneError
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
-                                MatchSpec, Ping, Pong, Registered, RegisterInstance, RenewLease,
+                                MatchSpec, Ping, Pong, RegisterInstance, RenewLease,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
                                 UnregisterInstance)
-from shm.fingerprint import Match
-from shm.hashing import Namespace, as_tokens
+from shm.hashing import as_tokens
 from shm.layout import DType
-from shm.lookup import LookupResult
+from shm.matches import LookupResult
 from shm.names import KVBUF_HEX, Names
 from shm.segment import Segment
 
@@ -117,14 +118,21 @@ class Transfer:
     def done(self) -> bool:
         return self._pending.done()
 
-    def __del__(self) -> None:
-        # the data plane is done with the events only once the call completed; otherwise they
-        # are dropped, never reused
-        try:
-            if self._events and self._pool is not None and self._pending.done():
-                self._pool.extend(self._events)
-        except Exception:
-            pass
+    def release(self) -> None:
+        """Give this call's interprocess events back to the instance for later calls (CUDA
+        buffers); ``cuda_event`` is not this call's any more. Only a completed call gives them
+        back (the data plane may still open them before); otherwise they are dropped. A
+        ``with`` block releases on exit; without a release the events are simply not reused."""
+        events, self._events = self._events, None
+        if events and self._pool is not None and self._pending.done():
+            self._pool.extend(events)
+        self.cuda_event = None
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -166,25 +174,24 @@ class BlendClient:
         if url is None and dataplane_address is None:
             raise ValueError("give the service's url or a dataplane_address")
         self._timeout = timeout
-        self._http: httpx.Client | None = None
-        if url is not None:
-            headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
-            self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
-            if dataplane_address is None:
-                status = self._request("GET", "/v1/status").json()
-                dataplane_address = status["dataplane"]["address"]
-        assert dataplane_address is not None
-        self._channel = Channel(dataplane_address)
+        http = HttpControl(url, api_token, timeout) if url is not None else None
+        try:
+            address = dataplane_address or http.dataplane_address()  # type: ignore[union-attr]
+            self._channel = Channel(address)
+        except BaseException:
+            if http is not None:
+                http.close()
+            raise
         pong: Pong = self._channel.call(Ping(), timeout)
         self.chunk_size = pong.chunk_size
         self.prefix = store_prefix or pong.shm_prefix
+        self._control: Control = http or DirectControl(self._channel, self.prefix,
+                                                       self.chunk_size, timeout)
         self._lock = threading.Lock()
         self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
         self._instances: dict[int, _Registered] = {}
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
-        self._store: Any = None
-        self._fingerprints: Any = None
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -236,26 +243,10 @@ class BlendClient:
             raise BadRequest(f"unsupported dtype {kv.dtype}")
         _, L, T, D = (int(x) for x in kv.shape)
         spec = self._buffer_spec(kv)
-        dtype = str(_TORCH_DTYPES[kv.dtype])
-        if self._http is not None:
-            body: dict[str, Any] = dict(model_name=model_name, world_size=world_size,
-                                        worker_id=worker_id, num_layers=L, num_tokens=T,
-                                        hidden_dim=D, dtype=dtype)
-            if isinstance(spec, ShmBuffer):
-                body["shm_name"] = spec.name
-            else:
-                body["cuda_ipc"] = {"handle": base64.b64encode(spec.handle).decode(),
-                                    "offset": spec.offset, "device_uuid": spec.device_uuid}
-            headers = {"X-Request-ID": request_id} if request_id else None
-            got = self._request("POST", "/v1/instances", json=body, headers=headers).json()
-            iid, token, lease = (int(got["instance_id"]), str(got["instance_token"]),
-                                 float(got["lease_s"]))
-        else:
-            reply: Registered = self._channel.call(RegisterInstance(
-                model_name=model_name, world_size=world_size, worker_id=worker_id,
-                num_layers=L, num_tokens=T, hidden_dim=D, dtype=dtype, buffer=spec,
-                request_id=request_id), self._timeout)
-            iid, token, lease = reply.instance_id, reply.token, reply.lease_s
+        iid, token, lease = self._control.register(RegisterInstance(
+            model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
+            num_tokens=T, hidden_dim=D, dtype=str(_TORCH_DTYPES[kv.dtype]), buffer=spec,
+            request_id=request_id))
         with self._lock:
             self._instances[iid] = _Registered(kv, token)
             if self._renewer is None:
@@ -283,13 +274,7 @@ class BlendClient:
     def unregister(self, instance_id: int) -> None:
         """Unregister after every call sent for the instance completed; unlinks the CPU buffer
         segment if this client created it."""
-        token = self._token(instance_id)
-        if self._http is not None:
-            self._request("DELETE", f"/v1/instances/{instance_id}",
-                          headers={"X-Instance-Token": token})
-        else:
-            self._channel.call(UnregisterInstance(instance_id=instance_id, token=token),
-                               self._timeout)
+        self._control.unregister(instance_id, self._token(instance_id))
         with self._lock:
             reg = self._instances.pop(instance_id, None)
             seg = self._buffers.pop(reg.kv.data_ptr(), None) if reg is not None else None
@@ -303,28 +288,7 @@ class BlendClient:
     def lookup(self, token_ids: Any, model_name: str, world_size: int = 1,
                cache_salt: str = "") -> LookupResult:
         """Stored chunks of the namespace found in ``token_ids`` (pins nothing)."""
-        tokens = _tokens(token_ids)
-        if self._http is not None:
-            # the binary body: little-endian uint32 ids, the other fields as query parameters
-            # (no JSON encoding of tens of thousands of ids on either side)
-            params = {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt}
-            data = self._request(
-                "POST", "/v1/lookup", params=params, content=tokens.astype("<u4").tobytes(),
-                headers={"content-type": "application/octet-stream"}).json()
-            matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
-                             _hash_bytes(m["chunk_hash"])) for m in data["matches"]]
-            return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
-        from shm.lookup import lookup
-        return lookup(*self._direct_store(), Namespace(model_name, world_size, cache_salt), tokens)
-
-    def _direct_store(self) -> tuple[Any, Any]:
-        with self._lock:
-            if self._store is None:
-                from dataplane.transfer import open_fingerprints
-                from shm.store import Store
-                self._store = Store.open(self.prefix)
-                self._fingerprints = open_fingerprints(self.prefix, self.chunk_size)
-            return self._store, self._fingerprints
+        return self._control.lookup(_tokens(token_ids), model_name, world_size, cache_salt)
 
     # -- transfers --------------------------------------------------------------------------
 
@@ -381,22 +345,6 @@ class BlendClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        assert self._http is not None, "HTTP calls need the client built with a url"
-        try:
-            resp = self._http.request(method, path, **kw)
-        except httpx.TransportError as exc:
-            raise DataPlaneUnavailable(f"kvblend API unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            try:
-                problem = resp.json()
-                detail, code = str(problem.get("detail", resp.text)), str(problem.get("code", ""))
-            except (ValueError, AttributeError):
-                detail, code = resp.text, ""
-            raise http_error(resp.status_code, code,
-                             f"{method} {path}: HTTP {resp.status_code}: {detail}")
-        return resp
-
     def close(self) -> None:
         """Unregister this client's instances, close the channel and HTTP client, and unlink
         every CPU buffer this client created."""
@@ -420,11 +368,7 @@ class BlendClient:
             seg.unlink()
             seg.close()
         self._channel.close()
-        if self._http is not None:
-            self._http.close()
-        if self._store is not None:
-            self._fingerprints.close()
-            self._store.close()
+        self._control.close()
 
     def __enter__(self) -> "BlendClient":
         return self
@@ -457,15 +401,6 @@ def _tokens(token_ids: Any) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     return as_tokens(token_ids)
-
-
-def _hash_bytes(value: Any) -> bytes:
-    if isinstance(value, str):
-        try:
-            return bytes.fromhex(value)
-        except ValueError:
-            return base64.b64decode(value)
-    return bytes(value)
 
 
 __all__ = ["BlendClient", "Transfer", "TransferResult"]

@@ -7,11 +7,3 @@ cross-process lock), ``layout`` (geometry), ``index`` / ``slab`` / ``pins`` (the
 and event kinds it may hold), ``names`` (every name under a prefix, and ``destroy``), ``private``
 (opening only what is ours), ``warm`` (kernels loaded before serving), ``errors``.
 """
-
-import os
-
-# numba's cache=True needs a writable folder when the kernels are defined (import time); without
-# one it fails. Default to the user's cache unless the caller chose a folder.
-os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-    "kvblend", "numba"))

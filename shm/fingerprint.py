@@ -78,6 +78,8 @@ its hits, never a wrong one) only where ``shm.lock.LOCK_FREE_READS`` (x86-64); o
 
 from __future__ import annotations
 
+import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,6 +92,7 @@ from shm import segment
 from shm.errors import LayoutMismatch
 from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
 from shm.lock import FileLock, Guarded
+from shm.matches import Match
 from shm.names import Names
 from shm.private import shm_path, unlink_private
 
@@ -116,25 +119,6 @@ _ONE = np.uint64(1)
 _LIVE = np.uint64(LIVE)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """One stored chunk found in a query.
-
-    Attributes:
-        old_st: start of the chunk in the sequence it was registered (and its KV computed) with.
-        old_ed: ``old_st + chunk_size``.
-        cur_st: start of the chunk in the query.
-        cur_ed: ``cur_st + chunk_size``.
-        chunk_hash: the chunk's store key.
-    """
-
-    old_st: int
-    old_ed: int
-    cur_st: int
-    cur_ed: int
-    chunk_hash: bytes
 
 
 @dataclass(frozen=True)

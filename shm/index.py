@@ -42,6 +42,8 @@ are derived and can be rebuilt from them (``shm.slab.rebuild``) after a process 
 
 from __future__ import annotations
 
+import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
 import numba
 import numpy as np
 

@@ -1,33 +1,18 @@
 """Lookup: which stored chunks of a namespace appear where in a prompt, counting only live ones.
 
 This module joins the fingerprint index (candidates, verified against real tokens) and the object
-store (is every rank's shard still committed?). It owns the ``LookupResult`` boundary object; it
-pins nothing, so a lookup that no retrieve follows leaves no trace in the store.
+store (is every rank's shard still committed?) into a ``shm.matches.LookupResult``; it pins
+nothing, so a lookup that no retrieve follows leaves no trace in the store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from shm.fingerprint import FingerprintIndex, Match
+from shm.fingerprint import FingerprintIndex
+from shm.matches import LookupResult, Match
 from shm.hashing import Namespace, as_tokens
 from shm.store import Store
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """Stored chunks found in a query.
-
-    Attributes:
-        matches: non-overlapping, sorted by ``cur_st``.
-        hit_tokens: distinct query tokens covered by ``matches``.
-        requested_tokens: ``floor(len(query) / chunk_size) * chunk_size``.
-    """
-
-    matches: list[Match]
-    hit_tokens: int
-    requested_tokens: int
 
 
 def live_checker(store: Store, namespace: Namespace):

@@ -17,6 +17,8 @@ here runs under the store lock; ``compact`` is also what a rebuild runs.
 
 from __future__ import annotations
 
+import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
 import numba
 import numpy as np
 

@@ -57,6 +57,8 @@ it gives back to the pool a page left empty by such a holder.
 
 from __future__ import annotations
 
+import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
 import numba
 import numpy as np
 

@@ -12,7 +12,7 @@ from api import lookup as lookups
 from api.lookup import LookupBody
 from api.schemas import LookupRequest, LookupResponse
 from shm.errors import Busy
-from shm.fingerprint import Match
+from shm.matches import Match
 from shm.hashing import Namespace
 from shm.lookup import covered_tokens
 from tests.api.conftest import CHUNK, TOKEN, Cache, problem

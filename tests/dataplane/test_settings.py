@@ -45,7 +45,7 @@ ALLOWED = {
     "api/settings.py": "the API's settings",
     "dataplane/settings.py": "the data plane's settings (through pydantic-settings)",
     "api/supervisor.py": "passes its environment on to the children it starts",
-    "shm/__init__.py": "gives numba a cache folder before any kernel is defined",
+    "shm/_jit.py": "gives numba a cache folder before any kernel is defined",
 }
 
 

@@ -22,7 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shm import fingerprint as F
 from shm.errors import LayoutMismatch
-from shm.fingerprint import FingerprintIndex, Match, RegisterResult
+from shm.fingerprint import FingerprintIndex, RegisterResult
+from shm.matches import Match
 from shm.hashing import Namespace, chunk_hashes
 
 NS = Namespace("test-model")

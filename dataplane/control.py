@@ -1,0 +1,145 @@
+"""The engine client's control seam: registration, unregistration and lookup, over HTTP to the API
+(``HttpControl``) or straight to the data plane and the shared-memory store (``DirectControl``,
+for engines on a service without an API, tests and benchmarks).
+
+``BlendClient`` holds one of them and never asks which; stores and retrieves always go over the
+data-plane channel. Only ``DirectControl.lookup`` needs the store's kernels: it imports them on
+first use, so an engine on the HTTP path never loads numba.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from dataplane.channel import Channel
+from dataplane.errors import DataPlaneUnavailable, http_error
+from dataplane.messages import (CudaIpcBuffer, Registered, RegisterInstance, ShmBuffer,
+                                UnregisterInstance)
+from shm.matches import LookupResult, Match
+
+
+class Control(Protocol):
+    """What the client asks of the service besides transfers."""
+
+    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
+        """Register a buffer; (instance id, instance token, lease seconds)."""
+
+    def unregister(self, instance_id: int, token: str) -> None: ...
+
+    def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
+               cache_salt: str) -> LookupResult: ...
+
+    def close(self) -> None: ...
+
+
+class HttpControl:
+    """Control through the API at ``url``; HTTP errors come back as ``dataplane.errors``."""
+
+    def __init__(self, url: str, api_token: str | None, timeout: float) -> None:
+        headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+
+    def dataplane_address(self) -> str:
+        return str(self.request("GET", "/v1/status").json()["dataplane"]["address"])
+
+    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
+        body: dict[str, Any] = dict(model_name=msg.model_name, world_size=msg.world_size,
+                                    worker_id=msg.worker_id, num_layers=msg.num_layers,
+                                    num_tokens=msg.num_tokens, hidden_dim=msg.hidden_dim,
+                                    dtype=msg.dtype)
+        spec = msg.buffer
+        if isinstance(spec, ShmBuffer):
+            body["shm_name"] = spec.name
+        else:
+            assert isinstance(spec, CudaIpcBuffer), "a buffer spec is shm or CUDA IPC"
+            body["cuda_ipc"] = {"handle": base64.b64encode(spec.handle).decode(),
+                                "offset": spec.offset, "device_uuid": spec.device_uuid}
+        headers = {"X-Request-ID": msg.request_id} if msg.request_id else None
+        got = self.request("POST", "/v1/instances", json=body, headers=headers).json()
+        return int(got["instance_id"]), str(got["instance_token"]), float(got["lease_s"])
+
+    def unregister(self, instance_id: int, token: str) -> None:
+        self.request("DELETE", f"/v1/instances/{instance_id}",
+                     headers={"X-Instance-Token": token})
+
+    def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
+               cache_salt: str) -> LookupResult:
+        # the binary body: little-endian uint32 ids, the other fields as query parameters (no
+        # JSON encoding of tens of thousands of ids on either side)
+        params = {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt}
+        data = self.request("POST", "/v1/lookup", params=params,
+                            content=tokens.astype("<u4").tobytes(),
+                            headers={"content-type": "application/octet-stream"}).json()
+        matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
+                         bytes.fromhex(m["chunk_hash"])) for m in data["matches"]]
+        return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request; an error answer raises the exception its problem names.
+
+        Raises:
+            DataPlaneUnavailable: the API does not answer.
+        """
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise DataPlaneUnavailable(f"kvblend API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                problem = resp.json()
+                detail, code = str(problem.get("detail", resp.text)), str(problem.get("code", ""))
+            except (ValueError, AttributeError):
+                detail, code = resp.text, ""
+            raise http_error(resp.status_code, code,
+                             f"{method} {path}: HTTP {resp.status_code}: {detail}")
+        return resp
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class DirectControl:
+    """Control over the data-plane channel; lookups in the store of ``prefix`` in this process."""
+
+    def __init__(self, channel: Channel, prefix: str, chunk_size: int, timeout: float) -> None:
+        self._channel, self._prefix, self._chunk, self._timeout = channel, prefix, chunk_size, timeout
+        self._shared: tuple[Any, Any] | None = None
+        self._lock = threading.Lock()
+
+    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
+        reply: Registered = self._channel.call(msg, self._timeout)
+        return reply.instance_id, reply.token, reply.lease_s
+
+    def unregister(self, instance_id: int, token: str) -> None:
+        self._channel.call(UnregisterInstance(instance_id=instance_id, token=token),
+                           self._timeout)
+
+    def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
+               cache_salt: str) -> LookupResult:
+        from shm.hashing import Namespace
+        from shm.lookup import lookup
+        store, fingerprints = self._attach()
+        return lookup(store, fingerprints, Namespace(model_name, world_size, cache_salt), tokens)
+
+    def _attach(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._shared is None:  # the kernels load here, on the first direct lookup
+                from dataplane.transfer import open_fingerprints
+                from shm.store import Store
+                store = Store.open(self._prefix)
+                self._shared = (store, open_fingerprints(self._prefix, self._chunk))
+            return self._shared
+
+    def close(self) -> None:
+        if self._shared is not None:
+            store, fingerprints = self._shared
+            fingerprints.close()
+            store.close()
+
+
+__all__ = ["Control", "HttpControl", "DirectControl"]

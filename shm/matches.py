@@ -1,0 +1,44 @@
+"""What a lookup answers: ``Match`` and ``LookupResult``. Plain frozen dataclasses, importable
+without the store's kernels (an engine's client uses them); ``shm.fingerprint`` finds matches,
+``shm.lookup`` builds results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """One stored chunk found in a query.
+
+    Attributes:
+        old_st: start of the chunk in the sequence it was registered (and its KV computed) with.
+        old_ed: ``old_st + chunk_size``.
+        cur_st: start of the chunk in the query.
+        cur_ed: ``cur_st + chunk_size``.
+        chunk_hash: the chunk's store key.
+    """
+
+    old_st: int
+    old_ed: int
+    cur_st: int
+    cur_ed: int
+    chunk_hash: bytes
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Stored chunks found in a query.
+
+    Attributes:
+        matches: non-overlapping, sorted by ``cur_st``.
+        hit_tokens: distinct query tokens covered by ``matches``.
+        requested_tokens: ``floor(len(query) / chunk_size) * chunk_size``.
+    """
+
+    matches: list[Match]
+    hit_tokens: int
+    requested_tokens: int
+
+
+__all__ = ["Match", "LookupResult"]
