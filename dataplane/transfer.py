@@ -37,8 +37,8 @@ from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
-from shm.slab import EXISTS, FULL, SLOT_HDR_BYTES, SLOT_MAGIC
-from shm.store import ChunkKey, Store, key_words
+from shm.slab import EXISTS, FULL
+from shm.store import ChunkKey, Store
 from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
 
 if TYPE_CHECKING:
@@ -101,9 +101,6 @@ def _namespace(inst: "Instance", cache_salt: str) -> Namespace:
 
 
 
-# the slot header's int64 words (``shm.store``): SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, ...
-_HDR_WORDS = 7
-_W_MAGIC, _W_K0, _W_K1, _W_NS, _W_RANK, _W_CLASS = 0, 2, 3, 4, 5, 6
 
 
 PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
@@ -334,25 +331,9 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
 def _usable(sh: Shared, inst: "Instance", ns: Namespace, slots: np.ndarray,
             keys: list[ChunkKey], tokens: np.ndarray, cur: np.ndarray) -> np.ndarray:
     """Per pinned slot: of this instance's layout class, holding this key, and holding exactly
-    the prompt's tokens at ``cur``. Reads the pinned slots' headers (which do not change while
-    pinned) in one gather; a slot of another class fails the header check."""
-    ok = slots >= 0
-    if not ok.any():
-        return ok
-    store, C = sh.store, sh.chunk_size
-    hb = store.chunk_class(inst.class_id).header_bytes
-    start = np.where(ok, store.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
-    ok &= start >= 0
-    start = np.where(ok, start, 0)
-    words = store.slab.view(np.int64)[(start // 8)[:, None] + np.arange(_HDR_WORDS)]
-    want = key_words(keys)
-    ok &= (words[:, _W_MAGIC] == SLOT_MAGIC) & (words[:, _W_CLASS] == inst.class_id)
-    ok &= (words[:, _W_K0:_W_RANK + 1] == want).all(axis=1)
-    if not ok.any():
-        return ok
-    have = store.slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None] + np.arange(C)]
-    ok &= (have == tokens[cur[:, None] + np.arange(C)]).all(axis=1)
-    return ok
+    the prompt's tokens at ``cur`` (``Store.verify_pinned``)."""
+    C = sh.chunk_size
+    return sh.store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
 
 
 __all__ = ["Shared", "open_fingerprints", "run_store", "run_retrieve", "tokens_of"]

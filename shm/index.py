@@ -47,13 +47,15 @@ import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 import numba
 import numpy as np
 
+from shm.header import Hdr
+
 FREE, RESERVED, COMMITTED = 0, 1, 2
 STATE, K0, K1, NS, RANK, PID, PINS, PREV, NEXT, TICK, CLASS = range(11)
 OBJ_COLS = 12
 NIL = -1
 
-# header words used by the kernels (the full header is drawn in shm.store)
-H_TICK, H_LRU_HEAD, H_LRU_TAIL = 9, 11, 12
+# header words used by the kernels (declared and drawn in shm.header)
+H_TICK, H_LRU_HEAD, H_LRU_TAIL = int(Hdr.TICK), int(Hdr.LRU_HEAD), int(Hdr.LRU_TAIL)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 

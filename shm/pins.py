@@ -22,10 +22,12 @@ import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 import numba
 import numpy as np
 
+from shm.header import Hdr
+
 P_SLOT, P_PID, P_COUNT = 0, 1, 2
 PIN_COLS = 3
 EMPTY, GONE = -1, -2
-H_PIN_LIVE, H_PIN_USED = 17, 18
+H_PIN_LIVE, H_PIN_USED = int(Hdr.PIN_LIVE), int(Hdr.PIN_USED)  # shm.header
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 

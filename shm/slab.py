@@ -67,6 +67,7 @@ from shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K
                        lru_unlink, touch)
 from shm.index import K1, NS
 from shm import pins as pintable
+from shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, Hdr, SlotHdr
 from shm.pins import P_COUNT, P_PID, P_SLOT
 
 # pages columns
@@ -76,12 +77,11 @@ PAGE_COLS = 2
 (C_USED, C_SLOT_BYTES, C_KV_BYTES, C_HEADER_BYTES, C_CHUNK, C_LAYERS, C_HIDDEN, C_DTYPE, C_WS,
  C_FREE_HEAD, C_EVICTIONS, C_NSLOTS, C_COMMITTED, C_PAGES, C_MODEL_HASH, C_GEN) = range(16)
 CLASS_COLS = 16
-# header words owned here (see shm.store for the whole header)
-H_PAGE_BYTES, H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = 3, 5, 10, 13, 14
-# slot header (int64 words at the start of every slot; token ids follow as uint32 at byte 128)
-SLOT_MAGIC = 0x736C6F74
-S_MAGIC, S_STATE, S_K0, S_PID, S_NUM_TOKENS = 0, 1, 2, 7, 8
-SLOT_HDR_BYTES = 128
+# header words the kernels use, and the slot header (both declared and drawn in shm.header)
+H_PAGE_BYTES, H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = (
+    int(Hdr.PAGE_BYTES), int(Hdr.SPP), int(Hdr.EVICTIONS), int(Hdr.COMMITTED), int(Hdr.RESERVED))
+(S_MAGIC, S_STATE, S_K0, S_K1, S_NS, S_RANK, S_CLASS, S_PID,
+ S_NUM_TOKENS) = (int(w) for w in SlotHdr)
 
 EXISTS, FULL = -1, -2
 # eviction log counters (see the module docstring)
@@ -270,8 +270,12 @@ def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid, slab, token
     off = slot_offset(h, classes, obj, s)
     hdr = slab[off:off + SLOT_HDR_BYTES].view(np.int64)
     hdr[:] = 0
-    for w in range(6):  # STATE, K0, K1, NS, RANK, CLASS
-        hdr[S_STATE + w] = obj[s, STATE + w] if w < 5 else c
+    hdr[S_STATE] = obj[s, STATE]
+    hdr[S_K0] = obj[s, K0]
+    hdr[S_K1] = obj[s, K1]
+    hdr[S_NS] = obj[s, NS]
+    hdr[S_RANK] = obj[s, RANK]
+    hdr[S_CLASS] = c
     hdr[S_PID] = pid
     hdr[S_NUM_TOKENS] = len(tokens)
     slab[off + SLOT_HDR_BYTES:off + SLOT_HDR_BYTES + 4 * len(tokens)].view(np.uint32)[:] = tokens

@@ -24,14 +24,11 @@ is never attached, recreated or removed: ``open``, ``unlink`` and ``destroy`` ra
     ...     obj                   int64[num_pages*spp, 12]  one row per slot id (shm.index)
     ...     hash table            int64[hash_slots]         slot id or -1, power of two
 
-    header word: 0 MAGIC  1 VERSION  2 DIRTY  3 PAGE_BYTES  4 NUM_PAGES  5 SPP  6 HASH_SLOTS
-                 7 MAX_CLASSES  8 MAX_PINS  9 TICK  10 EVICTIONS  11 LRU_HEAD  12 LRU_TAIL
-                 13 COMMITTED  14 RESERVED  15 MIN_SLOT_BYTES  16 SEQ (odd while a holder is inside)
-                 17 PIN_LIVE  18 PIN_USED
+    header words: drawn and declared in ``shm.header`` (``Hdr``)
 
-A slot: a header (int64 words SLOT_MAGIC, STATE, K0, K1, NS, RANK, CLASS, PID,
-NUM_TOKENS, then the chunk's token ids as uint32 from byte 128), followed by the chunk's KV bytes
-``[2, L, C, D]``; both rounded as ``ChunkClass.align`` says (4 KiB for chunks >= 64 KiB).
+A slot: a header (``shm.header.SlotHdr``, then the chunk's token ids as uint32), followed by the
+chunk's KV bytes ``[2, L, C, D]``; both rounded as ``ChunkClass.align`` says (4 KiB for chunks
+>= 64 KiB).
 
 Object states, and who may move them (full table in ``shm.index``)::
 
@@ -72,6 +69,7 @@ from shm import index, slab
 from shm import pins as pintable
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.hashing import as_tokens
+from shm.header import HEADER_WORDS, SLOT_HDR_BYTES, SLOT_MAGIC, STORE_MAGIC, Hdr, SlotHdr
 from shm.layout import ChunkClass, DType
 from shm.lock import FileLock, Guarded, pid_alive
 from shm.names import Names
@@ -79,14 +77,14 @@ from shm.private import shm_path, unlink_private
 from shm.segment import Progress, Segment
 from shm.segment import unlink as segment_unlink
 
-MAGIC = 0x6B76626C656E6421  # "kvblend!"
+MAGIC = STORE_MAGIC
 VERSION = 1
-H_MAGIC, H_VERSION, H_DIRTY, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS = range(7)
-H_MAX_CLASSES, H_MAX_PINS = 7, 8
-H_MIN_SLOT_BYTES, H_SEQ = 15, 16
-HEADER_WORDS = 64
+(H_MAGIC, H_VERSION, H_DIRTY, H_PAGE_BYTES, H_NUM_PAGES, H_SPP, H_HASH_SLOTS, H_MAX_CLASSES,
+ H_MAX_PINS, H_MIN_SLOT_BYTES, H_SEQ) = (
+    Hdr.MAGIC, Hdr.VERSION, Hdr.DIRTY, Hdr.PAGE_BYTES, Hdr.NUM_PAGES, Hdr.SPP, Hdr.HASH_SLOTS,
+    Hdr.MAX_CLASSES, Hdr.MAX_PINS, Hdr.MIN_SLOT_BYTES, Hdr.SEQ)
 NAME_BYTES = 128
-SLOT_HDR_WORDS = slab.SLOT_HDR_BYTES // 8
+SLOT_HDR_WORDS = SLOT_HDR_BYTES // 8
 
 DEFAULT_PAGE_BYTES = 256 << 20
 DEFAULT_MIN_SLOT_BYTES = 64 << 10
@@ -651,6 +649,28 @@ class Store:
         """(byte offset in the slab, bytes) of a slot's KV data, for DMA engines."""
         g, off = self._locate(slot)
         return off + g.header_bytes, g.kv_bytes
+
+    def verify_pinned(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+                      token_rows: np.ndarray) -> np.ndarray:
+        """Boolean per slot the caller pinned (-1: none): the slot is of layout class
+        ``class_id``, holds ``keys[i]`` and exactly the token ids ``token_rows[i]`` (uint32
+        ``[n, C]``). Reads the slot headers in one gather: a pinned slot's header does not change.
+        """
+        ok = np.asarray(slots) >= 0
+        if not ok.any():
+            return ok
+        hb = self.chunk_class(class_id).header_bytes
+        start = np.where(ok, self.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
+        ok &= start >= 0
+        start = np.where(ok, start, 0)
+        words = self.slab.view(np.int64)[(start // 8)[:, None] + np.arange(len(SlotHdr))]
+        ok &= (words[:, SlotHdr.MAGIC] == SLOT_MAGIC) & (words[:, SlotHdr.CLASS] == class_id)
+        ok &= (words[:, SlotHdr.K0:SlotHdr.RANK + 1] == key_words(keys)).all(axis=1)
+        if not ok.any():
+            return ok
+        C = token_rows.shape[1]
+        have = self.slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None] + np.arange(C)]
+        return ok & (have == token_rows).all(axis=1)
 
     def kv_offsets(self, slots: np.ndarray) -> np.ndarray:
         """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""

@@ -10,6 +10,7 @@ import pytest
 
 from shm import index, slab
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
+from shm.header import Hdr
 from shm.layout import ChunkClass
 from shm.store import _EV_ROWS, Store, StoreConfig, destroy
 
@@ -167,10 +168,10 @@ def test_dirty_flag_triggers_a_rebuild_that_keeps_committed_data(store: Store) -
     store.pin([key(4)])
     # simulate a holder that died mid-update: derived state scrambled, dirty word left set
     store._table[:] = index.NIL
-    store._h[index.H_LRU_HEAD] = index.NIL
-    store._h[slab.H_COMMITTED] = 12345
-    store._h[2] = 1                        # DIRTY
-    store._h[16] |= 1                      # SEQ odd: a holder is (was) inside
+    store._h[Hdr.LRU_HEAD] = index.NIL
+    store._h[Hdr.COMMITTED] = 12345
+    store._h[Hdr.DIRTY] = 1
+    store._h[Hdr.SEQ] |= 1  # odd: a holder is (was) inside
     assert store.contains([key(i) for i in range(10)]).all()
     stats = store.stats()
     assert (stats.num_objects, stats.num_pinned) == (10, 1)
