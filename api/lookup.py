@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import Role, Tokens
-from api.errors import InvalidInput, UnsupportedMediaType, problem_for
+from api.errors import ApiError, InvalidInput, UnsupportedMediaType, problem_for
 from api.metrics import count_lookup
 from api.services import Services
-from shm.hashing import Namespace
+from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, Namespace
 from shm.lookup import lookup
 from shm.telemetry import LookupEnd, LookupStart
 
@@ -45,10 +45,10 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
     """The wire twin of ``schemas.LookupRequest`` (a test keeps the two equal): msgspec decodes a
     32k-id body in half the time of pydantic, which is most of a JSON lookup's budget."""
 
-    model_name: Annotated[str, msgspec.Meta(min_length=1, max_length=120)]
+    model_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_BYTES)]
     token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
-    world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
+    cache_salt: Annotated[str, msgspec.Meta(max_length=CACHE_SALT_BYTES)] = ""
 
 
 _decode_body = msgspec.json.Decoder(LookupBody).decode
@@ -86,7 +86,16 @@ class Query:
 
 async def read_query(request: Request, model_name: str | None, world_size: int,
                      cache_salt: str) -> Query:
-    """Parse the body by its content type.
+    """The route's parse: ``parse_lookup`` of the request's content type and body."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    return parse_lookup(ctype, await request.body(), model_name, world_size, cache_salt)
+
+
+def parse_lookup(ctype: str, body: bytes, model_name: str | None, world_size: int,
+                 cache_salt: str) -> Query:
+    """A lookup body by its content type (lower case, no parameters): JSON, or little-endian
+    uint32 ids with the other fields from the query string (already bounded by the caller).
+    The route and the fast path both parse with this.
 
     Raises:
         msgspec.ValidationError: a JSON body that does not match ``LookupRequest``.
@@ -94,12 +103,10 @@ async def read_query(request: Request, model_name: str | None, world_size: int,
             a label over its byte limit.
         UnsupportedMediaType: neither JSON nor octet-stream.
     """
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    body = await request.body()
     if ctype == OCTET_STREAM:
         if len(body) % 4:
             raise InvalidInput(f"a binary body holds little-endian uint32 token ids: {len(body)} "
-                             "bytes is not a multiple of 4")
+                               "bytes is not a multiple of 4")
         if not model_name:
             raise InvalidInput("binary lookups need the model_name query parameter")
         return Query(namespace_of(model_name, world_size, cache_salt),
@@ -146,7 +153,7 @@ def request_id_of(request: Request) -> str:
 # -- the fast path ------------------------------------------------------------------------------
 
 _PATH = "/v1/lookup"
-_WORLD_SIZE = re.compile(r"[1-9][0-9]{0,3}")
+_WORLD_SIZE = re.compile(rf"[1-9][0-9]{{0,{len(str(MAX_WORLD_SIZE)) - 1}}}")
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -162,15 +169,15 @@ def _query_fields(raw: bytes) -> tuple[str | None, int, str] | None:
             return None
         seen.add(name)
         if name == "model_name":
-            if not 1 <= len(value) <= 120:
+            if not 1 <= len(value) <= MODEL_NAME_BYTES:
                 return None
             model_name = value
         elif name == "world_size":
-            if _WORLD_SIZE.fullmatch(value) is None or int(value) > 1024:
+            if _WORLD_SIZE.fullmatch(value) is None or int(value) > MAX_WORLD_SIZE:
                 return None
             world_size = int(value)
         elif name == "cache_salt":
-            if len(value) > 256:
+            if len(value) > CACHE_SALT_BYTES:
                 return None
             cache_salt = value
     return model_name, world_size, cache_salt
@@ -210,17 +217,8 @@ class LookupFastPath:
         if body is None:
             return  # the client went away
         try:
-            if binary:
-                model_name, world_size, cache_salt = fields
-                if len(body) % 4 or model_name is None:
-                    raise ValueError("not whole uint32 ids")
-                query = Query(namespace_of(model_name, world_size, cache_salt),
-                              np.frombuffer(body, dtype="<u4"))
-            else:
-                req = _decode_body(body)
-                query = Query(namespace_of(req.model_name, req.world_size, req.cache_salt),
-                              _ids_array(req.token_ids))
-        except (ValueError, msgspec.DecodeError):
+            query = parse_lookup(ctype, body, *fields)
+        except (ApiError, ValueError, msgspec.DecodeError):
             await self.app(scope, _replay(body, receive), send)  # the route names the error
             return
         rid = (request_id or uuid.uuid4().hex[:16])[:128]

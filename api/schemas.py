@@ -10,17 +10,19 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES, check_label
+from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
 from shm.names import KVBUF_PATTERN
 from shm.telemetry import EventKind
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
 ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_BYTES,
-                                 description="Printable UTF-8 without NUL, 1 to 120 bytes."),
+                                 description="Printable UTF-8 without NUL, 1 to "
+                                             f"{MODEL_NAME_BYTES} bytes."),
                       AfterValidator(lambda v: check_label("model_name", v, MODEL_NAME_BYTES))]
 CacheSalt = Annotated[str, Field(max_length=CACHE_SALT_BYTES,
                                  description="Tenant salt; different salts share nothing. "
-                                             "Printable UTF-8, at most 256 bytes."),
+                                             f"Printable UTF-8, at most {CACHE_SALT_BYTES} "
+                                             "bytes."),
                       AfterValidator(lambda v: check_label("cache_salt", v, CACHE_SALT_BYTES,
                                                            empty_ok=True))]
 HASH_EXAMPLE = "9f2c4e1ab0d3775e61c2a4f80e9b1d37"
@@ -112,7 +114,7 @@ class RegisterInstance(BaseModel):
         "shm_name": "kvblend_kvbuf_5f3c2d1e8a9b4c7d9e0f1a2b3c4d5e6f"}]})
 
     model_name: ModelName
-    world_size: int = Field(1, ge=1, le=1024)
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
     worker_id: int | None = Field(0, ge=0, le=1023,
                                   description="Tensor-parallel rank; null means 0.")
     num_layers: int = Field(gt=0, le=1 << 16)
@@ -150,10 +152,10 @@ class LookupRequest(BaseModel):
         "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1,
         "token_ids": [128000, 791, 6864, 315, 9822, 374, 12366], "cache_salt": ""}]})
 
-    model_name: str = Field(min_length=1, max_length=120)
-    world_size: int = Field(1, ge=1, le=1024)
+    model_name: str = Field(min_length=1, max_length=MODEL_NAME_BYTES)
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
     token_ids: list[TokenId] = Field(description="The prompt, each id in [0, 2^32).")
-    cache_salt: str = Field("", max_length=256,
+    cache_salt: str = Field("", max_length=CACHE_SALT_BYTES,
                             description="Tenant salt; different salts share nothing.")
 
 

@@ -27,6 +27,8 @@ from typing import Annotated
 
 import msgspec
 
+from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES
+
 HEADER = struct.Struct("<IQ")
 MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call
 MAX_MATCHES = 16384                 # matches in one retrieve
@@ -35,7 +37,7 @@ TOKEN_HEX = 32                      # an instance token: 128 random bits, lowerc
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
-Label = Annotated[str, msgspec.Meta(max_length=256)]
+Label = Annotated[str, msgspec.Meta(max_length=max(MODEL_NAME_BYTES, CACHE_SALT_BYTES))]
 RequestId = Annotated[str, msgspec.Meta(max_length=128)] | None
 InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DIGEST_BYTES = 16
-MODEL_NAME_BYTES = 120   # the store's class-name column holds 128 bytes
+# The namespace's bounds, the one definition every boundary checks against (HTTP schemas, the
+# lookup fast path, socket messages, the store's class-name column of 128 bytes).
+MODEL_NAME_BYTES = 120
 CACHE_SALT_BYTES = 256
+MAX_WORLD_SIZE = 1024
 
 
 def check_label(what: str, value: object, max_bytes: int, *, empty_ok: bool = False) -> str:
@@ -65,8 +68,8 @@ class Namespace:
     def __post_init__(self) -> None:
         check_label("model_name", self.model_name, MODEL_NAME_BYTES)
         check_label("cache_salt", self.cache_salt, CACHE_SALT_BYTES, empty_ok=True)
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {self.world_size}")
         text = f"kvblend-ns\0{self.model_name}\0{self.world_size}\0{self.cache_salt}"
         digest = hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
         object.__setattr__(self, "root", digest)

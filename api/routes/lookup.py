@@ -1,8 +1,8 @@
 """``POST /v1/lookup``: which stored chunks appear where in a prompt (JSON or binary body).
 
 Well-formed lookups are answered before they reach this route, by ``api.lookup.LookupFastPath``;
-the route documents the operation and answers the rest (every error included), so a change to the
-parameters or the checks here belongs in the fast path too.
+the route documents the operation and answers the rest (every error included). Both parse with
+``api.lookup.parse_lookup`` against the bounds of ``shm.hashing``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from api.auth import require_token
 from api.deps import ServicesDep
 from api.errors import responses
 from api.schemas import LookupResponse
+from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
 
 router = APIRouter(prefix="/v1", tags=["lookup"], dependencies=[Depends(require_token)])
 
@@ -38,9 +39,11 @@ BODY = {"requestBody": {"required": True, "content": {
 async def post_lookup(
         request: Request, services: ServicesDep,
         model_name: Annotated[str | None, Query(
-            min_length=1, max_length=120, description="Binary bodies only.")] = None,
-        world_size: Annotated[int, Query(ge=1, le=1024, description="Binary bodies only.")] = 1,
-        cache_salt: Annotated[str, Query(max_length=256, description="Binary bodies only.")] = "",
+            min_length=1, max_length=MODEL_NAME_BYTES, description="Binary bodies only.")] = None,
+        world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE,
+                                         description="Binary bodies only.")] = 1,
+        cache_salt: Annotated[str, Query(max_length=CACHE_SALT_BYTES,
+                                         description="Binary bodies only.")] = "",
 ) -> Response:
     started = time.perf_counter()
     query = await lookups.read_query(request, model_name, world_size, cache_salt)
