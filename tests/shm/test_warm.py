@@ -9,7 +9,8 @@ import sys
 
 # Warm under one prefix, then run the service's hot operations on a store and index of other
 # sizes (types must not depend on them), including eviction and the data plane's evicted-key
-# removal, and report every kernel that gained a compiled or loaded signature meanwhile.
+# removal and the repairs a crash makes run, and report every kernel that gained a compiled or
+# loaded signature meanwhile.
 CHECK = """
 import importlib, sys
 import numpy as np
@@ -50,6 +51,14 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
     keys = [ChunkKey(ns.id, m.chunk_hash, 0) for m in found.matches]
     store.unpin_slots(store.pin_slots(keys))
 fps.sweep(store.holds_hashes)
+store.reclaim()
+from shm import slab
+with store._guard():  # what a restart after a crash runs
+    store._rebuild()
+    slab.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,
+                 np.array([2**22 + 7], np.int64))
+with fps._guard(None):
+    fps.repair()
 store.clear()
 store.take_evicted()
 fps.clear()
