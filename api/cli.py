@@ -35,6 +35,11 @@ FLAGS: list[tuple[str, type, str]] = [
     ("workers", int, "API worker processes (default 1)"),
     ("fingerprint_capacity", int, "fingerprint index entries (default 1048576)"),
     ("dataplane_socket", str, "data-plane socket path (default under /dev/shm)"),
+    ("dataplane_timeout_s", float, "seconds to wait for a registration (default 10)"),
+    ("ping_timeout_s", float, "seconds a data-plane ping may take before readiness fails "
+                              "(default 0.75)"),
+    ("stop_grace_s", float, "seconds the data plane may take to finish its calls at a stop "
+                            "(default 60)"),
     ("log_level", str, "critical|error|warning|info|debug (default info)"),
 ]
 CLIENT_FLAGS = ("host", "port", "api_token")

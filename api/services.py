@@ -45,7 +45,8 @@ class Services:
             store.close()
             raise
         events = EventLog.open(prefix)
-        link = DataPlaneLink(settings.dataplane_address())
+        link = DataPlaneLink(settings.dataplane_address(), settings.dataplane_timeout_s,
+                             settings.ping_timeout_s)
         return cls(settings, resolve_backend(settings.backend), store, fingerprints, events, link)
 
     def close(self) -> None:

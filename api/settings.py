@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         workers: API worker processes.
         fingerprint_capacity: entries of the fingerprint index (94-124 bytes each).
         dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
+        dataplane_timeout_s: seconds the API waits for a registration or unregistration.
+        ping_timeout_s: seconds a data-plane ping may take; readiness turns 503 once the last
+            answer is older than this (plus the monitor's interval).
+        stop_grace_s: seconds a stopping data plane may take to finish its queued calls (the API
+            gets a quarter, at least 5 s) before it is killed.
         wipe: drop the existing cache at start-up.
         log_level: uvicorn and supervisor log level.
     """
@@ -76,6 +81,9 @@ class Settings(BaseSettings):
     workers: int = Field(1, ge=1, le=64)
     fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30)
     dataplane_socket: str = ""
+    dataplane_timeout_s: float = Field(10.0, gt=0, le=3600)
+    ping_timeout_s: float = Field(0.75, gt=0, le=60)
+    stop_grace_s: float = Field(60.0, ge=5, le=3600)
     wipe: bool = False
     log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$")
 

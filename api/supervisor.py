@@ -56,8 +56,6 @@ from shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.serve")
 
-API_GRACE = 15.0
-DATAPLANE_GRACE = 60.0
 STARTING_POLL = 0.05     # seconds between readiness probes while a child starts
 
 
@@ -185,11 +183,11 @@ class Supervisor:
         self._events: EventLog | None = None
         env = {**os.environ, **settings.model_copy(update={"backend": self.backend}).to_env()}
         env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
-        self.dataplane = Child("dataplane", self._dataplane_argv(), env, DATAPLANE_GRACE,
+        self.dataplane = Child("dataplane", self._dataplane_argv(), env, settings.stop_grace_s,
                                Counter.DATAPLANE_RESTARTS, ready_line=b"dataplane ready",
                                wake=self._wake)
         where = (probe_host(settings.host), settings.port)
-        self.api = Child("api", self._api_argv(), env, API_GRACE, Counter.API_RESTARTS,
+        self.api = Child("api", self._api_argv(), env, self._api_grace(), Counter.API_RESTARTS,
                          probe=lambda: healthz(*where), wake=self._wake)
 
     def _dataplane_argv(self) -> list[str]:
@@ -209,7 +207,11 @@ class Supervisor:
         return [sys.executable, "-m", "uvicorn", "api.app:app_from_env", "--factory",
                 "--host", s.host, "--port", str(s.port), "--workers", str(s.workers),
                 "--log-level", s.log_level, "--no-access-log", "--lifespan", "on",
-                "--timeout-graceful-shutdown", str(int(API_GRACE) - 2)]
+                "--timeout-graceful-shutdown", str(int(self._api_grace()) - 2)]
+
+    def _api_grace(self) -> float:
+        """Seconds a stopping API may take: a quarter of the data plane's, at least 5."""
+        return max(5.0, self.settings.stop_grace_s / 4)
 
     # -- running ----------------------------------------------------------------------------
 

@@ -29,3 +29,14 @@ def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "--api-token" in out.stderr
+
+
+def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
+    from pathlib import Path
+
+    from api.cli import build_parser
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {a.dest for a in serve._actions if a.option_strings}
+    assert set(Settings.model_fields) <= flags
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}`" not in readme] == []
