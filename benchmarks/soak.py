@@ -11,7 +11,8 @@ Every ``--every`` seconds it samples the resident memory (VmRSS, and RssAnon: th
 heap, without the shared memory it maps) of the supervisor, the API and the data plane, and the
 bytes that the prefix's names take in /dev/shm, and prints one line. At the end: what the run did,
 and per process the first, last and largest sample and the growth, over the whole run and over the
-longest-lived process of each role (a restart starts a new one).
+processes of each role (a restart starts a new one); the samples go to ``samples.csv`` in
+``--workdir``.
 
 Exits 1 when a checkpoint or a store failed, the service logged an error, or it did not stop
 cleanly; the message names what.
@@ -31,6 +32,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shm.names import Names
+from shm.private import SHM_DIR
 from tests.churn import Churn, Schedule, Sizes, SoakFailure
 from tests.conftest import remove_prefix
 
@@ -56,7 +59,8 @@ class Memory:
     prefix: str
     t0: float = field(default_factory=time.monotonic)
     procs: dict[str, list[Sample]] = field(default_factory=lambda: defaultdict(list))
-    shm: list[tuple[float, int, int]] = field(default_factory=list)  # (t, bytes, names)
+    # (t, service bytes, service names, engine buffer bytes, engine buffers)
+    shm: list[tuple[float, int, int, int, int]] = field(default_factory=list)
 
     def sample(self, supervisor: int) -> None:
         t = time.monotonic() - self.t0
@@ -70,8 +74,9 @@ class Memory:
         mem = " ".join(f"{role}={self.procs[role][-1].rss / MIB:.1f}/"
                        f"{self.procs[role][-1].anon / MIB:.1f}"
                        for role in ROLES if self.procs[role])
-        _, used, names = self.shm[-1]
-        return f"rss/anon MiB {mem} | /dev/shm {used / MIB:.2f} MiB in {names} names"
+        _, own, names, bufs, nbufs = self.shm[-1]
+        return (f"rss/anon MiB {mem} | /dev/shm {own / MIB:.2f} MiB in {names} names + "
+                f"{bufs / MIB:.2f} MiB in {nbufs} engine buffers")
 
 
 def roles(supervisor: int) -> dict[str, int]:
@@ -109,49 +114,85 @@ def status_kib(pid: int) -> tuple[int, int] | None:
     return fields_.get("VmRSS", 0), fields_.get("RssAnon", 0)
 
 
-def shm_usage(prefix: str) -> tuple[int, int]:
-    """(bytes allocated, names) of every name under ``prefix`` in /dev/shm."""
-    used = names = 0
-    for path in glob.glob(f"/dev/shm/{glob.escape(prefix)}*"):
+def shm_usage(prefix: str) -> tuple[int, int, int, int]:
+    """Bytes allocated and names under ``prefix`` in /dev/shm: (the service's own, their names,
+    the engine's KV buffers, their names)."""
+    names = Names(prefix)
+    used = [0, 0, 0, 0]
+    for path in glob.glob(f"{SHM_DIR}/{glob.escape(prefix)}*"):
         try:
-            used += os.stat(path, follow_symlinks=False).st_blocks * 512
-            names += 1
+            size = os.stat(path, follow_symlinks=False).st_blocks * 512
         except FileNotFoundError:
-            pass
-    return used, names
+            continue
+        i = 2 if names.is_kvbuf(os.path.basename(path)) else 0
+        used[i] += size
+        used[i + 1] += 1
+    return used[0], used[1], used[2], used[3]
+
+
+def lives(samples: list[Sample]) -> list[list[Sample]]:
+    """The samples of each process, in the order the processes started."""
+    by_pid: dict[int, list[Sample]] = defaultdict(list)
+    for x in samples:
+        by_pid[x.pid].append(x)
+    return sorted(by_pid.values(), key=lambda xs: xs[0].t)
+
+
+def life_line(xs: list[Sample]) -> str:
+    a, b = xs[0], xs[-1]
+    return (f"pid {a.pid}: {a.t / 60:5.1f} to {b.t / 60:5.1f} min, rss {a.rss / MIB:6.1f} -> "
+            f"{b.rss / MIB:6.1f} ({(b.rss - a.rss) / MIB:+.1f}), anon {a.anon / MIB:6.1f} -> "
+            f"{b.anon / MIB:6.1f} ({(b.anon - a.anon) / MIB:+.1f}) MiB")
 
 
 def memory_table(mem: Memory) -> list[str]:
-    """Per role: the whole run, then its longest-lived process."""
-    out = [f"{'process':<11}{'pids':>5}{'first':>9}{'last':>9}{'max':>9}{'growth':>9}   "
-           f"longest-lived pid: minutes, rss first -> last, anon first -> last (MiB)"]
+    """Per role: the whole run (the first sample of the first process to the last of the last),
+    then each process (the data planes summed up: a kill starts a new one every few minutes)."""
+    out = [f"{'process':<11}{'pids':>5}{'first':>9}{'last':>9}{'max':>9}{'growth':>9}  (rss MiB)"]
     for role in ROLES:
         s = mem.procs[role]
-        if not s:
-            continue
-        by_pid: dict[int, list[Sample]] = defaultdict(list)
-        for x in s:
-            by_pid[x.pid].append(x)
-        longest = max(by_pid.values(), key=lambda xs: xs[-1].t - xs[0].t)
-        a, b = longest[0], longest[-1]
-        out.append(f"{role:<11}{len(by_pid):>5}{s[0].rss / MIB:>9.1f}{s[-1].rss / MIB:>9.1f}"
-                   f"{max(x.rss for x in s) / MIB:>9.1f}{(s[-1].rss - s[0].rss) / MIB:>+9.1f}   "
-                   f"{(b.t - a.t) / 60:.1f} min, {a.rss / MIB:.1f} -> {b.rss / MIB:.1f} "
-                   f"({(b.rss - a.rss) / MIB:+.1f}), {a.anon / MIB:.1f} -> {b.anon / MIB:.1f} "
-                   f"({(b.anon - a.anon) / MIB:+.1f})")
+        if s:
+            out.append(f"{role:<11}{len(lives(s)):>5}{s[0].rss / MIB:>9.1f}{s[-1].rss / MIB:>9.1f}"
+                       f"{max(x.rss for x in s) / MIB:>9.1f}{(s[-1].rss - s[0].rss) / MIB:>+9.1f}")
+    for role in ("supervisor", "api"):
+        out += [f"  {role} {life_line(xs)}" for xs in lives(mem.procs[role])]
+    dps = [xs for xs in lives(mem.procs["dataplane"]) if len(xs) > 1]
+    if dps:
+        grow = sorted((xs[-1].anon - xs[0].anon) / MIB for xs in dps)
+        start = sorted(xs[0].anon / MIB for xs in dps)
+        longest = max(dps, key=lambda xs: xs[-1].t - xs[0].t)
+        out.append(f"  dataplane: {len(dps)} processes sampled twice or more; anon at the first "
+                   f"sample {start[0]:.1f} / {start[len(start) // 2]:.1f} / {start[-1]:.1f} MiB "
+                   f"(min / median / max), growth within a process {grow[0]:+.1f} / "
+                   f"{grow[len(grow) // 2]:+.1f} / {grow[-1]:+.1f} MiB")
+        out.append(f"  dataplane longest-lived {life_line(longest)}")
     return out
 
 
 def shm_table(mem: Memory, points: int = 7) -> list[str]:
-    """/dev/shm use at a few moments of the run, and its range."""
+    """/dev/shm use at a few moments of the run, and its range: the service's own names, and the
+    engine's KV buffers (one per model it holds an instance of; their size follows the layout)."""
     pick = sorted({round(i * (len(mem.shm) - 1) / (points - 1)) for i in range(points)})
-    out = [f"/dev/shm ({mem.prefix}*): " + ", ".join(
-        f"{mem.shm[i][0] / 60:.1f} min {mem.shm[i][1] / MIB:.2f} MiB / {mem.shm[i][2]} names"
-        for i in pick)]
-    used = [u for _, u, _ in mem.shm]
-    out.append(f"  first {used[0] / MIB:.2f} MiB, last {used[-1] / MIB:.2f} MiB, "
-               f"max {max(used) / MIB:.2f} MiB, growth {(used[-1] - used[0]) / MIB:+.2f} MiB")
+    out = [f"/dev/shm ({mem.prefix}*), service names + engine buffers:"]
+    out += [f"  {t / 60:5.1f} min  {own / MIB:.2f} MiB in {n} names + {bufs / MIB:.2f} MiB in "
+            f"{nb} buffers" for t, own, n, bufs, nb in (mem.shm[i] for i in pick)]
+    for what, col in (("service", 1), ("engine buffers", 3)):
+        used = [x[col] for x in mem.shm]
+        names = sorted({x[col + 1] for x in mem.shm})
+        out.append(f"  {what}: first {used[0] / MIB:.2f}, last {used[-1] / MIB:.2f}, max "
+                   f"{max(used) / MIB:.2f} MiB, growth {(used[-1] - used[0]) / MIB:+.2f} MiB; "
+                   f"names {', '.join(map(str, names))}")
     return out
+
+
+def write_samples(mem: Memory, path: Path) -> None:
+    """Every sample as CSV (seconds, role, pid, rss and anon bytes; role ``shm``: the four
+    /dev/shm figures)."""
+    with path.open("w") as f:
+        f.write("t,role,pid,rss,anon\n")
+        for role, samples in mem.procs.items():
+            f.writelines(f"{x.t:.1f},{role},{x.pid},{x.rss},{x.anon}\n" for x in samples)
+        f.writelines(f"{t:.1f},shm,{own},{n},{bufs},{nb}\n" for t, own, n, bufs, nb in mem.shm)
 
 
 def run(args: argparse.Namespace, prefix: str) -> int:
@@ -188,6 +229,7 @@ def run(args: argparse.Namespace, prefix: str) -> int:
           f"checkpoints passed ({c.checked_chunks} held chunks checked, at most {c.most_held})")
     if mem.shm:
         print("\n".join(["", *memory_table(mem), "", *shm_table(mem)]))
+        write_samples(mem, args.workdir / "samples.csv")
     if failure:
         print(f"\nFAILED: {failure}")
     if errors:
