@@ -190,6 +190,7 @@ class BlendClient:
         self._lock = threading.Lock()
         self._buffers: dict[int, Segment] = {}  # data_ptr -> segment we created
         self._instances: dict[int, _Registered] = {}
+        self._leaving: set[int] = set()  # being unregistered: no lease renewal, no warning
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -269,13 +270,24 @@ class BlendClient:
                 try:
                     self._channel.call(RenewLease(instance_id=iid, token=token), self._timeout)
                 except DataPlaneError as exc:  # retried next round; a restart re-opens it
-                    log.warning("could not renew the lease of instance %d: %s", iid, exc)
+                    with self._lock:
+                        gone = iid in self._leaving or iid not in self._instances
+                    if not gone:  # an instance unregistered meanwhile needs no lease
+                        log.warning("could not renew the lease of instance %d: %s", iid, exc)
 
     def unregister(self, instance_id: int) -> None:
         """Unregister after every call sent for the instance completed; unlinks the CPU buffer
         segment if this client created it."""
-        self._control.unregister(instance_id, self._token(instance_id))
         with self._lock:
+            self._leaving.add(instance_id)
+        try:
+            self._control.unregister(instance_id, self._token(instance_id))
+        except BaseException:
+            with self._lock:
+                self._leaving.discard(instance_id)
+            raise
+        with self._lock:
+            self._leaving.discard(instance_id)
             reg = self._instances.pop(instance_id, None)
             seg = self._buffers.pop(reg.kv.data_ptr(), None) if reg is not None else None
         if seg is not None:
