@@ -24,6 +24,7 @@ It does not own threads or sockets (``dataplane.server``) or how bytes move (``d
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     forget_evicted(sh)
     reg = _register_fingerprints(sh, inst, hashes, prepared)
     if reg.not_indexed:
-        _warn_not_indexed(sh)
+        _warn_not_indexed()
     nbytes = copied * chunk_bytes
     reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
                          nbytes=nbytes, duration_s=time.monotonic() - t0,
@@ -219,17 +220,11 @@ def forget_evicted(sh: Shared) -> int:
     return removed
 
 
-_not_indexed_warned = False
-
-
-def _warn_not_indexed(sh: Shared) -> None:
-    """Log once per process that the index is full of live entries (the count is in metrics)."""
-    global _not_indexed_warned
-    if not _not_indexed_warned:
-        _not_indexed_warned = True
-        log.warning("the fingerprint index is full of live chunks: new chunks are stored but not "
-                    "found by lookups (counted in kvblend_fingerprint_not_indexed_chunks_total); "
-                    "raise --fingerprint-capacity")
+@functools.cache  # once per process; the count is in the metrics
+def _warn_not_indexed() -> None:
+    log.warning("the fingerprint index is full of live chunks: new chunks are stored but not "
+                "found by lookups (counted in kvblend_fingerprint_not_indexed_chunks_total); "
+                "raise --fingerprint-capacity")
 
 
 def _register_fingerprints(sh: Shared, inst: "Instance", hashes: list[bytes],
@@ -277,7 +272,8 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
         for lo, hi in _batches(n, inst.layout.chunk_bytes(C), sh.tuning.first_bytes, PIN_BATCH):
             slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
             held.append((lo, hi, None))
-            usable[lo:hi] = _usable(sh, inst, ns, slots[lo:hi], keys[lo:hi], tokens, cur[lo:hi])
+            usable[lo:hi] = store.verify_pinned(inst.class_id, slots[lo:hi], keys[lo:hi],
+                                                tokens[cur[lo:hi, None] + np.arange(C)])
             idx = lo + np.flatnonzero(usable[lo:hi])
             if len(idx):
                 buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
@@ -326,14 +322,6 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
     lo, hi, marker = batch
     buf.wait(buf.mark() if marker is None else marker)
     store.unpin_slots(slots[lo:hi])
-
-
-def _usable(sh: Shared, inst: "Instance", ns: Namespace, slots: np.ndarray,
-            keys: list[ChunkKey], tokens: np.ndarray, cur: np.ndarray) -> np.ndarray:
-    """Per pinned slot: of this instance's layout class, holding this key, and holding exactly
-    the prompt's tokens at ``cur`` (``Store.verify_pinned``)."""
-    C = sh.chunk_size
-    return sh.store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
 
 
 __all__ = ["Shared", "open_fingerprints", "run_store", "run_retrieve", "tokens_of"]
