@@ -26,6 +26,9 @@ from collections.abc import Callable
 
 import posix_ipc
 
+import numpy as np
+
+from shm.errors import LayoutMismatch
 from shm.private import check_name, check_private, raise_if_foreign, shm_path, unlink_private
 
 _PIECE = 256 << 20
@@ -129,6 +132,44 @@ def _reserve(fd: int, size: int, progress: Progress | None) -> None:
         done += n
         if progress is not None:
             progress(done, size)
+
+
+def attach_checked(name: str, magic: int, version: int, what: str) -> Segment:
+    """Attach to a structure's segment whose int64 word 0 is ``magic`` and word 1 ``version``.
+
+    This is the one attach rule of the shm structures (store, fingerprint index, event log): each
+    creator writes its header's geometry first and the magic word last, so a segment without its
+    magic is one whose creator died before finishing, and nothing was ever committed in it.
+
+    Args:
+        name: the segment name.
+        magic: the structure's magic word.
+        version: the format version this code reads.
+        what: the structure's name in error messages ("store", "fingerprint index", ...).
+
+    Returns:
+        The attached segment; its geometry is read from its header by the caller.
+
+    Raises:
+        FileNotFoundError: there is no such segment, or it is unfinished (magic 0).
+        LayoutMismatch: it holds another structure or another format version.
+        ForeignObject: the name is not ours; nothing was mapped.
+    """
+    seg = Segment(name)
+    try:
+        head = np.frombuffer(seg.buf, np.int64, 2).copy() if seg.size >= 16 else np.zeros(2, np.int64)
+        if head[0] == 0:
+            raise FileNotFoundError(f"{what} {name!r} was never finished (its creator died)")
+        if int(head[0]) != magic:
+            raise LayoutMismatch(f"{name!r} is not a kvblend {what}")
+        if int(head[1]) != version:
+            raise LayoutMismatch(f"{what} {name!r} has format version {int(head[1])}, this kvblend "
+                                 f"reads version {version}: wipe it to "
+                                 "start empty")
+    except BaseException:
+        seg.close()
+        raise
+    return seg
 
 
 def exists(name: str) -> bool:
