@@ -32,8 +32,8 @@ State table::
     (the chunk stored again), move the object to its most recent end; eviction takes the least
     recent unpinned object first.
 
-Hash table: open addressing, linear probing, ``table[i]`` = slot id or -1; deletion by backward shift
-(no tombstones, so probe chains never rot). Only RESERVED and COMMITTED objects are in it; readers
+Hash table: ``table[i]`` = slot id or -1, probed and shifted by ``shm.table`` (open addressing,
+backward-shift deletion: no tombstones, so probe chains never rot). Only RESERVED and COMMITTED objects are in it; readers
 must still check STATE == COMMITTED (a reservation is never visible to them).
 
 NOTE: the obj rows are the source of truth. The hash table, recency list, free lists and counters
@@ -47,6 +47,7 @@ import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 import numba
 import numpy as np
 
+from shm import table
 from shm.header import Hdr
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
@@ -58,64 +59,42 @@ NIL = -1
 H_TICK, H_LRU_HEAD, H_LRU_TAIL = int(Hdr.TICK), int(Hdr.LRU_HEAD), int(Hdr.LRU_TAIL)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_NIL = np.int64(NIL)
 
 
 @numba.njit(cache=True, inline="always")
-def _home(table: np.ndarray, k0: int, rank: int) -> int:
-    h = np.uint64(k0) ^ (np.uint64(rank) * _MIX)
-    return np.int64(h & np.uint64(len(table) - 1))
+def _hash(k0: int, rank: int) -> np.uint64:
+    return np.uint64(k0) ^ (np.uint64(rank) * _MIX)
 
 
-@numba.njit(cache=True, inline="always")
-def _same(obj: np.ndarray, s: int, k0: int, k1: int, ns: int, rank: int) -> bool:
+@numba.njit(cache=True)
+def _home(obj: np.ndarray, s: int) -> np.uint64:
+    return _hash(obj[s, K0], obj[s, RANK])
+
+
+@numba.njit(cache=True)
+def _same(obj: np.ndarray, s: int, q: tuple) -> bool:
+    k0, k1, ns, rank = q
     return obj[s, K0] == k0 and obj[s, K1] == k1 and obj[s, NS] == ns and obj[s, RANK] == rank
 
 
 @numba.njit(cache=True)
-def find(table: np.ndarray, obj: np.ndarray, k0: int, k1: int, ns: int, rank: int) -> int:
+def find(tab: np.ndarray, obj: np.ndarray, k0: int, k1: int, ns: int, rank: int) -> int:
     """Slot id holding this key (any non-free state), or -1."""
-    mask = len(table) - 1
-    i = _home(table, k0, rank)
-    while True:
-        s = table[i]
-        if s == NIL:
-            return NIL
-        if _same(obj, s, k0, k1, ns, rank):
-            return s
-        i = (i + 1) & mask
+    i = table.find(tab, _NIL, _hash(k0, rank), _same, obj, (k0, k1, ns, rank))
+    return NIL if i < 0 else tab[i]
 
 
 @numba.njit(cache=True)
-def insert(table: np.ndarray, obj: np.ndarray, s: int) -> None:
+def insert(tab: np.ndarray, obj: np.ndarray, s: int) -> None:
     """Add slot ``s`` (its key is already in obj[s]); the caller checked the key is absent."""
-    mask = len(table) - 1
-    i = _home(table, obj[s, K0], obj[s, RANK])
-    while table[i] != NIL:
-        i = (i + 1) & mask
-    table[i] = s
+    table.insert(tab, _NIL, _home(obj, s), np.int64(s))
 
 
 @numba.njit(cache=True)
-def delete(table: np.ndarray, obj: np.ndarray, s: int) -> None:
-    """Remove slot ``s`` from the table, shifting later chain members back."""
-    mask = len(table) - 1
-    i = _home(table, obj[s, K0], obj[s, RANK])
-    while table[i] != s:
-        if table[i] == NIL:
-            return
-        i = (i + 1) & mask
-    j = i
-    while True:
-        j = (j + 1) & mask
-        t = table[j]
-        if t == NIL:
-            break
-        home = _home(table, obj[t, K0], obj[t, RANK])
-        # move t back to the hole at i unless its home lies cyclically in (i, j]
-        if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
-            table[i] = t
-            i = j
-    table[i] = NIL
+def delete(tab: np.ndarray, obj: np.ndarray, s: int) -> None:
+    """Remove slot ``s`` from the table (nothing when it is not there)."""
+    table.remove(tab, _NIL, _home(obj, s), np.int64(s), _home, obj)
 
 
 @numba.njit(cache=True)

@@ -20,7 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from shm import cover, fpformat, probe
 from shm import fingerprint as F
+from shm.fpformat import Entry, FpHdr
 from shm.errors import LayoutMismatch
 from shm.fingerprint import FingerprintIndex, RegisterResult
 from shm.matches import Match
@@ -70,7 +72,7 @@ def spans(matches: list[Match]) -> list[tuple[int, int, int, int]]:
 def ref_hash(window: list[int]) -> int:
     h = 0
     for x in window:
-        h = (h * F.BASE + int(x)) & M64
+        h = (h * probe.BASE + int(x)) & M64
     return h
 
 
@@ -110,7 +112,7 @@ def test_chunk_fingerprints_match_reference(seed: int) -> None:
     k = int(rng.integers(1, 40))
     t = toks(int(rng.integers(0, 120)), seed)
     want = [ref_hash(t[c * k:(c + 1) * k].tolist()) for c in range(len(t) // k)]
-    assert F.chunk_fingerprints(t, k).tolist() == want
+    assert probe.chunk_fingerprints(t, k).tolist() == want
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,7 +120,7 @@ def test_chunk_fingerprints_match_reference(seed: int) -> None:
 def test_chunk_fingerprints_hypothesis(values: list[int], k: int) -> None:
     t = np.array(values, np.uint32)
     want = [ref_hash(values[c * k:(c + 1) * k]) for c in range(len(values) // k)]
-    assert F.chunk_fingerprints(t, k).tolist() == want
+    assert probe.chunk_fingerprints(t, k).tolist() == want
 
 
 @contextmanager
@@ -150,7 +152,7 @@ def probe_against_reference(t: np.ndarray, k: int, stored: np.ndarray, other: se
         idx.register_prepared(F.Registration(keys, words, words + np.uint64(1 << 40),
                                              np.zeros(n, np.int64), np.arange(n)))
         pos, rows = idx._candidates(t, np.uint64(NS.id))
-    got = sorted((int(p), int(r[F.E_KEY])) for p, r in zip(pos, rows))
+    got = sorted((int(p), int(r[Entry.KEY])) for p, r in zip(pos, rows))
     assert got == sorted((p, key) for p, key in enumerate(ref) if key in keyset)
 
 
@@ -181,7 +183,7 @@ def test_best_cover_is_optimal(cands: list[tuple[int, int, int]], k: int) -> Non
     cur = [c[0] for c in cands]
     seq = [c[1] for c in cands]
     old = [c[2] * k for c in cands]
-    chosen = F.best_cover(np.array(cur, np.int64), np.array(seq, np.int64),
+    chosen = cover.best_cover(np.array(cur, np.int64), np.array(seq, np.int64),
                           np.array(old, np.int64), k).tolist()
     assert chosen == sorted(chosen)
     assert all(cur[b] >= cur[a] + k for a, b in zip(chosen, chosen[1:]))
@@ -200,8 +202,8 @@ def test_every_occurrence_matches_reference(make: Make, seed: int) -> None:
         reg(idx, s)
     query = toks(60, seed + 100, vocab)
     pos, rows = idx._candidates(query, np.uint64(NS.id))
-    pos, rows = F._verified(NS.root, query, 3, pos, rows)
-    got = {(int(p), int(r[F.E_STATE] >> np.uint64(32))) for p, r in zip(pos, rows)}
+    pos, rows = probe.verified(NS.root, query, 3, pos, rows)
+    got = {(int(p), int(r[Entry.STATE] >> np.uint64(32))) for p, r in zip(pos, rows)}
     # with content dedup the entry keeps the position of the latest registration of that content
     want = ref_candidates(stored, query, 3)
     assert {p for p, _ in got} == {p for p, _ in want}
@@ -395,7 +397,7 @@ def test_thue_morse_pair_collides_but_never_matches(make: Make) -> None:
     y = (1000 + 7 * (1 - t)).astype(np.uint32)
     assert not np.array_equal(x, y)
     assert ref_hash(x.tolist()) == ref_hash(y.tolist())  # a real 64-bit collision
-    assert F.chunk_fingerprints(x, k)[0] == F.chunk_fingerprints(y, k)[0]
+    assert probe.chunk_fingerprints(x, k)[0] == probe.chunk_fingerprints(y, k)[0]
     idx = make(chunk_size=k, capacity=16)
     (hx,) = reg(idx, x)
     pos, _ = idx._candidates(y, np.uint64(NS.id))
@@ -417,10 +419,10 @@ def low44_pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
     """
     mod = 1 << 44
     d2s = np.arange(1, 1 << 22, dtype=np.uint64)
-    r = (d2s * np.uint64(F.BASE)) & np.uint64(mod - 1)
+    r = (d2s * np.uint64(probe.BASE)) & np.uint64(mod - 1)
     ok = np.nonzero((r < (1 << 30)) | (r > mod - (1 << 30)))[0]
     d2 = int(d2s[ok[seed]])
-    rem = (d2 * F.BASE) % mod
+    rem = (d2 * probe.BASE) % mod
     d1 = -rem if rem < (1 << 30) else mod - rem
     x = toks(256, seed, 1 << 31).astype(np.int64) + (1 << 30)
     y = x.copy()
@@ -462,14 +464,14 @@ def test_capacity_is_live_entries_and_ids_are_reused(make: Make) -> None:
         new = toks(4, 100 + i)
         hashes[i % 4] = reg(idx, new)[0]
         assert len(idx) == 4 and idx.match(NS, new)[0].chunk_hash == hashes[i % 4]
-    assert int(idx._hdr[F.H_HIGH]) == 4
+    assert int(idx._hdr[FpHdr.HIGH]) == 4
 
 
 def test_capacity_16m_fits_in_about_94_bytes_per_entry() -> None:
     n = 16 << 20
-    assert F.segment_bytes(n) <= 94 * n + F.HEADER_BYTES + 64
+    assert fpformat.segment_bytes(n) <= 94 * n + fpformat.HEADER_BYTES + 64
     with pytest.raises(ValueError):
-        F.segment_bytes(0)
+        fpformat.segment_bytes(0)
 
 
 def test_stale_entries_are_dropped_and_live_ones_kept(make: Make) -> None:
@@ -507,7 +509,7 @@ def test_filter_rebuild_after_many_removals(make: Make) -> None:
         hashes = reg(idx, doc)
         assert len(idx.match(NS, doc)) == 2
         idx.remove(hashes)
-    assert len(idx) == 0 and int(idx._hdr[F.H_STALE]) <= 16 // 4 + 64
+    assert len(idx) == 0 and int(idx._hdr[FpHdr.STALE]) <= 16 // 4 + 64
 
 
 # -- repair, attach, processes -------------------------------------------------------------------
@@ -522,20 +524,20 @@ def test_dirty_flag_rebuilds_derived_state(make: Make) -> None:
     idx._fpt[:] = 0
     idx._idt[: len(idx._idt) // 2] = 0
     idx._bloom[:] = 0
-    idx._hdr[[F.H_LIVE, F.H_FREE_TOP]] = (999, 0)
-    high = int(idx._hdr[F.H_HIGH])
-    idx._E[high, F.E_KEY] = 12345
-    idx._hdr[F.H_HIGH] = high + 1
-    idx._hdr[F.H_DIRTY] = 1
+    idx._hdr[[FpHdr.LIVE, FpHdr.FREE_TOP]] = (999, 0)
+    high = int(idx._hdr[FpHdr.HIGH])
+    idx._E[high, Entry.KEY] = 12345
+    idx._hdr[FpHdr.HIGH] = high + 1
+    idx._hdr[FpHdr.DIRTY] = 1
     assert len(idx.match(NS, docs[1])) == 2  # the next holder repairs first
-    assert int(idx._hdr[F.H_DIRTY]) == 0
+    assert int(idx._hdr[FpHdr.DIRTY]) == 0
     assert len(idx) == 8
     assert all(idx.contains(h) for hs in hashes[1:] for h in hs)
     assert idx.remove(hashes[2]) == 2 and len(idx) == 6
     fresh = [toks(4, 60 + i) for i in range(3)]  # the freed ids and the half-written one
     for f in fresh:
         reg(idx, f)
-    assert int(idx._hdr[F.H_HIGH]) == high + 1
+    assert int(idx._hdr[FpHdr.HIGH]) == high + 1
     assert all(len(idx.match(NS, f)) == 1 for f in fresh)
 
 
@@ -553,6 +555,42 @@ def test_attach_sees_the_same_entries_and_checks_layout(make: Make) -> None:
     assert len(wiped) == 0 and wiped.stats()["capacity"] == 128
     wiped.clear()
     assert len(wiped) == 0
+
+
+def test_create_attach_open_share_one_surface(shm_prefix: str) -> None:
+    with pytest.raises(FileNotFoundError):
+        FingerprintIndex.attach(shm_prefix)
+    made = FingerprintIndex.create(shm_prefix, C, 64)
+    try:
+        reg(made, toks(8, 42))
+        with pytest.raises(FileExistsError):
+            FingerprintIndex.create(shm_prefix, C, 64)
+        with FingerprintIndex.attach(shm_prefix) as seen:  # geometry from the header
+            assert (seen.chunk_size, seen.capacity, len(seen)) == (C, 64, 2)
+        with FingerprintIndex.open(shm_prefix, C, 64) as opened:
+            assert len(opened) == 2
+        made._hdr[FpHdr.VERSION] += 1
+        with pytest.raises(LayoutMismatch, match="version"):
+            FingerprintIndex.attach(shm_prefix)
+        with pytest.raises(LayoutMismatch, match="version"):
+            FingerprintIndex.open(shm_prefix, C, 64)
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("how", ["create", "open"])
+def test_an_unfinished_index_is_replaced(shm_prefix: str, how: str) -> None:
+    """A creator killed before writing the magic word leaves a segment nobody attaches."""
+    from shm.names import Names
+    from shm.segment import Segment
+    Segment(Names(shm_prefix).fp, fpformat.segment_bytes(16), create=True).close()
+    with pytest.raises(FileNotFoundError, match="never finished"):
+        FingerprintIndex.attach(shm_prefix)
+    with getattr(FingerprintIndex, how)(shm_prefix, C, 64) as idx:
+        reg(idx, toks(8, 43))
+        assert (idx.capacity, len(idx)) == (64, 2)
+    with FingerprintIndex.attach(shm_prefix) as idx:
+        assert len(idx) == 2
 
 
 def test_clear_drops_everything(make: Make) -> None:
@@ -630,13 +668,13 @@ def test_writer_killed_with_sigkill_leaves_a_consistent_index(make: Make) -> Non
         child.wait(timeout=30)
     doc = toks(8, 99)
     hashes = reg(idx, doc)  # repairs first when the writer died inside the lock
-    assert int(idx._hdr[F.H_DIRTY]) == 0
-    live = [e for e in range(int(idx._hdr[F.H_HIGH]))
-            if int(idx._E[e, F.E_STATE]) & 0xFFFFFFFF == F.LIVE]
+    assert int(idx._hdr[FpHdr.DIRTY]) == 0
+    live = [e for e in range(int(idx._hdr[FpHdr.HIGH]))
+            if int(idx._E[e, Entry.STATE]) & 0xFFFFFFFF == fpformat.LIVE]
     assert len(idx) == len(live)
-    assert len(live) + int(idx._hdr[F.H_FREE_TOP]) == int(idx._hdr[F.H_HIGH])
+    assert len(live) + int(idx._hdr[FpHdr.FREE_TOP]) == int(idx._hdr[FpHdr.HIGH])
     for e in live:
-        assert idx.contains(idx._E[e, F.E_HASH0:F.E_HASH1 + 1].tobytes())
+        assert idx.contains(idx._E[e, Entry.HASH0:Entry.HASH1 + 1].tobytes())
     assert [m.chunk_hash for m in idx.match(NS, doc)] == hashes
 
 
@@ -713,7 +751,7 @@ test_index_against_model = IndexMachine.TestCase
 def test_filter_in_use_grows_with_live_entries_and_keeps_every_chunk(make: Make) -> None:
     idx = make(capacity=1 << 16)
     reserved = len(idx._bloom)                          # 16384 words (128 KiB)
-    assert len(idx._filter()) == F.MIN_FILTER_WORDS < reserved
+    assert len(idx._filter()) == fpformat.MIN_FILTER_WORDS < reserved
     docs = [toks(C * 1024, seed) for seed in range(48)]  # up to 49152 entries
     sizes = []
     for d in docs:
@@ -721,13 +759,13 @@ def test_filter_in_use_grows_with_live_entries_and_keeps_every_chunk(make: Make)
         words = len(idx._filter())
         assert words * 64 >= 16 * len(idx), (len(idx), words)  # >= 16 bits per live entry
         sizes.append(words)
-    assert sizes[:4] == [F.MIN_FILTER_WORDS] * 4         # 4096 entries: still the 32 KiB minimum
-    assert sorted(set(sizes)) == [F.MIN_FILTER_WORDS, 2 * F.MIN_FILTER_WORDS, reserved]
+    assert sizes[:4] == [fpformat.MIN_FILTER_WORDS] * 4         # 4096 entries: still the 32 KiB minimum
+    assert sorted(set(sizes)) == [fpformat.MIN_FILTER_WORDS, 2 * fpformat.MIN_FILTER_WORDS, reserved]
     assert sizes == sorted(sizes)
     for d in docs[::7]:                                 # everything stays findable
         assert len(idx.match(NS, d)) == 1024
     idx.clear()
-    assert len(idx._filter()) == F.MIN_FILTER_WORDS and idx.match(NS, docs[0]) == []
+    assert len(idx._filter()) == fpformat.MIN_FILTER_WORDS and idx.match(NS, docs[0]) == []
 
 
 def test_filter_size_follows_live_entries_after_repair(make: Make) -> None:
@@ -736,8 +774,8 @@ def test_filter_size_follows_live_entries_after_repair(make: Make) -> None:
     for d in docs:
         reg(idx, d)
     assert len(idx._filter()) == 8192
-    idx._hdr[F.H_FILTER_WORDS] = F.MIN_FILTER_WORDS      # as if a holder died mid-resize
-    idx._hdr[F.H_DIRTY] = 1
+    idx._hdr[FpHdr.FILTER_WORDS] = fpformat.MIN_FILTER_WORDS      # as if a holder died mid-resize
+    idx._hdr[FpHdr.DIRTY] = 1
     assert len(idx.match(NS, docs[3])) == 1024           # repair ran first: nothing missed
     assert len(idx._filter()) == 8192
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from shm import fingerprint as F
+from shm.fpformat import FpHdr
 from shm.fingerprint import FingerprintIndex, RegisterResult
 from shm.hashing import Namespace, chunk_hashes
 from shm.store import ChunkKey, key_words
@@ -166,7 +166,7 @@ def test_churn_of_ten_times_capacity_never_fills_the_index(open_index: Open, see
     fill = doc(seed + 7, capacity - len(live) + 3)
     res = idx.register(NS, fill, chunk_hashes(NS, fill, C))
     assert res == RegisterResult(capacity - len(live), [len(fill) // C - 3 + i for i in range(3)])
-    assert len(idx) == capacity and int(idx._hdr[F.H_HIGH]) == capacity
+    assert len(idx) == capacity and int(idx._hdr[FpHdr.HIGH]) == capacity
 
 
 # -- sweep ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Each header is one executable fact: the drawing in ``shm.header`` and its declarations agree,
-no two words share a position, and the kernels use exactly the declared positions."""
+"""Each header is one executable fact: the drawings in ``shm.header`` and ``shm.fpformat`` and their
+declarations agree, no two words share a position, and the kernels use exactly the declared
+positions."""
 
 from __future__ import annotations
 
@@ -9,23 +10,29 @@ from pathlib import Path
 
 import pytest
 
-from shm import header, index, pins, slab, store
+from types import ModuleType
+
+from shm import fpformat, header, index, pins, slab, store
+from shm.fpformat import Entry, FpHdr
 from shm.header import SLOT_HDR_BYTES, Hdr, SlotHdr
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _drawn(title: str) -> dict[str, int]:
-    """``name -> word`` from the table that follows ``title`` in the module docstring."""
-    doc = header.__doc__ or ""
+def _drawn(module: ModuleType, title: str) -> dict[str, int]:
+    """``name -> word`` from the table that follows ``title`` in the module's docstring."""
+    doc = module.__doc__ or ""
     table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
     rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
     return {m.group(2): int(m.group(1)) for m in rows if m}
 
 
-@pytest.mark.parametrize("title,declared", [("Store header", Hdr), ("Slot header", SlotHdr)])
-def test_the_drawing_is_the_declaration(title: str, declared: type[IntEnum]) -> None:
-    assert _drawn(title) == {w.name: int(w) for w in declared}
+@pytest.mark.parametrize("module,title,declared", [
+    (header, "Store header", Hdr), (header, "Slot header", SlotHdr),
+    (fpformat, "Header (``FpHdr``)", FpHdr), (fpformat, "Entry (``Entry``", Entry)])
+def test_the_drawing_is_the_declaration(module: ModuleType, title: str,
+                                        declared: type[IntEnum]) -> None:
+    assert _drawn(module, title) == {w.name: int(w) for w in declared}
     assert sorted(int(w) for w in declared) == list(range(len(declared)))  # no gap, no overlap
 
 
@@ -39,11 +46,14 @@ def test_the_kernels_use_the_declared_words() -> None:
     assert (slab.S_MAGIC, slab.S_STATE, slab.S_K0, slab.S_PID, slab.S_NUM_TOKENS) == (
         SlotHdr.MAGIC, SlotHdr.STATE, SlotHdr.K0, SlotHdr.PID, SlotHdr.NUM_TOKENS)
     assert store.SLOT_HDR_WORDS * 8 == SLOT_HDR_BYTES
+    assert (fpformat.H_LIVE, fpformat.H_FILTER_WORDS, fpformat.E_STAMP) == (
+        FpHdr.LIVE, FpHdr.FILTER_WORDS, Entry.STAMP)
 
 
 def test_no_other_module_numbers_header_words() -> None:
     numbered = re.compile(r"^(H|S)_[A-Z_]+(, (H|S)_[A-Z_]+)* = \d")
-    found = [f"{p.relative_to(ROOT)}:{i}" for name in ("store", "slab", "index", "pins")
+    found = [f"{p.relative_to(ROOT)}:{i}" for name in ("store", "slab", "index", "pins", "fpformat",
+                                                             "fpkernels", "probe", "fingerprint")
              for p in [ROOT / "shm" / f"{name}.py"]
              for i, line in enumerate(p.read_text().splitlines(), 1) if numbered.match(line)]
     assert found == []
