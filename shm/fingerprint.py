@@ -3,7 +3,8 @@
 This module owns the index object: attaching ``{prefix}_fp``, taking its lock around the kernels,
 and a lookup's steps in order. Its parts live beside it, one concept each::
 
-    shm.fpformat    the segment: drawing, header and entry words, geometry, key mixing
+    shm.fpformat    the segment: drawing, header and entry words, geometry, create and attach
+    shm.registration  what a registration inserts, prepared off the lock, and what it did
     shm.table       the open-addressing table (written once, shared with the object index)
     shm.fpkernels   mutations: register, remove, sweep, rebuild (entry states, crash safety)
     shm.probe       steps 1-2: rolling hash, presence filter and table probe, digest check
@@ -27,9 +28,9 @@ How a lookup works:
    one registered sequence (same ``seq``, ``old_st`` + chunk_size), sorted by ``cur_st``.
 
 NOTE: every mutation runs under ``Guarded`` (``shm.fpkernels`` says what a crash inside one
-leaves and how ``repair`` mends it). Lookups copy the candidates' entries out under the lock and verify outside it; an object
-evicted after ``is_live`` answered can still be returned (the retrieve then reports that chunk failed).
-The reads without the lock are of the live counter alone (one aligned word, never torn): ``len``
+leaves and how ``repair`` mends it). Lookups copy the candidates' entries out under the lock and
+verify outside it; an object evicted after ``is_live`` answered can still be returned (the
+retrieve then reports that chunk failed). The reads without the lock are of the live counter alone (one aligned word, never torn): ``len``
 and ``stats`` report it, and ``match`` skips an empty index by it (a stale zero costs that lookup
 its hits, never a wrong one) only where ``shm.lock.LOCK_FREE_READS`` (x86-64); on other CPUs
 ``match`` goes straight to the locked probe.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,71 +48,19 @@ import numpy as np
 from shm import segment
 from shm.cover import best_cover
 from shm.errors import LayoutMismatch
-from shm.fpformat import (E_HASH0, E_HASH1, E_SEQ, E_STAMP, E_STATE, ENTRY_WORDS, H_CHUNK,
-                          H_CAP, H_DIRTY, H_FILTER_WORDS, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ,
-                          H_MAGIC, H_SLOTS, H_STALE, H_VERSION, HEADER_BYTES, LIVE_WORD, LO32,
-                          MAGIC, MAX_CAPACITY, MIN_FILTER_WORDS, VERSION, FpLayout)
+from shm.fpformat import (E_HASH0, E_HASH1, E_SEQ, E_STAMP, E_STATE, ENTRY_WORDS, H_CAP, H_CHUNK,
+                          H_DIRTY, H_FILTER_WORDS, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ, H_SLOTS,
+                          H_STALE, HEADER_BYTES, LIVE_WORD, LO32, MIN_FILTER_WORDS, FpLayout,
+                          attach_segment, create_segment, geometry_of)
 from shm.fpkernels import bloom_rebuild, find_hash, rebuild, register, remove, remove_unchanged
-from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
+from shm.hashing import Namespace, as_tokens
 from shm.lock import FileLock, Guarded
 from shm.matches import Match
 from shm.names import Names
 from shm.private import shm_path, unlink_private
-from shm.probe import chunk_fingerprints, digest, probe, verified
+from shm.probe import probe, verified
+from shm.registration import ChunkHashes, RegisterResult, Registration, hash_words, prepare
 
-
-ChunkHashes = Sequence[bytes] | np.ndarray
-"""16-byte chunk hashes, or an int64/uint64 ``[n, 2]`` array of each hash as two little-endian
-words (the K0, K1 words of a store key)."""
-
-
-def _hash_words(chunk_hashes: ChunkHashes) -> np.ndarray:
-    """Chunk hashes as a contiguous uint64 ``[n, 2]`` array.
-
-    Raises:
-        ValueError: a hash is not 16 bytes, or an array is not ``[n, 2]`` of 64-bit integers.
-    """
-    if isinstance(chunk_hashes, np.ndarray):
-        a = chunk_hashes
-        if a.ndim != 2 or a.shape[1] != 2 or a.dtype not in (np.dtype(np.int64),
-                                                             np.dtype(np.uint64)):
-            raise ValueError(f"chunk hash words must be an int64 [n, 2] array, got "
-                             f"{a.dtype} {a.shape}")
-        return np.array(a, order="C").view(np.uint64)
-    for h in chunk_hashes:
-        if len(h) != DIGEST_BYTES:
-            raise ValueError(f"chunk hashes must be {DIGEST_BYTES} bytes, got {len(h)}")
-    # writable like the array form: numba compiles a kernel again for read-only arguments
-    return np.frombuffer(bytearray(b"".join(chunk_hashes)), np.uint64).reshape(-1, 2)
-
-
-@dataclass(frozen=True)
-class Registration:
-    """Chunks ready to insert (``FingerprintIndex.prepare``), one row per distinct content."""
-
-    keys: np.ndarray      # uint64 probe keys (fingerprint ^ namespace id)
-    digests: np.ndarray   # uint64 [n, 2]: blake2b-128 of namespace root + tokens
-    hashes: np.ndarray    # uint64 [n, 2]: the chunk hashes (store keys)
-    old_st: np.ndarray    # int64 positions in the registered sequence
-    rows: np.ndarray      # int64, one per full chunk of the sequence: the row holding its content
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterResult:
-    """What one registration did; ``int(result)`` is ``result.new``.
-
-    Attributes:
-        new: entries added (content this namespace had not indexed).
-        not_indexed: ascending indexes of the registration's chunks (chunk i covers tokens
-            ``[i*C, (i+1)*C)``) whose content is not findable because the index was full of live
-            entries. The chunks themselves are stored; only lookups will not find them.
-    """
-
-    new: int
-    not_indexed: list[int]
-
-    def __int__(self) -> int:
-        return self.new
 
 
 class FingerprintIndex:
@@ -158,7 +106,7 @@ class FingerprintIndex:
         """
         lay = _geometry(chunk_size, capacity)
         return cls._under_lock(prefix, lock_timeout, lock_free_reads,
-                               lambda name: _create(name, lay, chunk_size))
+                               lambda name: create_segment(name, lay, chunk_size))
 
     @classmethod
     def attach(cls, prefix: str, *, lock_timeout: float | None = None,
@@ -170,7 +118,7 @@ class FingerprintIndex:
             FileNotFoundError: there is no complete index under ``prefix``.
             LayoutMismatch: it is of another format.
         """
-        seg = _attach(Names(prefix).fp)
+        seg = attach_segment(Names(prefix).fp)
         try:
             lock = FileLock(Names(prefix).lock("fp"))
         except BaseException:
@@ -205,10 +153,10 @@ class FingerprintIndex:
             if wipe:
                 segment.unlink(name)
             try:
-                seg = _attach(name)
+                seg = attach_segment(name)
             except FileNotFoundError:
-                return _create(name, lay, chunk_size)
-            got = _geometry_of(seg)
+                return create_segment(name, lay, chunk_size)
+            got = geometry_of(seg)
             if got != (chunk_size, lay.capacity):
                 seg.close()
                 raise LayoutMismatch(
@@ -263,41 +211,17 @@ class FingerprintIndex:
         return self.register_prepared(self.prepare(namespace, token_ids, chunk_hashes))
 
     def prepare(self, namespace: Namespace, token_ids: Any,
-                chunk_hashes: Sequence[bytes]) -> "Registration":
-        """The lock-free half of ``register``: digests and fingerprints of the chunks, computed
-        while nothing is held (a data plane computes them while its copies run).
+                chunk_hashes: Sequence[bytes]) -> Registration:
+        """The lock-free half of ``register`` (``shm.registration.prepare``): digests and
+        fingerprints of the chunks, computed while nothing is held (a data plane computes them
+        while its copies run).
 
         Raises:
             ValueError: ``chunk_hashes`` does not have one key per full chunk.
         """
-        tokens = as_tokens(token_ids)
-        k = self.chunk_size
-        n = len(tokens) // k
-        if len(chunk_hashes) != n:
-            raise ValueError(f"{n} full chunks but {len(chunk_hashes)} chunk hashes")
-        if n == 0:
-            empty = np.zeros((0, 2), np.uint64)
-            none = np.zeros(0, np.int64)
-            return Registration(np.zeros(0, np.uint64), empty, empty, none, none)
-        hashes = _hash_words(chunk_hashes)
-        raw = tokens[: n * k].tobytes()
-        step = 4 * k
-        root = namespace.root
-        digs = [digest(root, raw[i * step:(i + 1) * step]) for i in range(n)]
-        row_of: dict[bytes, int] = {}  # content -> its row, numbered by first occurrence
-        rows = np.fromiter((row_of.setdefault(d, len(row_of)) for d in digs), np.int64, n)
-        idx: slice | np.ndarray = slice(None)
-        if len(row_of) < n:
-            idx = np.unique(rows, return_index=True)[1]  # each row's first chunk, ascending
-            digs = [digs[i] for i in idx]
-        return Registration(
-            keys=chunk_fingerprints(tokens, k)[idx] ^ np.uint64(namespace.id),
-            digests=np.frombuffer(b"".join(digs), np.uint64).reshape(-1, 2),
-            hashes=np.ascontiguousarray(hashes[idx]),
-            old_st=(np.arange(n, dtype=np.int64) * k)[idx],
-            rows=rows)
+        return prepare(namespace, token_ids, chunk_hashes, self.chunk_size)
 
-    def register_prepared(self, reg: "Registration") -> RegisterResult:
+    def register_prepared(self, reg: Registration) -> RegisterResult:
         """The locked half of ``register``: insert what ``prepare`` computed (one critical
         section). Never fails for want of space: see ``register``.
 
@@ -332,7 +256,7 @@ class FingerprintIndex:
         Raises:
             ValueError: a hash is not 16 bytes, or the array is not ``[n, 2]`` 64-bit integers.
         """
-        hashes = _hash_words(chunk_hashes)
+        hashes = hash_words(chunk_hashes)
         if len(hashes) == 0:
             return 0
         with self._guard(self._timeout):
@@ -415,7 +339,7 @@ class FingerprintIndex:
 
     def contains(self, chunk_hash: bytes) -> bool:
         """True when an entry points at ``chunk_hash``."""
-        h = _hash_words([chunk_hash])
+        h = hash_words([chunk_hash])
         out = np.empty(1, np.int64)
         with self._guard(self._timeout):
             return bool(find_hash(self._E, self._idt, h[0, 0], h[0, 1], out))
@@ -546,39 +470,3 @@ def _geometry(chunk_size: int, capacity: int) -> FpLayout:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     return FpLayout.of(capacity)
-
-
-def _geometry_of(seg: segment.Segment) -> tuple[int, int]:
-    """(chunk_size, capacity) from an attached index's header."""
-    hdr = np.ndarray((HEADER_BYTES // 8,), np.int64, seg.buf)
-    return int(hdr[H_CHUNK]), int(hdr[H_CAP])
-
-
-def _attach(name: str) -> segment.Segment:
-    """An existing complete index (``segment.attach_checked``) whose size fits its capacity."""
-    seg = segment.attach_checked(name, MAGIC, VERSION, "fingerprint index")
-    capacity = _geometry_of(seg)[1]
-    if not 1 <= capacity <= MAX_CAPACITY or seg.size != FpLayout.of(capacity).size:
-        seg.close()
-        raise LayoutMismatch(f"fingerprint index {name!r} holds {seg.size} bytes, which do not "
-                             f"fit its capacity {capacity}: wipe it to start empty")
-    return seg
-
-
-def _create(name: str, lay: FpLayout, chunk_size: int) -> segment.Segment:
-    """A new segment; an unfinished one (no magic: its creator died) is replaced first."""
-    try:
-        seg = segment.Segment(name, lay.size, create=True)
-    except FileExistsError:
-        try:
-            _attach(name).close()
-        except FileNotFoundError:  # unfinished
-            segment.unlink(name)
-            seg = segment.Segment(name, lay.size, create=True)
-        else:
-            raise FileExistsError(f"a fingerprint index exists under {name!r}") from None
-    hdr = np.ndarray((HEADER_BYTES // 8,), np.int64, seg.buf)
-    hdr[[H_VERSION, H_CHUNK, H_CAP, H_SLOTS]] = (VERSION, chunk_size, lay.capacity, lay.slots)
-    hdr[H_FILTER_WORDS] = min(MIN_FILTER_WORDS, lay.slots // 8)
-    hdr[H_MAGIC] = MAGIC  # last: a segment without magic is an unfinished creation
-    return seg

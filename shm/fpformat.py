@@ -1,8 +1,9 @@
 """The fingerprint index's segment: its drawing, its header and entry words, its geometry.
 
-This module owns where every byte of ``{prefix}_fp`` lives and the hash that places keys in its
-tables and its presence filter; the kernels that change it are ``shm.fpkernels``, the probe that
-reads it ``shm.probe``, the object that attaches it ``shm.fingerprint``. A test checks that the
+This module owns where every byte of ``{prefix}_fp`` lives, how the segment is created and
+attached, and the hash that places keys in its tables and its presence filter; the kernels that
+change it are ``shm.fpkernels``, the probe that reads it ``shm.probe``, the object that uses it
+``shm.fingerprint``. A test checks that the
 drawings below and the declarations agree and that no two words share a position.
 
 Segment ``{prefix}_fp`` (created zeroed; all offsets in bytes, S = table_slots, N = capacity)::
@@ -59,6 +60,9 @@ from enum import IntEnum, unique
 
 import numpy as np
 from numba import njit
+
+from shm.errors import LayoutMismatch
+from shm.segment import Segment, attach_checked, unlink
 
 MAGIC = int.from_bytes(b"KVBFPIX1", "little")
 VERSION = 1
@@ -159,8 +163,45 @@ class FpLayout:
 
 
 def segment_bytes(capacity: int) -> int:
-    """Bytes of the ``{prefix}_fp`` segment for ``capacity`` entries (94 B per entry at a power-of-two capacity)."""
+    """Bytes of the ``{prefix}_fp`` segment for ``capacity`` entries (94 B per entry at a
+    power-of-two capacity)."""
     return FpLayout.of(capacity).size
+
+
+def geometry_of(seg: Segment) -> tuple[int, int]:
+    """(chunk_size, capacity) from an attached index's header."""
+    hdr = np.ndarray((HEADER_BYTES // 8,), np.int64, seg.buf)
+    return int(hdr[H_CHUNK]), int(hdr[H_CAP])
+
+
+def attach_segment(name: str) -> Segment:
+    """An existing complete index (``shm.attach_checked``) whose size fits its capacity."""
+    seg = attach_checked(name, MAGIC, VERSION, "fingerprint index")
+    capacity = geometry_of(seg)[1]
+    if not 1 <= capacity <= MAX_CAPACITY or seg.size != FpLayout.of(capacity).size:
+        seg.close()
+        raise LayoutMismatch(f"fingerprint index {name!r} holds {seg.size} bytes, which do not "
+                             f"fit its capacity {capacity}: wipe it to start empty")
+    return seg
+
+
+def create_segment(name: str, lay: FpLayout, chunk_size: int) -> Segment:
+    """A new segment; an unfinished one (no magic: its creator died) is replaced first."""
+    try:
+        seg = Segment(name, lay.size, create=True)
+    except FileExistsError:
+        try:
+            attach_segment(name).close()
+        except FileNotFoundError:  # unfinished
+            unlink(name)
+            seg = Segment(name, lay.size, create=True)
+        else:
+            raise FileExistsError(f"a fingerprint index exists under {name!r}") from None
+    hdr = np.ndarray((HEADER_BYTES // 8,), np.int64, seg.buf)
+    hdr[[H_VERSION, H_CHUNK, H_CAP, H_SLOTS]] = (VERSION, chunk_size, lay.capacity, lay.slots)
+    hdr[H_FILTER_WORDS] = min(MIN_FILTER_WORDS, lay.slots // 8)
+    hdr[H_MAGIC] = MAGIC  # last: a segment without magic is an unfinished creation
+    return seg
 
 
 @njit(cache=True, inline="always")
@@ -179,5 +220,6 @@ def filter_bits(m, wmask):
     return (m >> np.uint64(20)) & wmask, bits
 
 
-__all__ = ["FpHdr", "Entry", "FpLayout", "segment_bytes", "mix", "filter_bits", "MAGIC", "VERSION",
+__all__ = ["FpHdr", "Entry", "FpLayout", "segment_bytes", "geometry_of", "attach_segment",
+           "create_segment", "mix", "filter_bits", "MAGIC", "VERSION",
            "MAX_CAPACITY", "HEADER_BYTES", "ENTRY_WORDS", "MIN_FILTER_WORDS", "FREE", "LIVE"]

@@ -33,8 +33,9 @@ State table::
     recent unpinned object first.
 
 Hash table: ``table[i]`` = slot id or -1, probed and shifted by ``shm.table`` (open addressing,
-backward-shift deletion: no tombstones, so probe chains never rot). Only RESERVED and COMMITTED objects are in it; readers
-must still check STATE == COMMITTED (a reservation is never visible to them).
+backward-shift deletion: no tombstones, so probe chains never rot). Only RESERVED and COMMITTED
+objects are in it; readers must still check STATE == COMMITTED (a reservation is never visible to
+them).
 
 NOTE: the obj rows are the source of truth. The hash table, recency list, free lists and counters
 are derived and can be rebuilt from them (``shm.slab.rebuild``) after a process died mid-update.
