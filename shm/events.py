@@ -7,12 +7,27 @@ from it. It knows nothing of what the events mean: an event is a flat dict of JS
 Segment ``/dev/shm/P_events`` (mode 0600), lock file ``/dev/shm/P_events.lock``::
 
     offset          part       shape                       notes
-    0               header     int64[16]                   MAGIC VERSION CAPACITY SLOT_BYTES HEAD
+    0               header     int64[HEADER_WORDS]         the words of ``EventsHdr``, below
     128             names      uint8[MAX_COUNTERS, 48]     counter names, UTF-8, NUL padded
     128+48*M        values     int64[MAX_COUNTERS]         counter values
-    ...             ring       uint8[CAPACITY, SLOT_BYTES] event slots
+    ...             ring       uint8[CAPACITY, SLOT_BYTES] event slots (from a 64-byte boundary)
 
     ring slot: int64 SEQ (0 = empty, -1 = being written), int64 LEN, then LEN bytes of JSON
+
+Event log header (``P_events`` from byte 0, ``int64[HEADER_WORDS]``)::
+
+    word  name        meaning                                          written by
+    0     MAGIC       MAGIC once creation completed (last)             create
+    1     VERSION     format version                                   create
+    2     CAPACITY    slots of the ring                                create
+    3     SLOT_BYTES  bytes per slot (a multiple of 8, >= 128)         create
+    4     HEAD        events ever recorded (the newest event's seq)    record
+
+Life of the segment (``EventLog.create``, ``attach`` and ``open``)::
+
+    absent --create--> unfinished (MAGIC 0) --header written, MAGIC last--> complete
+    unfinished, its creator died --create or open: unlink, create--> ...
+    complete, another VERSION or size --open: unlink, create--> ... (events are disposable)
 
 State of a slot::
 
@@ -25,6 +40,10 @@ it and the next writer of that slot overwrites it. Readers take no lock: they re
 payload, then re-read SEQ, and keep the copy only when both reads agree (a seqlock). HEAD is the
 number of events ever recorded; it is bumped after the slot is complete, so ``recent`` never waits.
 Counters are single aligned int64 words updated under the lock; reads are lock-free.
+
+NOTE: every creation (``create`` and ``open``) holds the lock from its look at the name to its
+MAGIC, so an unfinished segment seen under the lock is one whose creator died: replacing it races
+no one. ``attach`` takes no lock: it maps only a complete log.
 """
 
 from __future__ import annotations
@@ -32,12 +51,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import IntEnum, unique
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from shm import segment
+from shm.errors import LayoutMismatch
 from shm.lock import FileLock
 from shm.names import Names
 from shm.telemetry import COUNTER_NAMES, Event
@@ -47,12 +70,26 @@ _DECLARED = frozenset(COUNTER_NAMES)
 MAGIC = 0x6B76626C6576656E
 VERSION = 1
 HEADER_WORDS = 16
-H_MAGIC, H_VERSION, H_CAPACITY, H_SLOT_BYTES, H_HEAD = range(5)
 MAX_COUNTERS = 128
 NAME_BYTES = 48
 SLOT_HDR = 16
 DEFAULT_CAPACITY = 1024
 DEFAULT_SLOT_BYTES = 1024
+
+
+@unique
+class EventsHdr(IntEnum):
+    """Positions of the event log header's words."""
+
+    MAGIC = 0
+    VERSION = 1
+    CAPACITY = 2
+    SLOT_BYTES = 3
+    HEAD = 4
+
+
+assert max(EventsHdr) < HEADER_WORDS, "an EventsHdr word past HEADER_WORDS"
+
 
 def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int]:
     names_at = HEADER_WORDS * 8
@@ -63,11 +100,14 @@ def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int]:
 
 
 class EventLog:
-    """The event log of one prefix, attached in this process. Build it with ``EventLog.open``.
+    """The event log of one prefix, attached in this process. Build it with ``EventLog.create``,
+    ``EventLog.attach`` or ``EventLog.open`` (attach, else create); it pickles by name.
 
     Attributes:
+        prefix: the store's segment prefix.
         name: the segment name (``{prefix}_events``).
         capacity: events kept (older ones are overwritten).
+        slot_bytes: bytes per event slot (its JSON is at most ``slot_bytes - 16``).
     """
 
     def __init__(self, prefix: str, seg: segment.Segment, lock: FileLock) -> None:
@@ -75,8 +115,8 @@ class EventLog:
         self._seg, self._lock = seg, lock
         buf = seg.buf
         self._h = np.ndarray((HEADER_WORDS,), np.int64, buf)
-        self.capacity = int(self._h[H_CAPACITY])
-        self.slot_bytes = int(self._h[H_SLOT_BYTES])
+        self.capacity = int(self._h[EventsHdr.CAPACITY])
+        self.slot_bytes = int(self._h[EventsHdr.SLOT_BYTES])
         names_at, values_at, ring_at, _ = _layout(self.capacity, self.slot_bytes)
         self._names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, buf, names_at)
         self._values = np.ndarray((MAX_COUNTERS,), np.int64, buf, values_at)
@@ -86,9 +126,49 @@ class EventLog:
         self._pid = os.getpid()
 
     @classmethod
+    def create(cls, prefix: str, capacity: int = DEFAULT_CAPACITY,
+               slot_bytes: int = DEFAULT_SLOT_BYTES) -> "EventLog":
+        """Create ``{prefix}_events``, new and empty.
+
+        Args:
+            prefix: the store's segment prefix.
+            capacity: events kept (>= 1).
+            slot_bytes: bytes per event slot (>= 128, a multiple of 8).
+
+        Raises:
+            FileExistsError: a complete log (of any version) exists under ``prefix``. An unfinished
+                one, whose creator died before its MAGIC, is replaced.
+            ValueError: the geometry is out of bounds.
+            ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
+                used nor removed.
+        """
+        _check_geometry(capacity, slot_bytes)
+        with _held(prefix) as lock:
+            seg = _create(Names(prefix).events, capacity, slot_bytes)
+        return cls(prefix, seg, lock)
+
+    @classmethod
+    def attach(cls, prefix: str) -> "EventLog":
+        """Attach to the existing ``{prefix}_events`` with the geometry in its header.
+
+        Raises:
+            FileNotFoundError: there is no log under ``prefix``, or it is unfinished.
+            LayoutMismatch: it is of another format version, or its size disagrees with its header.
+            ForeignObject: the segment or lock file is not ours; nothing was mapped.
+        """
+        seg = _attach(Names(prefix).events)
+        try:
+            lock = FileLock(Names(prefix).lock("events"))
+        except BaseException:
+            seg.close()
+            raise
+        return cls(prefix, seg, lock)
+
+    @classmethod
     def open(cls, prefix: str, capacity: int = DEFAULT_CAPACITY,
              slot_bytes: int = DEFAULT_SLOT_BYTES) -> "EventLog":
-        """Attach to ``{prefix}_events``, creating it when absent.
+        """Attach to ``{prefix}_events``; create it when absent, unfinished or of another version
+        (events are disposable). Both under the log's lock, so concurrent openers agree.
 
         Args:
             prefix: the store's segment prefix.
@@ -96,23 +176,18 @@ class EventLog:
             slot_bytes: bytes per event (JSON); used only when creating.
 
         Raises:
+            ValueError: the geometry is out of bounds.
             ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
                 used nor removed.
         """
-        if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
-            raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
-        lock = FileLock(Names(prefix).lock("events"))
+        _check_geometry(capacity, slot_bytes)
         name = Names(prefix).events
-        lock.acquire()
-        try:
-            seg = _attach(name)
-            if seg is None:
+        with _held(prefix) as lock:
+            try:
+                seg = _attach(name)
+            except (FileNotFoundError, LayoutMismatch):
+                segment.unlink(name)
                 seg = _create(name, capacity, slot_bytes)
-        except BaseException:
-            lock.release()
-            lock.close()
-            raise
-        lock.release()
         return cls(prefix, seg, lock)
 
     # -- events -----------------------------------------------------------------------------
@@ -126,7 +201,7 @@ class EventLog:
         event = {**msgspec.to_builtins(event), "time": time.time(), "pid": self._pid}
         self._lock.acquire()
         try:
-            seq = int(self._h[H_HEAD]) + 1
+            seq = int(self._h[EventsHdr.HEAD]) + 1
             event["seq"] = seq
             payload = _encode(event, self.slot_bytes - SLOT_HDR)
             row = seq % self.capacity
@@ -135,14 +210,14 @@ class EventLog:
             self._ring[row, SLOT_HDR:SLOT_HDR + len(payload)] = np.frombuffer(payload, np.uint8)
             words[1] = len(payload)
             words[0] = seq
-            self._h[H_HEAD] = seq
+            self._h[EventsHdr.HEAD] = seq
         finally:
             self._lock.release()
         return seq
 
     def recent(self, n: int | None = None) -> list[dict[str, Any]]:
         """The last ``n`` events still in the ring (all when None), oldest first."""
-        head = int(self._h[H_HEAD])
+        head = int(self._h[EventsHdr.HEAD])
         count = min(head, self.capacity if n is None else min(n, self.capacity))
         out = []
         for seq in range(head - count + 1, head + 1):
@@ -170,7 +245,7 @@ class EventLog:
     @property
     def head(self) -> int:
         """Number of events ever recorded in this log."""
-        return int(self._h[H_HEAD])
+        return int(self._h[EventsHdr.HEAD])
 
     # -- counters ---------------------------------------------------------------------------
 
@@ -247,7 +322,11 @@ class EventLog:
         self.close()
 
     def __reduce__(self) -> tuple:
-        return (EventLog.open, (self.prefix,))
+        return (EventLog.attach, (self.prefix,))
+
+    def __repr__(self) -> str:
+        return (f"EventLog(prefix={self.prefix!r}, capacity={self.capacity}, "
+                f"slot_bytes={self.slot_bytes})")
 
 
 def _encode(event: dict[str, Any], limit: int) -> bytes:
@@ -264,35 +343,79 @@ def _encode(event: dict[str, Any], limit: int) -> bytes:
     return payload
 
 
-def _attach(name: str) -> segment.Segment | None:
+def _check_geometry(capacity: int, slot_bytes: int) -> None:
+    if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
+        raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
+
+
+@contextmanager
+def _held(prefix: str) -> Iterator[FileLock]:
+    """The log's lock of ``prefix``, held for the body; closed as well when the body raises."""
+    lock = FileLock(Names(prefix).lock("events"))
     try:
-        seg = segment.Segment(name)
-    except FileNotFoundError:
-        return None
-    h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf).copy()
-    if h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION or \
-            seg.size != _layout(int(h[H_CAPACITY]), int(h[H_SLOT_BYTES]))[3]:
-        # a creator died before finishing, or an older format: events are disposable
+        lock.acquire()
+        try:
+            yield lock
+        finally:
+            lock.release()
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _attach(name: str) -> segment.Segment:
+    """The complete log at ``name``, its size checked against its header's geometry."""
+    seg = segment.attach_checked(name, MAGIC, VERSION, "event log")
+    try:
+        if seg.size < HEADER_WORDS * 8:
+            raise LayoutMismatch(f"event log {name!r} is shorter than its header")
+        h = np.frombuffer(seg.buf, np.int64, HEADER_WORDS).copy()
+        capacity, slot_bytes = int(h[EventsHdr.CAPACITY]), int(h[EventsHdr.SLOT_BYTES])
+        if capacity < 1 or slot_bytes < 128 or seg.size != _layout(capacity, slot_bytes)[3]:
+            raise LayoutMismatch(f"event log {name!r} holds {seg.size} bytes, not the "
+                                 f"{capacity} x {slot_bytes} of its header")
+    except BaseException:
         seg.close()
-        segment.unlink(name)
-        return None
+        raise
     return seg
 
 
 def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
+    """A new log at ``name``, replacing an unfinished one. The caller holds the log's lock."""
     size = _layout(capacity, slot_bytes)[3]
-    segment.unlink(name)
-    seg = segment.Segment(name, size, create=True)
+    try:
+        seg = segment.Segment(name, size, create=True)
+    except FileExistsError:
+        _unlink_unfinished(name)
+        seg = segment.Segment(name, size, create=True)
     h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf)
     names_at = _layout(capacity, slot_bytes)[0]
     names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, seg.buf, names_at)
     for i, counter in enumerate(COUNTER_NAMES):
         raw = counter.encode()
         names[i, :len(raw)] = np.frombuffer(raw, np.uint8)
-    h[[H_CAPACITY, H_SLOT_BYTES, H_VERSION]] = [capacity, slot_bytes, VERSION]
-    h[H_MAGIC] = MAGIC  # last: a half-built log is recognized and recreated
+    h[[EventsHdr.CAPACITY, EventsHdr.SLOT_BYTES, EventsHdr.VERSION]] = [capacity, slot_bytes,
+                                                                         VERSION]
+    h[EventsHdr.MAGIC] = MAGIC  # last: a half-built log is recognized and replaced
     del h, names
     return seg
 
 
-__all__ = ["EventLog"]
+def _unlink_unfinished(name: str) -> None:
+    """Remove the log at ``name`` if its creator died before its MAGIC (under the log's lock no
+    creator is alive but us).
+
+    Raises:
+        FileExistsError: the log at ``name`` is complete, of this version or another.
+    """
+    try:
+        segment.attach_checked(name, MAGIC, VERSION, "event log").close()
+    except FileNotFoundError:
+        segment.unlink(name)  # unfinished (or gone since)
+        return
+    except LayoutMismatch:
+        pass
+    raise FileExistsError(f"event log {name!r} exists")
+
+
+__all__ = ["EventLog", "EventsHdr", "HEADER_WORDS", "MAGIC", "VERSION"]

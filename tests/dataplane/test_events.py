@@ -1,15 +1,22 @@
-"""The shared-memory event log: ring order and wrap-around, counters, several processes, dead writers."""
+"""The shared-memory event log: ring order and wrap-around, counters, several processes, dead
+writers, and its create / attach / open surface."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from shm.events import EventLog
+from shm import segment
+from shm.errors import LayoutMismatch
+from shm.events import HEADER_WORDS, VERSION, EventLog, EventsHdr
+from shm.names import Names
+from shm.segment import Segment
 from shm.telemetry import COUNTER_NAMES, Counter, LookupEnd, RetrieveEnd, StoreError
 
 
@@ -119,3 +126,83 @@ def test_writer_killed_holding_the_lock_wedges_nobody(shm_prefix: str) -> None:
     log.add("lookups")
     assert log.recent(1)[0]["requested_tokens"] == 3 and log.counters()["lookups"] == 1
     log.close()
+
+
+# -- create, attach, open ---------------------------------------------------------------------
+
+
+def _poke(prefix: str, word: EventsHdr, value: int) -> None:
+    """Write one header word of the log under ``prefix``, as another build or a crash would."""
+    with Segment(Names(prefix).events) as seg:
+        h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf)
+        h[word] = value
+        del h
+
+
+def _unfinished(prefix: str) -> None:
+    """What a creator killed before its MAGIC leaves: a sized segment, header all zeros."""
+    Segment(Names(prefix).events, 1 << 16, create=True).close()
+
+
+def test_create_refuses_an_existing_log_and_leaves_it(shm_prefix: str) -> None:
+    with EventLog.create(shm_prefix, capacity=8) as log:
+        log.add(Counter.LOOKUPS, 2)
+        with pytest.raises(FileExistsError):
+            EventLog.create(shm_prefix)
+        assert log.counters()["lookups"] == 2
+
+
+def test_attach_to_an_absent_log_creates_nothing(shm_prefix: str) -> None:
+    with pytest.raises(FileNotFoundError):
+        EventLog.attach(shm_prefix)
+    assert not segment.exists(Names(shm_prefix).events)
+
+
+def test_attach_reads_the_geometry_from_the_header(shm_prefix: str) -> None:
+    with EventLog.create(shm_prefix, capacity=8, slot_bytes=256) as made:
+        made.record(_lookup(7, "r"))
+        with EventLog.attach(shm_prefix) as log:
+            assert (log.capacity, log.slot_bytes, log.head) == (8, 256, 1)
+            assert log.recent()[0]["request_id"] == "r"
+        with EventLog.open(shm_prefix, capacity=99, slot_bytes=1024) as log:  # keeps its own
+            assert (log.capacity, log.slot_bytes) == (8, 256)
+
+
+@pytest.mark.parametrize("word,value", [(EventsHdr.VERSION, VERSION + 1),
+                                        (EventsHdr.CAPACITY, 9)])
+def test_another_version_or_size_is_a_layout_mismatch_that_open_replaces(
+        shm_prefix: str, word: EventsHdr, value: int) -> None:
+    with EventLog.create(shm_prefix, capacity=8) as log:
+        log.add(Counter.LOOKUPS)
+    _poke(shm_prefix, word, value)
+    with pytest.raises(LayoutMismatch):
+        EventLog.attach(shm_prefix)
+    with pytest.raises(FileExistsError):
+        EventLog.create(shm_prefix)
+    with EventLog.open(shm_prefix, capacity=4) as log:  # events are disposable
+        assert (log.capacity, log.head, log.counters()["lookups"]) == (4, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["create", "open"])
+def test_an_unfinished_log_is_not_attached_but_replaced(shm_prefix: str, how: str) -> None:
+    _unfinished(shm_prefix)
+    with pytest.raises(FileNotFoundError, match="never finished"):
+        EventLog.attach(shm_prefix)
+    with getattr(EventLog, how)(shm_prefix, capacity=4) as log:
+        log.record(_lookup(1))
+        assert (log.capacity, log.head) == (4, 1)
+    with EventLog.attach(shm_prefix) as log:
+        assert (log.capacity, log.head) == (4, 1)
+
+
+def test_pickles_by_name_through_attach(shm_prefix: str) -> None:
+    with EventLog.create(shm_prefix, capacity=8) as log:
+        log.add(Counter.LOOKUPS, 3)
+        with pickle.loads(pickle.dumps(log)) as copy:
+            assert (copy.name, copy.capacity) == (log.name, 8)
+            copy.add(Counter.LOOKUPS)
+            assert log.counters()["lookups"] == 4
+        blob = pickle.dumps(log)
+        log.unlink()
+    with pytest.raises(FileNotFoundError):
+        pickle.loads(blob)

@@ -1,0 +1,37 @@
+"""The event log's header is one executable fact: the drawing in ``shm.events`` and ``EventsHdr``
+agree, no two words share a position, and a created log reads back by those names."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from shm import events
+from shm.events import HEADER_WORDS, EventLog, EventsHdr
+from shm.segment import Segment
+from shm.telemetry import LookupEnd
+
+
+def _drawn(doc: str, title: str) -> dict[str, int]:
+    """``name -> word`` from the table that follows ``title`` in ``doc``."""
+    table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
+    rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
+    return {m.group(2): int(m.group(1)) for m in rows if m}
+
+
+def test_the_drawing_is_the_declaration() -> None:
+    assert _drawn(events.__doc__ or "", "Event log header") == {w.name: int(w) for w in EventsHdr}
+    assert sorted(int(w) for w in EventsHdr) == list(range(len(EventsHdr)))  # no gap, no overlap
+    assert max(EventsHdr) < HEADER_WORDS
+
+
+def test_a_created_header_reads_back_by_its_names(shm_prefix: str) -> None:
+    with EventLog.create(shm_prefix, capacity=8, slot_bytes=256) as log:
+        log.record(LookupEnd(request_id="r", requested_tokens=1, hit_tokens=0, num_chunks=0,
+                             duration_ms=0.0))
+        with Segment(log.name) as seg:
+            h = np.frombuffer(seg.buf, np.int64, HEADER_WORDS).copy()
+    assert (h[EventsHdr.MAGIC], h[EventsHdr.VERSION]) == (events.MAGIC, events.VERSION)
+    assert (h[EventsHdr.CAPACITY], h[EventsHdr.SLOT_BYTES], h[EventsHdr.HEAD]) == (8, 256, 1)
+    assert not h[len(EventsHdr):].any()  # the words past the declared ones are unused
