@@ -45,7 +45,8 @@ class Segment:
         progress: called as ``progress(done_bytes, total_bytes)`` while reserving pages.
 
     Raises:
-        FileExistsError / FileNotFoundError: as ``create`` demands.
+        FileExistsError / FileNotFoundError: as ``create`` demands; an empty segment (its creator
+            died before sizing it) is not found.
         ForeignObject: the name exists and is not ours (``shm.private``); nothing was mapped.
         OSError: ENOSPC when /dev/shm cannot hold ``size`` bytes.
     """
@@ -61,6 +62,8 @@ class Segment:
             else:
                 check_private(shm.fd, shm_path(name))
             actual = os.fstat(shm.fd).st_size
+            if not create and actual == 0:  # its creator died before sizing it
+                raise FileNotFoundError(f"segment {name!r} is empty: its creator never finished")
             if not create and size and actual != size:
                 raise ValueError(f"segment {name!r} holds {actual} bytes, expected {size}")
             self.size = actual

@@ -579,11 +579,15 @@ def test_create_attach_open_share_one_surface(shm_prefix: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["create", "open"])
-def test_an_unfinished_index_is_replaced(shm_prefix: str, how: str) -> None:
-    """A creator killed before writing the magic word leaves a segment nobody attaches."""
+@pytest.mark.parametrize("size", [0, fpformat.segment_bytes(16)])
+def test_an_unfinished_index_is_replaced(shm_prefix: str, how: str, size: int) -> None:
+    """A creator killed before sizing the segment, or before writing the magic word, leaves a
+    segment nobody attaches."""
+    import posix_ipc
+
     from shm.names import Names
-    from shm.segment import Segment
-    Segment(Names(shm_prefix).fp, fpformat.segment_bytes(16), create=True).close()
+    posix_ipc.SharedMemory("/" + Names(shm_prefix).fp, posix_ipc.O_CREX, mode=0o600,
+                           size=size).close_fd()
     with pytest.raises(FileNotFoundError, match="never finished"):
         FingerprintIndex.attach(shm_prefix)
     with getattr(FingerprintIndex, how)(shm_prefix, C, 64) as idx:
