@@ -38,8 +38,6 @@ its hits, never a wrong one) only where ``shm.lock.LOCK_FREE_READS`` (x86-64); o
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
-
 from collections.abc import Callable, Sequence
 from typing import Any
 

@@ -1,0 +1,38 @@
+"""numba's cache folder follows the kernels' sources, so no stale kernel survives an upgrade."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOW = "import os, shm.table; print(os.environ['NUMBA_CACHE_DIR'])"
+
+
+def _cache_dir(root: Path, base: Path) -> Path:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(base), "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", SHOW], env=env, cwd=root, check=True,
+                         capture_output=True, text=True, timeout=120)
+    return Path(out.stdout.strip())
+
+
+def test_a_change_to_any_kernel_source_gets_a_fresh_cache_folder(tmp_path: Path) -> None:
+    """numba checks only a kernel's own file; ``shm.slab``'s cached kernels hold ``shm.table``'s
+    code, so a change to table.py alone must not find them."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "shm", tree / "shm", ignore=shutil.ignore_patterns("__pycache__"))
+    base = tmp_path / "numba"
+    first = _cache_dir(tree, base)
+    assert first.parent == base and first == _cache_dir(tree, base)  # stable for one source
+    with open(tree / "shm" / "table.py", "a") as f:
+        f.write("# changed\n")
+    assert _cache_dir(tree, base).parent == base and _cache_dir(tree, base) != first
+
+
+def test_a_child_keeps_its_parents_folder(tmp_path: Path) -> None:
+    """The service's children inherit the folder already chosen and do not nest it again."""
+    chosen = _cache_dir(ROOT, tmp_path)
+    assert _cache_dir(ROOT, chosen) == chosen
