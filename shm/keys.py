@@ -55,6 +55,18 @@ def key_words(keys: Sequence[ChunkKey]) -> np.ndarray:
     return out
 
 
+def shard_words(namespace_id: int, chunk_hashes: Sequence[bytes], world_size: int) -> np.ndarray:
+    """The keys of every rank's shard of each chunk, int64 ``[len(chunk_hashes) * world_size, 4]``
+    (chunk-major), built without ``ChunkKey`` objects."""
+    n = len(chunk_hashes)
+    words = np.empty((n * world_size, 4), np.int64)
+    raw = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(n, 2)
+    words[:, :2] = np.repeat(raw, world_size, axis=0)
+    words[:, 2] = signed64(namespace_id)
+    words[:, 3] = np.tile(np.arange(world_size), n)
+    return words
+
+
 def hashes_among(held: np.ndarray, words: np.ndarray) -> np.ndarray:
     """Boolean per row of ``words`` (int64 ``[n, 2]``, chunk-hash words): the pair is a row of
     ``held`` (int64 ``[m, 2]``, in any order, repeats allowed)."""
@@ -74,4 +86,4 @@ def signed64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-__all__ = ["ChunkKey", "key_words", "hashes_among", "signed64"]
+__all__ = ["ChunkKey", "key_words", "shard_words", "hashes_among", "signed64"]

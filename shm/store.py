@@ -46,19 +46,20 @@ from shm.evicted import LIMIT as EVICTED_LIMIT
 from shm.evicted import EvictedKeys
 from shm.hashing import as_tokens
 from shm.header import HEADER_WORDS, Hdr
-from shm.keys import ChunkKey, hashes_among, key_words, signed64
+from shm.keys import ChunkKey, hashes_among, key_words, shard_words
 from shm.layout import ChunkClass
 from shm.lock import FileLock, Guarded, pid_alive
-from shm.names import Names
 from shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
 from shm.segment import Progress, Segment
 from shm.slots import SLOT_HDR_WORDS, SlotMap
 from shm.storefile import (StoreConfig, attach_segments, create_segments, destroy,
-                           destroy_segments, tables)
+                           destroy_segments, locked, tables)
 
 
 class Store:
-    """The chunk store of one prefix, attached in this process. Build it with ``Store.open``.
+    """The chunk store of one prefix, attached in this process: ``Store.create`` (a new one),
+    ``Store.attach`` (the existing one) or ``Store.open`` (either, as the service starts).
+    Picklable by name (it attaches again).
 
     Attributes:
         name: the segment prefix.
@@ -101,12 +102,45 @@ class Store:
     # -- life cycle -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, prefix: str, config: StoreConfig | None = None, *, wipe: bool = False,
-             recreate_on_mismatch: bool = False, progress: Progress | None = None) -> "Store":
-        """Attach to the store of ``prefix``, creating it when absent.
+    def create(cls, prefix: str, config: StoreConfig, *, progress: Progress | None = None
+               ) -> "Store":
+        """A new empty store under ``prefix``.
 
         Args:
             prefix: segment name prefix (several stores coexist under different prefixes).
+            config: the geometry, fixed from now on.
+            progress: ``progress(done, total)`` while pre-faulting the slab.
+
+        Raises:
+            FileExistsError: a complete store exists (an unfinished one, whose creator died, is
+                replaced).
+            ForeignObject: a segment or the lock file of ``prefix`` is not ours; left in place.
+        """
+        with locked(prefix) as lock:
+            return cls._create(prefix, config, progress, lock)
+
+    @classmethod
+    def attach(cls, prefix: str) -> "Store":
+        """The existing store of ``prefix``, its geometry read from its header; reservations and
+        pins of dead processes are reclaimed.
+
+        Raises:
+            FileNotFoundError: no store exists, or its creator died before finishing it.
+            LayoutMismatch: the store is of another format version.
+            ForeignObject: a segment or the lock file of ``prefix`` is not ours.
+        """
+        with locked(prefix) as lock:
+            store = cls._attach(prefix, None, lock)
+        store.reclaim()
+        return store
+
+    @classmethod
+    def open(cls, prefix: str, config: StoreConfig | None = None, *, wipe: bool = False,
+             recreate_on_mismatch: bool = False, progress: Progress | None = None) -> "Store":
+        """Attach to the store of ``prefix``, creating it when absent (the service's start).
+
+        Args:
+            prefix: segment name prefix.
             config: geometry; required to create, checked against an existing store when given.
             wipe: drop an existing store and start empty.
             recreate_on_mismatch: start empty (instead of raising) when the existing store has
@@ -119,30 +153,35 @@ class Store:
             ForeignObject: a segment or the lock file of ``prefix`` is not ours; it was neither
                 used nor removed, whatever ``wipe`` and ``recreate_on_mismatch`` say.
         """
-        lock = FileLock(Names(prefix).lock("store"))
-        lock.acquire()
-        try:
+        with locked(prefix) as lock:
             if wipe:
                 destroy_segments(prefix)
+            store: Store | None = None
             try:
-                meta, slab_seg = attach_segments(prefix, config)
+                store = cls._attach(prefix, config, lock)
             except LayoutMismatch:
                 if not recreate_on_mismatch:
                     raise
                 destroy_segments(prefix)
-                meta, slab_seg = None, None
-            if meta is None:
+            except FileNotFoundError:
+                pass  # absent or unfinished: created below
+            if store is None:
                 if config is None:
                     raise FileNotFoundError(f"no kvblend store under prefix {prefix!r}")
-                meta, slab_seg = create_segments(prefix, config, progress)
-        except BaseException:
-            lock.release()
-            lock.close()
-            raise
-        lock.release()
-        store = cls(prefix, meta, slab_seg, lock)
+                store = cls._create(prefix, config, progress, lock)
         store.reclaim()
         return store
+
+    @classmethod
+    def _create(cls, prefix: str, config: StoreConfig, progress: Progress | None,
+                lock: FileLock) -> "Store":
+        meta, slab_seg = create_segments(prefix, config, progress)
+        return cls(prefix, meta, slab_seg, lock)
+
+    @classmethod
+    def _attach(cls, prefix: str, expect: StoreConfig | None, lock: FileLock) -> "Store":
+        meta, slab_seg = attach_segments(prefix, expect)
+        return cls(prefix, meta, slab_seg, lock)
 
     def close(self) -> None:
         """Detach this process (the cache stays in shared memory)."""
@@ -164,7 +203,7 @@ class Store:
         self.close()
 
     def __reduce__(self) -> tuple:
-        return (Store.open, (self.name,))
+        return (Store.attach, (self.name,))
 
     # -- layout classes ---------------------------------------------------------------------
 
@@ -353,15 +392,10 @@ class Store:
                         world_size: int = 1) -> np.ndarray:
         """Boolean ``[len(chunk_hashes), world_size]``: rank r's shard of each chunk is committed
         now (lock-free, like ``contains``; no ``ChunkKey`` objects on this hot path)."""
-        n = len(chunk_hashes)
-        words = np.empty((n * world_size, 4), np.int64)
-        raw = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(n, 2)
-        words[:, :2] = np.repeat(raw, world_size, axis=0)
-        words[:, 2] = signed64(namespace_id)
-        words[:, 3] = np.tile(np.arange(world_size), n)
+        words = shard_words(namespace_id, chunk_hashes, world_size)
         found = self._guard.read_stable(
             lambda: index.find_committed(self._table, self._obj, words))
-        return (found >= 0).reshape(n, world_size)
+        return (found >= 0).reshape(len(chunk_hashes), world_size)
 
     def holds_hashes(self, words: np.ndarray) -> np.ndarray:
         """Boolean per row of an int64 ``[n, 2]`` array of chunk-hash words (``remove``'s form in

@@ -28,12 +28,23 @@ is never attached, recreated or removed: ``ForeignObject``.
 
     header words: drawn and declared in ``shm.header`` (``Hdr``)
 
+Life of the names (each step under the store lock, ``locked``; the header check is
+``shm.segment.attach_checked``)::
+
+    absent, or unfinished (MAGIC 0)  --create_segments-->  complete (MAGIC written last)
+    absent, or unfinished            --attach_segments-->  FileNotFoundError
+    complete                         --create_segments-->  FileExistsError (never replaced)
+    complete, another VERSION        --attach_segments-->  LayoutMismatch
+    complete, this VERSION           --attach_segments-->  attached, geometry from the header
+
 NOTE: the slab is created before ``P_meta``, and MAGIC is the last word written, so a store whose
 creator was killed has no magic and is replaced; nothing was ever committed in it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +53,10 @@ from shm import index, slab
 from shm import pins as pintable
 from shm.errors import LayoutMismatch
 from shm.header import HEADER_WORDS, STORE_MAGIC, Hdr
+from shm.lock import FileLock
 from shm.names import Names
 from shm.private import shm_path, unlink_private
-from shm.segment import Progress, Segment
+from shm.segment import Progress, Segment, attach_checked
 from shm.segment import unlink as segment_unlink
 
 MAGIC = STORE_MAGIC
@@ -153,38 +165,51 @@ def header(meta: Segment) -> np.ndarray:
     return np.frombuffer(meta.buf, np.int64, HEADER_WORDS).copy()
 
 
-def attach_segments(prefix: str, config: StoreConfig | None
-                    ) -> tuple[Segment | None, Segment | None]:
+def attach_segments(prefix: str, expect: StoreConfig | None = None) -> tuple[Segment, Segment]:
+    """Attach a complete store's segments; the geometry is read from its header.
+
+    Args:
+        prefix: the store's prefix.
+        expect: when given, the geometry the store must have.
+
+    Raises:
+        FileNotFoundError: no store, or an unfinished one (its creator died).
+        LayoutMismatch: another format version, or a geometry other than ``expect``.
+        ForeignObject: a segment is not ours; nothing was mapped.
+    """
+    meta = attach_checked(Names(prefix).meta, MAGIC, VERSION, "store")
     try:
-        meta = Segment(Names(prefix).meta)
-    except FileNotFoundError:
-        return None, None
-    h = header(meta)
-    if h[Hdr.MAGIC] != MAGIC:
-        # the creator died before finishing: nothing was ever committed in it
-        meta.close()
-        destroy_segments(prefix)
-        return None, None
-    if h[Hdr.VERSION] != VERSION:
-        meta.close()
-        raise LayoutMismatch(f"store {prefix!r} has format version {h[Hdr.VERSION]}, this kvblend "
-                             f"reads version {VERSION}: wipe it to start empty")
-    if config is not None:
-        have, want = StoreConfig.of_header(h).shape(), config.shape()
-        if have != want:
-            meta.close()
+        have = StoreConfig.of_header(header(meta))
+        if expect is not None and have.shape() != expect.shape():
             raise LayoutMismatch(
                 f"store {prefix!r} has (page_bytes, pages, min_slot_bytes, max_classes, max_pins)"
-                f" = {have}, requested {want}: wipe it to start empty with the new geometry")
-    slab_seg = Segment(Names(prefix).slab, int(h[Hdr.PAGE_BYTES] * h[Hdr.NUM_PAGES]))
-    return meta, slab_seg
+                f" = {have.shape()}, requested {expect.shape()}: wipe it to start empty with the "
+                "new geometry")
+        return meta, Segment(Names(prefix).slab, have.slab_bytes)
+    except BaseException:
+        meta.close()
+        raise
 
 
-def create_segments(prefix: str, cfg: StoreConfig, progress: Progress | None
+def create_segments(prefix: str, cfg: StoreConfig, progress: Progress | None = None
                     ) -> tuple[Segment, Segment]:
+    """Create a new empty store's segments, replacing an unfinished one (the store lock held).
+
+    Raises:
+        FileExistsError: a complete store (of any format version) holds the names.
+        ValueError: ``cfg`` has no whole page.
+        ForeignObject: a name is not ours; it was left in place.
+    """
     if cfg.num_pages < 1:
         raise ValueError("capacity_bytes is smaller than one page")
-    destroy_segments(prefix)
+    try:
+        attach_checked(Names(prefix).meta, MAGIC, VERSION, "store").close()
+    except FileNotFoundError:
+        destroy_segments(prefix)  # absent, or unfinished: nothing was ever committed in it
+    except LayoutMismatch as exc:
+        raise FileExistsError(f"{Names(prefix).meta!r} holds something complete: {exc}") from exc
+    else:
+        raise FileExistsError(f"a kvblend store exists under prefix {prefix!r}")
     slab_seg = Segment(Names(prefix).slab, cfg.slab_bytes, create=True, progress=progress)
     meta = Segment(Names(prefix).meta, meta_size(cfg), create=True)
     _initialize(tables(meta, cfg), cfg)
@@ -209,6 +234,29 @@ def _initialize(t: dict[str, np.ndarray], cfg: StoreConfig) -> None:
     h[Hdr.MAGIC] = MAGIC  # last: a store without it is unfinished
 
 
+@contextmanager
+def locked(prefix: str) -> Iterator[FileLock]:
+    """The store lock of ``prefix`` (``P_store.lock``), held inside; released after, and closed
+    unless the body succeeded (the ``Store`` it built keeps it).
+
+    Raises:
+        ForeignObject: the lock file is not ours.
+    """
+    lock = FileLock(Names(prefix).lock("store"))
+    try:
+        lock.acquire()
+    except BaseException:
+        lock.close()
+        raise
+    try:
+        yield lock
+    except BaseException:
+        lock.release()
+        lock.close()
+        raise
+    lock.release()
+
+
 def destroy_segments(prefix: str) -> None:
     """Remove a store's segment names (attached processes keep their mappings).
 
@@ -228,5 +276,6 @@ def destroy(prefix: str) -> None:
     unlink_private(shm_path(names.meta), shm_path(names.slab), names.lock("store"))
 
 
-__all__ = ["StoreConfig", "parts", "meta_size", "tables", "header", "destroy_segments", "destroy",
+__all__ = ["StoreConfig", "parts", "meta_size", "tables", "header", "attach_segments",
+           "create_segments", "locked", "destroy_segments", "destroy",
            "MAGIC", "VERSION", "DEFAULT_PAGE_BYTES", "DEFAULT_MIN_SLOT_BYTES"]
