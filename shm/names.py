@@ -6,8 +6,8 @@ This module owns the spelling of names; the structures that live behind them own
 the other entries are paths in ``/dev/shm``::
 
     name (P = prefix)             kind      made and used by
-    P_meta                        segment   shm.store: header, class table, object index, pins
-    P_slab                        segment   shm.store: the chunk slots
+    P_meta                        segment   shm.storefile: header, class table, object index, pins
+    P_slab                        segment   shm.storefile: the chunk slots
     /dev/shm/P_store.lock         file      shm.store's flock
     P_fp                          segment   shm.fingerprint
     /dev/shm/P_fp.lock            file      its flock

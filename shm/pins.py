@@ -1,6 +1,6 @@
 """The pin table: which process holds how many read pins on which object, as numba kernels.
 
-This module owns the ``pins`` array (laid out in ``shm.store``): one row per (slot, pid) with a
+This module owns the ``pins`` array (laid out in ``shm.storefile``): one row per (slot, pid) with a
 count. The object's total lives in obj[s, PINS] (``shm.index``); the rows exist so that pins of a
 dead process can be found and dropped, and so a rebuild can recompute the totals.
 

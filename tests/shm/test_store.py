@@ -11,8 +11,9 @@ import pytest
 from shm import index, slab
 from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
 from shm.header import Hdr
+from shm.evicted import LOG_ROWS as _EV_ROWS
 from shm.layout import ChunkClass
-from shm.store import _EV_ROWS, Store, StoreConfig, destroy
+from shm.store import Store, StoreConfig, destroy
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, fill_value, intact, key, put, tokens_for
 

@@ -1,0 +1,131 @@
+"""Where a slot's bytes are in the slab: its KV view, its token ids, its DMA region, and the batch
+check of the slot headers of pinned slots.
+
+This module owns the reading side of a slot's layout. It does not own which slot holds what
+(``shm.index``), how slots are handed out (``shm.slab``, which also writes the slot header), the
+header words (``shm.header.SlotHdr``), nor any locking: callers hold a reservation or a pin on
+the slot, so its class and header do not change under them.
+
+A slot (slot id ``s`` in page ``s // spp`` at index ``s % spp``, byte
+``page * page_bytes + index * slot_bytes`` of ``P_slab``)::
+
+    +0                 slot header, int64 words (shm.header.SlotHdr)
+    +SLOT_HDR_BYTES    token ids, uint32[chunk_size]
+    +header_bytes      KV bytes [2, L, C, D] of the class's element type (kv_bytes)
+    +slot_bytes        next slot
+
+``header_bytes`` and ``slot_bytes`` are rounded as ``ChunkClass.align`` says (4 KiB for chunks
+>= 64 KiB), so DMA starts page aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm import index, slab
+from shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, SlotHdr
+from shm.keys import ChunkKey, key_words
+from shm.layout import ChunkClass
+
+SLOT_HDR_WORDS = SLOT_HDR_BYTES // 8
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Per-class numbers the hot path needs, computed once."""
+
+    dtype: np.dtype
+    kv_shape: tuple[int, int, int, int]
+    header_bytes: int
+    kv_bytes: int
+    slot_bytes: int
+    chunk_size: int
+
+    @classmethod
+    def of(cls, cc: ChunkClass) -> "_Geometry":
+        return cls(cc.numpy_dtype(), cc.kv_shape, cc.header_bytes, cc.kv_bytes, cc.slot_bytes,
+                   cc.chunk_size)
+
+
+class SlotMap:
+    """Slot ids to bytes of one attached slab.
+
+    Args:
+        slab_bytes: the slab, uint8.
+        classes: the class table (``shm.slab`` C_* columns).
+        obj: the object table (``shm.index``), for each slot's class.
+        page_bytes: bytes per page.
+        spp: slot ids per page.
+        chunk_class: the layout class of an id (cached by the caller).
+    """
+
+    def __init__(self, slab_bytes: np.ndarray, classes: np.ndarray, obj: np.ndarray,
+                 page_bytes: int, spp: int, chunk_class: Callable[[int], ChunkClass]) -> None:
+        self._slab, self._classes, self._obj = slab_bytes, classes, obj
+        self._page_bytes, self._spp = page_bytes, spp
+        self._chunk_class = chunk_class
+        self._geometry: dict[int, tuple[int, _Geometry]] = {}
+
+    def kv(self, slot: int) -> np.ndarray:
+        """The KV bytes of a slot, viewed as ``[2, L, C, D]`` of the class's element type."""
+        g, off = self._locate(slot)
+        start = off + g.header_bytes
+        return self._slab[start:start + g.kv_bytes].view(g.dtype).reshape(g.kv_shape)
+
+    def tokens(self, slot: int) -> np.ndarray:
+        """The token ids of a slot, uint32 ``[chunk_size]``."""
+        g, off = self._locate(slot)
+        start = off + SLOT_HDR_WORDS * 8
+        return self._slab[start:start + 4 * g.chunk_size].view(np.uint32)
+
+    def region(self, slot: int) -> tuple[int, int]:
+        """(byte offset in the slab, bytes) of a slot's KV data."""
+        g, off = self._locate(slot)
+        return off + g.header_bytes, g.kv_bytes
+
+    def kv_offsets(self, slots: np.ndarray) -> np.ndarray:
+        """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""
+        slots = np.asarray(slots, np.int64)
+        cls = self._obj[slots, index.CLASS]
+        page, i = np.divmod(slots, self._spp)
+        return (page * self._page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]
+                + self._classes[cls, slab.C_HEADER_BYTES])
+
+    def verify(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+               token_rows: np.ndarray) -> np.ndarray:
+        """Boolean per slot (-1: none): of class ``class_id``, holding ``keys[i]`` and exactly the
+        token ids ``token_rows[i]`` (uint32 ``[n, C]``), read from the slot headers in one gather.
+        """
+        ok = np.asarray(slots) >= 0
+        if not ok.any():
+            return ok
+        hb = self._chunk_class(class_id).header_bytes
+        start = np.where(ok, self.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
+        ok &= start >= 0
+        start = np.where(ok, start, 0)
+        words = self._slab.view(np.int64)[(start // 8)[:, None] + np.arange(len(SlotHdr))]
+        ok &= (words[:, SlotHdr.MAGIC] == SLOT_MAGIC) & (words[:, SlotHdr.CLASS] == class_id)
+        ok &= (words[:, SlotHdr.K0:SlotHdr.RANK + 1] == key_words(keys)).all(axis=1)
+        if not ok.any():
+            return ok
+        C = token_rows.shape[1]
+        have = self._slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None] + np.arange(C)]
+        return ok & (have == token_rows).all(axis=1)
+
+    def _locate(self, slot: int) -> tuple[_Geometry, int]:
+        c = int(self._obj[slot, index.CLASS])
+        gen = int(self._classes[c, slab.C_GEN])
+        cached = self._geometry.get(c)
+        if cached is not None and cached[0] == gen:
+            g = cached[1]
+        else:
+            g = _Geometry.of(self._chunk_class(c))
+            self._geometry[c] = (gen, g)
+        page, i = divmod(slot, self._spp)
+        return g, page * self._page_bytes + i * g.slot_bytes
+
+
+__all__ = ["SlotMap", "SLOT_HDR_WORDS"]
