@@ -1,12 +1,36 @@
 """kvblend's storage tier: POSIX shared-memory slabs holding KV chunks and all shared state.
 
-Depends on nothing else of kvblend. Modules: ``segment`` (one mapped segment), ``lock`` (the
-cross-process lock), ``layout`` (geometry), ``index`` / ``slab`` / ``pins`` (the store's kernels),
-``store`` (the public store), ``storefile`` (its segments: geometry, layout, create, attach),
-``keys`` / ``records`` (what goes in and comes out), ``classes`` (the layout class rows), ``slots``
-(where a slot's bytes are), ``evicted`` (the eviction report), ``hashing`` (chunk hashes),
-``fingerprint`` (the blend matcher), ``lookup`` (matcher + store), ``events`` (recent events
-and counters), ``telemetry`` (the counters and event kinds it may hold), ``names`` (every name
-under a prefix, and ``destroy``), ``private`` (opening only what is ours), ``warm`` (kernels
-loaded before serving), ``errors``.
+Depends on nothing else of kvblend. Its modules, by the structure they serve::
+
+    the chunk store ({prefix}_meta, {prefix}_slab)
+      store        the public object: reserve, commit, pin, evict, clear
+      storefile    its segments: geometry, drawing, create and attach, destroy
+      header       its header words and a slot's header words, declared once
+      keys         ChunkKey and its word form          records   what comes out (pins, stats)
+      classes      layout class rows                    slots     where a slot's bytes are
+      evicted      the evicted keys, for the index      layout    KV geometry and dtypes
+      index        kernels: key -> slot, states, recency
+      slab         kernels: pages, slots, allocation, eviction, rebuild
+      pins         kernels: read pins per process
+    the fingerprint index ({prefix}_fp)
+      fingerprint  the public object: register, remove, sweep, match
+      fpformat     its segment: drawing, header and entry words, create and attach
+      fpkernels    kernels: register, remove, rebuild
+      registration what a registration inserts, prepared off the lock
+      probe        rolling hash, filter and table probe, digest check
+      cover        the non-overlapping cover of the matches
+    shared by both
+      table        the open-addressing hash table (kernels), written once
+      hashing      namespaces and chunk hashes          matches   Match, LookupResult
+      lookup       the fingerprint index joined with the store
+    the event log ({prefix}_events)
+      events       the ring of recent events and the counters
+      telemetry    the counters and event kinds it may hold
+    plumbing
+      segment      one mapped segment, and the attach rule of every structure
+      lock         the cross-process lock, surviving its holder's death
+      names        every name under a prefix, and ``destroy``
+      private      opening and removing only what is ours
+      warm         kernels compiled or loaded before serving
+      errors       the exception tree                   _jit      numba's cache folder
 """

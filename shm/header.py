@@ -1,6 +1,6 @@
 """The store's header words and a slot's header words, declared once beside their drawings.
 
-This module owns where each word lives; ``shm.store``, ``shm.slab``, ``shm.index`` and
+This module owns where each word lives; ``shm.storefile``, ``shm.slab``, ``shm.index`` and
 ``shm.pins`` import the positions from here (the kernels as plain ints), and a test checks that
 the drawings below and the declarations agree and that no two words share a position.
 

@@ -1,7 +1,7 @@
 """The object index: key -> slot, object states, and the recency list, as numba kernels.
 
 This module owns the ``obj`` table and the hash ``table`` (both int64 arrays in shared memory, laid
-out in ``shm.store``) and the operations on them. It does not own locking (callers hold the store
+out in ``shm.storefile``) and the operations on them. It does not own locking (callers hold the store
 lock), slot allocation (``shm.slab``) or bytes (the slab).
 
 A key is ``(namespace id, chunk hash, rank)``, kept as four int64 words: k0, k1 (the 16-byte chunk
