@@ -93,7 +93,7 @@ class DataPlaneLink:
         msg = dp.RegisterInstance(
             model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,
             num_layers=body.num_layers, num_tokens=body.num_tokens, hidden_dim=body.hidden_dim,
-            dtype=body.dtype, buffer=buffer, request_id=request_id)
+            dtype=dp.WireDType(body.dtype), buffer=buffer, request_id=request_id)
         reply = self._call(msg, self._timeout)
         assert isinstance(reply, dp.Registered), "the channel raises on error replies"
         return InstanceCreated(instance_id=reply.instance_id, instance_token=reply.token,

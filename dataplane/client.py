@@ -57,7 +57,7 @@ from dataplane.errors import BadRequest, DataPlaneError
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
                                 MatchSpec, Ping, Pong, RegisterInstance, RenewLease,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
-                                UnregisterInstance)
+                                UnregisterInstance, WireDType)
 from shm.hashing import as_tokens
 from shm.layout import DType
 from shm.matches import LookupResult
@@ -246,7 +246,7 @@ class BlendClient:
         spec = self._buffer_spec(kv)
         iid, token, lease = self._control.register(RegisterInstance(
             model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
-            num_tokens=T, hidden_dim=D, dtype=str(_TORCH_DTYPES[kv.dtype]), buffer=spec,
+            num_tokens=T, hidden_dim=D, dtype=WireDType(str(_TORCH_DTYPES[kv.dtype])), buffer=spec,
             request_id=request_id))
         with self._lock:
             self._instances[iid] = _Registered(kv, token)

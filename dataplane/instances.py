@@ -41,7 +41,7 @@ import msgspec
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from dataplane.messages import TOKEN_HEX, InstanceInfo, RegisterInstance, ShmBuffer
+from dataplane.messages import TOKEN_HEX, BufferKind, InstanceInfo, RegisterInstance, ShmBuffer
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.names import Names
@@ -102,8 +102,9 @@ class Instance:
         return InstanceInfo(instance_id=self.id, model_name=r.model_name, world_size=r.world_size,
                             worker_id=r.worker_id, num_layers=r.num_layers,
                             num_tokens=r.num_tokens, hidden_dim=r.hidden_dim,
-                            dtype=str(self.layout.dtype),
-                            buffer_kind="shm" if isinstance(r.buffer, ShmBuffer) else "cuda_ipc")
+                            dtype=r.dtype,
+                            buffer_kind=BufferKind.SHM if isinstance(r.buffer, ShmBuffer)
+                            else BufferKind.CUDA_IPC)
 
     def submit(self, job: Job, *, bounded: bool = True) -> None:
         """Queue ``job`` on the worker.

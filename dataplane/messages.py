@@ -49,6 +49,21 @@ class Backend(str, enum.Enum):
     CUDA = "cuda"
 
 
+class WireDType(enum.StrEnum):
+    """A KV buffer's element type on the wire (``shm.layout.DType`` by name)."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class BufferKind(enum.StrEnum):
+    """How an instance's buffer is shared: the tag of its ``BufferSpec``."""
+
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
 class StoreKind(str, enum.Enum):
     PRE_COMPUTED = "pre_computed"  # a document computed on its own, positions from 0
     FINAL = "final"                # a whole blended request, for later reuse
@@ -124,7 +139,7 @@ class RegisterInstance(_Msg):
     num_layers: Count
     num_tokens: Count
     hidden_dim: Count
-    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    dtype: WireDType
     buffer: BufferSpec
     request_id: RequestId = None
 
@@ -201,8 +216,8 @@ class InstanceInfo(_Msg):
     num_layers: int
     num_tokens: int
     hidden_dim: int
-    dtype: str
-    buffer_kind: str  # "shm" or "cuda_ipc"
+    dtype: WireDType
+    buffer_kind: BufferKind
 
 
 class Registered(_Msg):

@@ -30,10 +30,10 @@ How a lookup works:
 NOTE: every mutation runs under ``Guarded`` (``shm.fpkernels`` says what a crash inside one
 leaves and how ``repair`` mends it). Lookups copy the candidates' entries out under the lock and
 verify outside it; an object evicted after ``is_live`` answered can still be returned (the
-retrieve then reports that chunk failed). The reads without the lock are of the live counter alone (one aligned word, never torn): ``len``
-and ``stats`` report it, and ``match`` skips an empty index by it (a stale zero costs that lookup
-its hits, never a wrong one) only where ``shm.lock.LOCK_FREE_READS`` (x86-64); on other CPUs
-``match`` goes straight to the locked probe.
+retrieve then reports that chunk failed). The reads without the lock are of the live counter
+alone (one aligned word, never torn): ``len`` and ``stats`` report it, and ``match`` skips an
+empty index by it (a stale zero costs that lookup its hits, never a wrong one) only where
+``shm.lock.LOCK_FREE_READS`` (x86-64); on other CPUs ``match`` goes straight to the locked probe.
 """
 
 from __future__ import annotations
