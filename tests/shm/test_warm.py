@@ -24,17 +24,21 @@ from shm.store import ChunkKey, Store, StoreConfig
 
 prefix = sys.argv[1]
 warm(prefix)
-kernels = [fn for name in ("shm.slab", "shm.index", "shm.pins", "shm.fingerprint", "shm.lock")
-           for fn in vars(importlib.import_module(name)).values() if isinstance(fn, CPUDispatcher)]
+import pkgutil, shm
+kernels = [fn for m in pkgutil.iter_modules(shm.__path__)  # every module, however it is split
+           for fn in vars(importlib.import_module("shm." + m.name)).values()
+           if isinstance(fn, CPUDispatcher)]
+assert len({fn.py_func.__module__ for fn in kernels}) >= 8, "the kernel modules were not found"
 before = {id(fn): len(fn.overloads) for fn in kernels}
 
 C = 32
-store = Store.open(prefix, StoreConfig(capacity_bytes=4 << 20, page_bytes=1 << 20,
+store = Store.open(prefix, StoreConfig(capacity_bytes=2 << 20, page_bytes=1 << 19,
                                        min_slot_bytes=4096), wipe=True)
 fps = FingerprintIndex.open(prefix, C, capacity=256, wipe=True)
 ns = Namespace("model-b", 2)
 cid = store.register_class(ChunkClass.of(ns.model_name, 2, KVLayout(2, 8 * C, 16,
                                                                      DType.parse("bfloat16")), C))
+removed = 0
 for doc in range(40):  # far past the store's capacity: evictions on every batch
     tokens = np.random.default_rng(doc).integers(0, 50_000, 8 * C, dtype=np.uint32)
     hashes = chunk_hashes(ns, tokens, C)
@@ -45,11 +49,12 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
         store.commit_slots(slots[ok], [k for k, o in zip(keys, ok) if o])
     prepared = fps.prepare(ns, tokens, hashes)
     evicted = store.take_evicted()
-    fps.remove(np.ascontiguousarray(evicted[:, :2]))
+    removed += fps.remove(np.ascontiguousarray(evicted[:, :2]))
     fps.register_prepared(prepared)
     found = lookup(store, fps, ns, np.concatenate([tokens[3:], tokens]))
     keys = [ChunkKey(ns.id, m.chunk_hash, 0) for m in found.matches]
     store.unpin_slots(store.pin_slots(keys))
+assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
 store.reclaim()
 from shm import slab
