@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
-from starlette.types import ASGIApp
 
 from api import errors, kvblend_version
 from api.auth import Tokens, require_admin, require_token
@@ -48,16 +47,6 @@ TAGS = [
 ]
 
 
-class KvblendApp(FastAPI):
-    """FastAPI with the lookup fast path in front of its middleware stack (``api.lookup``), and
-    the body limit in front of both (``api.limits``)."""
-
-    def build_middleware_stack(self) -> ASGIApp:
-        settings: Settings = self.state.settings
-        return BodyLimit(LookupFastPath(super().build_middleware_stack(), self),
-                         settings.max_request_kb * 1024)
-
-
 def create_app(settings: Settings) -> FastAPI:
     """Build the service's app for ``settings``.
 
@@ -75,11 +64,14 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             services.close()
 
-    app = KvblendApp(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
-                     openapi_tags=TAGS, lifespan=lifespan)
+    app = FastAPI(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
+                  openapi_tags=TAGS, lifespan=lifespan)
     app.state.tokens = Tokens.of(settings)
     app.state.settings = settings
     errors.install(app)
+    # the last added runs first: the body limit in front of the lookup fast path (api.limits)
+    app.add_middleware(LookupFastPath)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_kb * 1024)
     routers = [m.router for m in (health, status, instances, lookup, chunks, metrics, events)]
     for router in routers:
         app.include_router(router)

@@ -9,7 +9,8 @@ routes do with a role (``api.routes``) nor the error bodies (``api.errors``).
 The header is taken only as ``Authorization: Bearer <token>``, exactly: one such header, the
 scheme spelled ``Bearer``, one space, the token, nothing after it. Each accepted value is compared
 whole, in constant time, so the scheme, the spacing and the token are checked together and the
-time taken says nothing about the token. ``api.lookup.LookupFastPath`` asks the same ``Tokens``.
+time taken says nothing about the token. Every check goes through ``role_of``: the routes' bearer
+dependency and the lookup fast path (``api.lookup.LookupFastPath``) alike.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.openapi.models import HTTPBearer as HTTPBearerModel
 from fastapi.security.base import SecurityBase
+from starlette.types import Scope
 
 from api.errors import AdminRequired, Unauthorized
 from api.settings import Settings
@@ -84,9 +86,15 @@ def tokens_of(request: Request) -> Tokens:
     return tokens
 
 
+def role_of(scope: Scope) -> Role:
+    """The role of the HTTP request of ``scope``, by the tokens of the app serving it."""
+    tokens: Tokens = scope["app"].state.tokens
+    return tokens.role(scope["headers"])
+
+
 def is_admin(request: Request) -> bool:
     """Whether ``request`` presents the admin token, or no token is configured at all."""
-    return tokens_of(request).role(request.scope["headers"]) is Role.ADMIN
+    return role_of(request.scope) is Role.ADMIN
 
 
 class BearerAuth(SecurityBase):
@@ -103,7 +111,7 @@ class BearerAuth(SecurityBase):
         self.scheme_name = "bearer"
 
     async def __call__(self, request: Request) -> Role:
-        return tokens_of(request).role(request.scope["headers"])
+        return role_of(request.scope)
 
 
 bearer = BearerAuth()

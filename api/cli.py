@@ -10,46 +10,55 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from enum import Enum
+from typing import Any, get_args
 
 import httpx
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 
-from api.settings import Backend, Settings
+from api.settings import Settings
 
-FLAGS: list[tuple[str, type, str]] = [
-    ("host", str, "interface to bind (default 127.0.0.1)"),
-    ("port", int, "API port (default 8780)"),
-    ("chunk_size", int, "tokens per chunk (default 256)"),
-    ("storage_mb", int, "slab budget in MiB, pre-faulted at creation (default 1024)"),
-    ("page_mb", int, "slab page in MiB; 0 = min(256, storage/8) (default 0)"),
-    ("min_slot_kb", int, "smallest chunk slot in KiB; bounds slots per page (default 64)"),
-    ("shm_prefix", str, "shared-memory name prefix (default kvblend)"),
-    ("api_token", str, "require 'Authorization: Bearer <token>' on /v1 and /metrics"),
-    ("admin_token", str, "token for clearing the cache and unredacted events (docs/security.md)"),
-    ("max_request_kb", int, "largest HTTP request body in KiB; more is 413 (default 8192)"),
-    ("instance_lease_s", float, "seconds an instance lives without a renewal (default 30)"),
-    ("max_instances", int, "registered instances per service (default 256)"),
-    ("max_instances_per_client", int, "instances per data-plane connection (default 64)"),
-    ("max_connections", int, "data-plane connections at once (default 256)"),
-    ("workers", int, "API worker processes (default 1)"),
-    ("fingerprint_capacity", int, "fingerprint index entries (default 1048576)"),
-    ("dataplane_socket", str, "data-plane socket path (default under /dev/shm)"),
-    ("dataplane_timeout_s", float, "seconds to wait for a registration (default 10)"),
-    ("ping_timeout_s", float, "seconds a data-plane ping may take before readiness fails "
-                              "(default 0.75)"),
-    ("stop_grace_s", float, "seconds the data plane may take to finish its calls at a stop "
-                            "(default 60)"),
-    ("log_level", str, "critical|error|warning|info|debug (default info)"),
-]
 CLIENT_FLAGS = ("host", "port", "api_token")
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    for name, kind, doc in FLAGS:
+    """One flag per ``Settings`` field (or per field in ``names``), described by the field."""
+    for name, field in Settings.model_fields.items():
         if names is None or name in names:
-            parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                                default=argparse.SUPPRESS, help=doc)
+            parser.add_argument("--" + name.replace("_", "-"), dest=name,
+                                default=argparse.SUPPRESS, help=_help(field),
+                                **_kind(name, field))
+
+
+def _kind(name: str, field: FieldInfo) -> dict[str, Any]:
+    """The argparse arguments that read ``field``'s type: a switch for a bool, the values of an
+    enum, else the plain type (a secret is read as a string)."""
+    kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
+    if kind is bool:
+        if field.default is not False:
+            raise TypeError(f"Settings.{name}: a switch must default to False")
+        return {"action": "store_const", "const": True}
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return {"choices": [member.value for member in kind]}
+    if kind is SecretStr:
+        return {"type": str}
+    if kind in (str, int, float):
+        return {"type": kind}
+    raise TypeError(f"Settings.{name}: no flag for a {field.annotation!r}")
+
+
+def _help(field: FieldInfo) -> str:
+    """The field's description, with its default when the default says something."""
+    default = field.default
+    doc = (field.description or "").replace("%", "%%")
+    if default is None or default is False or default == "":
+        return doc
+    if isinstance(default, Enum):
+        default = default.value
+    elif isinstance(default, float):
+        default = f"{default:g}"
+    return f"{doc} (default {default})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,13 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them")
     _add_flags(serve)
-    serve.add_argument("--backend", choices=[b.value for b in Backend],
-                       default=argparse.SUPPRESS, help="auto: cuda when a GPU is present")
-    serve.add_argument("--wipe", action="store_const", const=True, default=argparse.SUPPRESS,
-                       help="drop the cached chunks at start-up")
-    serve.add_argument("--insecure-no-token", action="store_const", const=True,
-                       default=argparse.SUPPRESS,
-                       help="allow a non-loopback --host without --api-token")
     for name, doc in (("status", "show the running service's status"),
                       ("clear", "drop every cached chunk of the running service")):
         p = sub.add_parser(name, help=doc)

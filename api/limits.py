@@ -4,8 +4,8 @@ This module owns how large a request body may be and the 413 answer to a larger 
 own what a route does with a body it accepts (``api.lookup``, the routers) nor the problem+json
 shape (``api.errors``).
 
-``BodyLimit`` wraps everything else, the lookup fast path included, so no route and no code in
-front of the framework ever holds more than the limit of one body:
+``BodyLimit`` is the outermost of the app's own middleware, in front of the lookup fast path and
+the routes, so no route and no middleware behind it ever holds more than the limit of one body:
 
 - a request that declares a larger ``Content-Length`` is answered 413 before the app runs, so it
   has no side effect whatever the route;
@@ -40,10 +40,10 @@ def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 class BodyLimit:
-    """ASGI wrapper: answers 413 to any request whose body exceeds ``max_bytes``.
+    """ASGI middleware: answers 413 to any request whose body exceeds ``max_bytes``.
 
     Args:
-        app: the app to guard (the whole service, fast paths included).
+        app: the rest of the stack (the lookup fast path, the exception middleware, the routes).
         max_bytes: the largest body taken, in bytes.
     """
 

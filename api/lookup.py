@@ -4,15 +4,16 @@ A lookup pins nothing: it reads the fingerprint index and asks the store which c
 so a lookup that no retrieve follows leaves no trace in the store (LMCache's matcher pinned on
 lookup, and hit rates decayed to zero when engines skipped the retrieve).
 
-``LookupFastPath`` serves ``POST /v1/lookup`` in front of the framework. The FastAPI route stays
+``LookupFastPath`` is a middleware that serves ``POST /v1/lookup`` itself. The FastAPI route stays
 (it documents the operation, and it answers every request the fast path does not take), but a
-well-formed lookup skips routing, the middleware stack and dependency resolution, which together
-cost more than the match itself (measured: about 0.8 ms of a 1.4 ms binary lookup, in-process).
-The fast path only says yes: a request it does not fully accept (another path or method, a caller
-``api.auth.Tokens`` does not admit, a query parameter it cannot parse and bound, a body that does
-not decode, a model name or salt ``shm.hashing`` refuses) goes to the app unchanged, its body
-replayed, so every error is still the route's own problem+json answer and the accepted requests
-are a subset of what the route accepts. The body limit (``api.limits``) sits in front of it.
+well-formed lookup skips routing, the exception middleware and dependency resolution, which
+together cost more than the match itself (measured: about 0.8 ms of a 1.4 ms binary lookup,
+in-process). The fast path only says yes: a request it does not fully accept (another path or
+method, a caller ``api.auth.role_of`` does not admit, a query parameter it cannot parse and bound,
+a body that does not decode, a model name or salt ``shm.hashing`` refuses) goes down the stack
+unchanged, its body replayed, so every error is still the route's own problem+json answer and the
+accepted requests are a subset of what the route accepts. The body limit (``api.limits``) sits in
+front of it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from urllib.parse import parse_qsl
 
 import msgspec
 import numpy as np
-from fastapi import FastAPI, Request, Response
+from fastapi import Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import Role, Tokens
+from api.auth import Role, role_of
 from api.errors import ApiError, InvalidInput, UnsupportedMediaType, problem_for
 from api.metrics import count_lookup
 from api.services import Services
@@ -184,11 +185,15 @@ def _query_fields(raw: bytes) -> tuple[str | None, int, str] | None:
 
 
 class LookupFastPath:
-    """ASGI wrapper: serves well-formed ``POST /v1/lookup`` requests itself, hands everything else
-    (and every request it has doubts about) to ``app``. See the module docstring."""
+    """ASGI middleware: serves well-formed ``POST /v1/lookup`` requests itself, hands everything
+    else (and every request it has doubts about) to ``app``. See the module docstring.
 
-    def __init__(self, app: ASGIApp, owner: FastAPI) -> None:
-        self.app, self.owner = app, owner
+    It reads the services from the state of the app serving the request (``scope["app"]``), so it
+    is added like any middleware: ``app.add_middleware(LookupFastPath)``.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["path"] != _PATH or scope["method"] != "POST"
@@ -205,12 +210,11 @@ class LookupFastPath:
                 request_id = value.decode("latin-1")
         ctype = ("application/json" if raw_ctype is None
                  else raw_ctype.decode("latin-1").split(";")[0].strip().lower())
-        tokens: Tokens = self.owner.state.tokens
         fields = _query_fields(scope["query_string"])
         binary = ctype == OCTET_STREAM
         if (fields is None or (binary and fields[0] is None)
                 or not (binary or ctype == "application/json")
-                or tokens.role(scope["headers"]) is Role.NONE):
+                or role_of(scope) is Role.NONE):
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
@@ -223,7 +227,7 @@ class LookupFastPath:
             return
         rid = (request_id or uuid.uuid4().hex[:16])[:128]
         try:
-            payload = answer(self.owner.state.services, query, rid, started)
+            payload = answer(scope["app"].state.services, query, rid, started)
         except Exception as exc:  # the same problem+json the route's handlers give
             response = await problem_for(Request(scope, _replay(body, receive)), exc)
             await response(scope, receive, send)

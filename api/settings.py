@@ -28,64 +28,61 @@ class Backend(StrEnum):
 class Settings(BaseSettings):
     """Everything ``kvblend serve`` and the API workers need.
 
-    Attributes:
-        host: interface the API binds to (loopback by default: the admin API is not for the world).
-        port: TCP port of the API.
-        chunk_size: tokens per stored chunk.
-        storage_mb: slab budget in MiB (pre-faulted at creation: about 1 s/GiB).
-        page_mb: unit in which slab memory moves between layout classes; 0 picks
-            ``min(256, storage_mb / 8)`` so that small stores still hold several layout classes.
-        min_slot_kb: smallest chunk slot the store plans for, in KiB; it bounds slots per page,
-            so stores of tiny chunks (small models, tests) want it lower.
-        shm_prefix: names every shared-memory segment of this service (several may coexist).
-        backend: ``auto``, ``cpu`` or ``cuda``.
-        api_token: when set, ``/v1`` routes and ``/metrics`` require ``Authorization: Bearer``.
-        admin_token: when set, clearing the cache and seeing other clients' request ids and
-            model names in ``/v1/events`` need this token (docs/security.md).
-        max_request_kb: largest HTTP request body, in KiB (a bigger one is answered 413).
-        instance_lease_s: an instance whose owner renewed nothing for this long is dropped.
-        max_instances: registered instances per service.
-        max_instances_per_client: instances one data-plane connection may hold.
-        max_connections: data-plane connections at once.
-        insecure_no_token: allow binding a non-loopback ``host`` without ``api_token``.
-        workers: API worker processes.
-        fingerprint_capacity: entries of the fingerprint index (94-124 bytes each).
-        dataplane_socket: address of the data plane's channel; empty: its default for the prefix.
-        dataplane_timeout_s: seconds the API waits for a registration or unregistration.
-        ping_timeout_s: seconds a data-plane ping may take; readiness turns 503 once the last
-            answer is older than this (plus the monitor's interval).
-        stop_grace_s: seconds a stopping data plane may take to finish its queued calls (the API
-            gets a quarter, at least 5 s) before it is killed.
-        wipe: drop the existing cache at start-up.
-        log_level: uvicorn and supervisor log level.
+    Each field's ``description`` is its documentation; it is also the help of its ``kvblend serve``
+    flag (``api.cli`` builds one flag per field), so a new setting needs no second edit there.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVBLEND_", frozen=True, extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8780, ge=1, le=65535)
-    chunk_size: int = Field(256, gt=0)
-    storage_mb: int = Field(1024, gt=0)
-    page_mb: int = Field(0, ge=0)
-    min_slot_kb: int = Field(64, ge=4)
-    shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    backend: Backend = Backend.AUTO
-    api_token: SecretStr | None = None
-    admin_token: SecretStr | None = None
-    max_request_kb: int = Field(8192, ge=64, le=1 << 20)
-    instance_lease_s: float = Field(30.0, ge=1.0, le=86400.0)
-    max_instances: int = Field(256, ge=1, le=4096)
-    max_instances_per_client: int = Field(64, ge=1, le=4096)
-    max_connections: int = Field(256, ge=2, le=4096)
-    insecure_no_token: bool = False
-    workers: int = Field(1, ge=1, le=64)
-    fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30)
-    dataplane_socket: str = ""
-    dataplane_timeout_s: float = Field(10.0, gt=0, le=3600)
-    ping_timeout_s: float = Field(0.75, gt=0, le=60)
-    stop_grace_s: float = Field(60.0, ge=5, le=3600)
-    wipe: bool = False
-    log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$")
+    host: str = Field("127.0.0.1", description=(
+        "interface the API binds to; one that is not loopback needs an API token"))
+    port: int = Field(8780, ge=1, le=65535, description="API port")
+    chunk_size: int = Field(256, gt=0, description="tokens per stored chunk")
+    storage_mb: int = Field(1024, gt=0, description=(
+        "slab budget in MiB, pre-faulted at creation, which takes about 1 s/GiB"))
+    page_mb: int = Field(0, ge=0, description=(
+        "slab page in MiB, the unit in which memory moves between layout classes; "
+        "0 = min(256, storage_mb / 8), so that small stores still hold several classes"))
+    min_slot_kb: int = Field(64, ge=4, description=(
+        "smallest chunk slot in KiB; it bounds slots per page, so stores of tiny chunks "
+        "(small models, tests) want it lower"))
+    shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+        "names every shared-memory segment of this service; several services may coexist"))
+    backend: Backend = Field(Backend.AUTO, description=(
+        "where engine KV buffers live; auto: cuda when a GPU is present"))
+    api_token: SecretStr | None = Field(None, description=(
+        "require 'Authorization: Bearer <token>' on /v1 and /metrics; needed to bind a "
+        "non-loopback host"))
+    admin_token: SecretStr | None = Field(None, description=(
+        "token for clearing the cache and for seeing other clients' request ids and model "
+        "names in /v1/events (docs/security.md)"))
+    max_request_kb: int = Field(8192, ge=64, le=1 << 20, description=(
+        "largest HTTP request body in KiB; a bigger one is answered 413"))
+    instance_lease_s: float = Field(30.0, ge=1.0, le=86400.0, description=(
+        "seconds an instance lives without a renewal by its owner"))
+    max_instances: int = Field(256, ge=1, le=4096, description="registered instances per service")
+    max_instances_per_client: int = Field(64, ge=1, le=4096, description=(
+        "instances one data-plane connection may hold"))
+    max_connections: int = Field(256, ge=2, le=4096, description="data-plane connections at once")
+    insecure_no_token: bool = Field(False, description=(
+        "allow binding a non-loopback host without an API token"))
+    workers: int = Field(1, ge=1, le=64, description="API worker processes")
+    fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30, description=(
+        "fingerprint index entries (94-124 bytes each)"))
+    dataplane_socket: str = Field("", description=(
+        "the data plane's socket path; empty: its default under /dev/shm for the prefix"))
+    dataplane_timeout_s: float = Field(10.0, gt=0, le=3600, description=(
+        "seconds the API waits for a registration or unregistration"))
+    ping_timeout_s: float = Field(0.75, gt=0, le=60, description=(
+        "seconds a data-plane ping may take; readiness turns 503 once the last answer is older "
+        "than this (plus the monitor's interval)"))
+    stop_grace_s: float = Field(60.0, ge=5, le=3600, description=(
+        "seconds a stopping data plane may take to finish its queued calls (the API gets a "
+        "quarter, at least 5 s) before it is killed"))
+    wipe: bool = Field(False, description="drop the cached chunks at start-up")
+    log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$",
+                           description="uvicorn and supervisor log level: critical, error, "
+                                       "warning, info, debug or trace")
 
     @field_validator("api_token", "admin_token", mode="before")
     @classmethod

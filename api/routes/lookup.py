@@ -1,7 +1,8 @@
 """``POST /v1/lookup``: which stored chunks appear where in a prompt (JSON or binary body).
 
-Well-formed lookups are answered before they reach this route, by ``api.lookup.LookupFastPath``;
-the route documents the operation and answers the rest (every error included). Both parse with
+Well-formed lookups are answered before they reach this route, by the middleware
+``api.lookup.LookupFastPath``; the route documents the operation and answers the rest (every error
+included). Both parse with
 ``api.lookup.parse_lookup`` against the bounds of ``shm.hashing``.
 """
 

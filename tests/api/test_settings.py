@@ -40,3 +40,24 @@ def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
     assert set(Settings.model_fields) <= flags
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}`" not in readme] == []
+
+
+def test_serve_flags_come_from_the_settings() -> None:
+    """Each flag reads its field's type and shows its description and default; the client
+    commands take only the flags that reach a service."""
+    from api.cli import build_parser
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    serve = {a.dest: a for a in commands["serve"]._actions if a.option_strings}
+    for name, field in Settings.model_fields.items():
+        assert field.description and serve[name].help.startswith(field.description), name
+    assert serve["storage_mb"].help.endswith("(default 1024)") and serve["storage_mb"].type is int
+    assert serve["ping_timeout_s"].help.endswith("(default 0.75)")
+    assert serve["backend"].choices == ["auto", "cpu", "cuda"]
+    assert "default" not in serve["api_token"].help and "default" not in serve["wipe"].help
+    args = vars(parser.parse_args(["serve", "--wipe", "--backend", "cpu", "--stop-grace-s", "7",
+                                   "--api-token", "t"]))
+    assert args == {"command": "serve", "wipe": True, "backend": "cpu", "stop_grace_s": 7.0,
+                    "api_token": "t"}
+    status = {a.dest for a in commands["status"]._actions if a.option_strings}
+    assert status == {"help", "host", "port", "api_token", "url", "json"}
