@@ -19,8 +19,9 @@ SETTINGS = {"api/settings.py", "dataplane/settings.py"}
 
 #: modules that touch the environment outside the settings modules, and why that is right
 EXCEPTIONS = {
-    "shm/_jit.py": "sets a default NUMBA_CACHE_DIR (under XDG_CACHE_HOME) for numba, a third-party "
-                   "library that reads it once at import, before any of our settings exist",
+    "shm/_jit.py": "sets NUMBA_CACHE_DIR (a folder per digest of shm's sources, under the given "
+                   "one or XDG_CACHE_HOME) for numba, a third-party library that reads it once at "
+                   "import, before any of our settings exist",
     "api/supervisor.py": "builds its children's environment: the parent's, plus the KVBLEND_* "
                          "variables of its settings (Settings.to_env)",
 }

@@ -3,7 +3,6 @@ then defaults; nothing else in the packages reads configuration from the environ
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -38,19 +37,3 @@ def test_a_missing_or_bad_value_exits_2_naming_it(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
     assert exit_.value.code == 2 and why in capsys.readouterr().err
-
-
-# where the environment is touched on purpose, and why it is not configuration
-ALLOWED = {
-    "api/settings.py": "the API's settings",
-    "dataplane/settings.py": "the data plane's settings (through pydantic-settings)",
-    "api/supervisor.py": "passes its environment on to the children it starts",
-    "shm/_jit.py": "gives numba a cache folder before any kernel is defined",
-}
-
-
-def test_only_settings_modules_read_the_environment() -> None:
-    readers = sorted(str(p.relative_to(ROOT)) for pkg in ("shm", "api", "dataplane")
-                     for p in (ROOT / pkg).rglob("*.py")
-                     if re.search(r"os\.environ|os\.getenv|getenv\(", p.read_text()))
-    assert set(readers) <= set(ALLOWED), readers
