@@ -1,17 +1,12 @@
 """The data plane's settings: built once at start from flags, then ``KVBLEND_DP_*`` variables,
-then defaults; nothing else in the packages reads configuration from the environment."""
+then defaults (that nothing else reads the environment is checked in tests/test_seams.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from dataplane.__main__ import parse_args
 from dataplane.transfer import Tuning
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_flags_win_over_variables_which_win_over_defaults(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
