@@ -7,6 +7,8 @@ host-registered slabs). The store logic (keys, reservations, pins, commit order)
 
 Life of one call on an ``InstanceBuffer`` (all on the instance's own worker thread, in order)::
 
+    bind(block_table)          the call's token capacity (a paged buffer: through its block table)
+    check(starts, chunk_size)  every chunk's tokens have slots (before any side effect)
     begin(engine_event)        wait (on the instance's stream) for the engine's event, if any
     to_slab_many(...) / from_slab_many(...)  enqueue one copy per chunk (CPU: done at once)
     mark()                     a marker for the copies enqueued so far (any number per call)
@@ -22,15 +24,38 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import numpy as np
+
+from dataplane.errors import BadRequest
 from dataplane.messages import Backend, BufferSpec
 from shm.layout import KVLayout
 from shm.store import Store
 
 
 class InstanceBuffer(abc.ABC):
-    """One registered engine buffer ``[2, L, T, D]``, opened in the data plane."""
+    """One registered engine buffer, opened in the data plane: ``[2, L, T, D]`` contiguous, or
+    paged (``dataplane.paged``). Token positions are the call's logical positions; a contiguous
+    buffer's are its own."""
 
     layout: KVLayout
+
+    def bind(self, block_table: bytes | None) -> int:
+        """Take a call's block table; returns the logical token positions the call may use.
+
+        Raises:
+            BadRequest: a block table for a contiguous buffer (a paged one requires it).
+        """
+        if block_table is not None:
+            raise BadRequest("a block table was given for a contiguous buffer")
+        return self.layout.num_tokens
+
+    def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
+        """Refuse chunks whose tokens have no slot (a paged buffer's block table); called before
+        any side effect of the call.
+
+        Raises:
+            OutOfRange: a chunk's tokens pass the buffer or name a block outside it.
+        """
 
     @abc.abstractmethod
     def begin(self, engine_event: bytes | None) -> None:

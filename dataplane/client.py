@@ -17,6 +17,15 @@ Example::
     client.retrieve(inst, token_ids, res.matches, offset=0, event=None).wait()
     client.unregister(inst); client.close()
 
+Paged caches (``dataplane.paged``: per-layer tensors of a named layout; every call names the
+instance's token slots by a block table of int32 block ids)::
+
+    layers = client.cpu_paged_kv_cache(L, num_blocks, block_size, kv_heads, head_dim,
+                                       torch.bfloat16, layout="flash_attn")
+    inst = client.register_paged_kv_cache(layers, "flash_attn", block_size, kv_heads, head_dim,
+                                          model_name="m")
+    client.store_pre_computed(inst, token_ids, block_table=[7, 2, 9]).wait()
+
 CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recorded after it wrote
 (store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream
 before its first copy. When ``event`` is None for a CUDA buffer, the client records one of the
@@ -51,11 +60,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane import paged
 from dataplane.channel import Channel, Pending
 from dataplane.control import Control, DirectControl, HttpControl
 from dataplane.errors import BadRequest, DataPlaneError
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
-                                MatchSpec, Ping, Pong, RegisterInstance, RenewLease,
+                                MatchSpec, PagedBuffer, PagedLayer, Ping, Pong,
+                                RegisterInstance, RenewLease,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
                                 UnregisterInstance, WireDType)
 from shm.hashing import as_tokens
@@ -211,6 +222,21 @@ class BlendClient:
             self._buffers[kv.data_ptr()] = seg
         return kv
 
+    def cpu_paged_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                           head_dim: int, dtype: torch.dtype = torch.float16,
+                           layout: str = "flash_attn") -> list[torch.Tensor]:
+        """Zeroed per-layer tensors of a named paged layout (``dataplane.paged``: flash_attn
+        ``[2, B, S, H, Dh]``, flashinfer ``[B, 2, S, H, Dh]``, cpu_kt ``[B, H, S, 2*Dh]``) over
+        one new POSIX shm segment, unlinked when unregistered or when the client closes."""
+        shapes = {"flash_attn": (2, num_blocks, block_size, kv_heads, head_dim),
+                  "flashinfer": (num_blocks, 2, block_size, kv_heads, head_dim),
+                  "cpu_kt": (num_blocks, kv_heads, block_size, 2 * head_dim)}
+        if layout not in shapes:
+            raise ValueError(f"no paged layout {layout!r} here: one of {', '.join(shapes)}")
+        per = 2 * num_blocks * block_size * kv_heads * head_dim
+        whole = self.cpu_kv_buffer(1, 1, num_layers * per // 2, dtype).view(num_layers, per)
+        return [whole[layer].view(shapes[layout]) for layer in range(num_layers)]
+
     def _buffer_spec(self, kv: torch.Tensor) -> ShmBuffer | CudaIpcBuffer:
         if kv.is_cuda:
             storage = kv.untyped_storage()
@@ -220,11 +246,20 @@ class BlendClient:
             uuid_text = str(torch.cuda.get_device_properties(kv.device).uuid)
             return CudaIpcBuffer(handle=handle, offset=base_offset +
                                  kv.storage_offset() * kv.element_size(), device_uuid=uuid_text)
-        with self._lock:
-            seg = self._buffers.get(kv.data_ptr())
-        if seg is None:
-            raise BadRequest("a CPU buffer must come from cpu_kv_buffer() (POSIX shared memory)")
+        seg, at = self._segment_of(kv)
+        if at:
+            raise BadRequest("a CPU buffer must be a whole tensor of cpu_kv_buffer()")
         return ShmBuffer(name=seg.name)
+
+    def _segment_of(self, t: torch.Tensor) -> tuple[Segment, int]:
+        """The segment of ours that holds CPU tensor ``t``, and ``t``'s byte offset in it."""
+        ptr = t.data_ptr()
+        with self._lock:
+            for base, seg in self._buffers.items():
+                if base <= ptr and ptr + t.numel() * t.element_size() <= base + seg.size:
+                    return seg, ptr - base
+        raise BadRequest("a CPU buffer must come from cpu_kv_buffer() or cpu_paged_kv_cache() "
+                         "(POSIX shared memory)")
 
     # -- control ----------------------------------------------------------------------------
 
@@ -248,13 +283,72 @@ class BlendClient:
             model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
             num_tokens=T, hidden_dim=D, dtype=WireDType(str(_TORCH_DTYPES[kv.dtype])), buffer=spec,
             request_id=request_id))
+        self._track(iid, kv, token, lease)
+        return iid
+
+    def register_paged_kv_cache(self, layers: Sequence[torch.Tensor], layout: str,
+                                block_size: int, kv_heads: int, head_dim: int, model_name: str,
+                                world_size: int = 1, worker_id: int | None = 0,
+                                request_id: str | None = None) -> int:
+        """Register a paged cache: one contiguous tensor per layer, all of one named layout
+        (``dataplane.paged``) and dtype; returns the instance id. Calls then name its token slots
+        by a block table.
+
+        Raises:
+            BadRequest: layers of different sizes, dtypes or devices, a layout that does not fit
+                them, or CPU tensors not made by ``cpu_paged_kv_cache``.
+            LayoutMismatch: the model's chunks were stored with another shard layout or dtype.
+        """
+        if not layers:
+            raise BadRequest("a paged cache has at least one layer")
+        first = layers[0]
+        if any(t.numel() != first.numel() or t.dtype != first.dtype or t.device != first.device
+               or not t.is_contiguous() for t in layers):
+            raise BadRequest("every layer must be a contiguous tensor of one size, dtype, device")
+        if first.dtype not in _TORCH_DTYPES:
+            raise BadRequest(f"unsupported dtype {first.dtype}")
+        per_block = 2 * block_size * kv_heads * head_dim
+        if min(block_size, kv_heads, head_dim) < 1 or first.numel() % per_block:
+            raise BadRequest(f"a layer of {first.numel()} elements is not whole blocks of "
+                             f"2 x {block_size} tokens x {kv_heads} heads x {head_dim}")
+        num_blocks = first.numel() // per_block
+        try:
+            k, v = paged.placements(layout, num_blocks, block_size, kv_heads, head_dim)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        buffers: list[ShmBuffer | CudaIpcBuffer] = []
+        refs = []
+        for t in layers:  # each allocation or segment once; a layer is an offset in one
+            if t.is_cuda:
+                ipc = self._buffer_spec(t)
+                assert isinstance(ipc, CudaIpcBuffer), "a CUDA tensor is shared by IPC"
+                at, buf = ipc.offset, CudaIpcBuffer(handle=ipc.handle, offset=0,
+                                                    device_uuid=ipc.device_uuid)
+            else:
+                seg, at = self._segment_of(t)
+                buf = ShmBuffer(name=seg.name)
+            if buf not in buffers:
+                buffers.append(buf)
+            refs.append(PagedLayer(buffers.index(buf), at))
+        spec = PagedBuffer(block_size=block_size, num_blocks=num_blocks, kv_heads=kv_heads,
+                           head_dim=head_dim, k=k, v=v,
+                           layer_bytes=first.numel() * first.element_size(), buffers=buffers,
+                           layers=refs)
+        iid, token, lease = self._control.register(RegisterInstance(
+            model_name=model_name, world_size=world_size, worker_id=worker_id,
+            num_layers=len(layers), num_tokens=num_blocks * block_size,
+            hidden_dim=kv_heads * head_dim, dtype=WireDType(str(_TORCH_DTYPES[first.dtype])),
+            buffer=spec, request_id=request_id))
+        self._track(iid, first, token, lease)
+        return iid
+
+    def _track(self, iid: int, kv: torch.Tensor, token: str, lease: float) -> None:
         with self._lock:
             self._instances[iid] = _Registered(kv, token)
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, args=(lease / 3,),
                                                  name="kvblend-lease", daemon=True)
                 self._renewer.start()
-        return iid
 
     def _token(self, instance_id: int) -> str:
         with self._lock:
@@ -305,36 +399,43 @@ class BlendClient:
     # -- transfers --------------------------------------------------------------------------
 
     def store_pre_computed(self, instance_id: int, token_ids: Any, offset: int = 0,
-                           event: Any = None, *, cache_salt: str = "",
+                           event: Any = None, *, cache_salt: str = "", block_table: Any = None,
                            request_id: str | None = None) -> Transfer:
-        """Store a document computed on its own (positions from 0) from ``offset`` in the buffer."""
+        """Store a document computed on its own (positions from 0) from ``offset`` in the buffer.
+
+        ``block_table`` (paged caches only): the block ids holding logical positions
+        ``[0, offset + len(token_ids))``, ``block_size`` positions each."""
         return self._store_call(StoreKind.PRE_COMPUTED, instance_id, token_ids, offset, event,
-                                cache_salt, request_id)
+                                cache_salt, block_table, request_id)
 
     def store_final(self, instance_id: int, token_ids: Any, offset: int = 0, event: Any = None,
-                    *, cache_salt: str = "", request_id: str | None = None) -> Transfer:
+                    *, cache_salt: str = "", block_table: Any = None,
+                    request_id: str | None = None) -> Transfer:
         """Store a whole (blended) request so that later requests can reuse it."""
         return self._store_call(StoreKind.FINAL, instance_id, token_ids, offset, event,
-                                cache_salt, request_id)
+                                cache_salt, block_table, request_id)
 
     def _store_call(self, kind: StoreKind, instance_id: int, token_ids: Any, offset: int,
-                    event: Any, cache_salt: str, request_id: str | None) -> Transfer:
+                    event: Any, cache_salt: str, block_table: Any,
+                    request_id: str | None) -> Transfer:
         ev, done, used, pool = self._events(instance_id, event)
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
-                          offset=offset, kind=kind, cache_salt=cache_salt, event=ev,
-                          done_event=done, token=self._token(instance_id),
-                          request_id=request_id)
+                          offset=offset, block_table=_block_table(block_table), kind=kind,
+                          cache_salt=cache_salt, event=ev, done_event=done,
+                          token=self._token(instance_id), request_id=request_id)
         return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
-                 event: Any = None, *, cache_salt: str = "",
+                 event: Any = None, *, cache_salt: str = "", block_table: Any = None,
                  request_id: str | None = None) -> Transfer:
-        """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]``."""
+        """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]`` (a
+        paged cache: into the slots ``block_table`` gives those logical positions)."""
         ev, done, used, pool = self._events(instance_id, event)
         specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
                            bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
-                             matches=specs, offset=offset, cache_salt=cache_salt, event=ev,
+                             matches=specs, offset=offset, block_table=_block_table(block_table),
+                             cache_salt=cache_salt, event=ev,
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)
         return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
@@ -407,6 +508,18 @@ def _ipc_mem_handle(torch_handle: bytes, base_ptr: int) -> bytes:
         return torch_handle
     raise BadRequest("cannot share this CUDA tensor by cudaIpc (expandable segments?); "
                      "install cupy or allocate the KV buffer with cudaMalloc")
+
+
+def _block_table(table: Any) -> bytes | None:
+    """Block ids as little-endian int32 bytes (None: a contiguous buffer's call)."""
+    if table is None:
+        return None
+    if isinstance(table, torch.Tensor):
+        table = table.detach().cpu().numpy()
+    ids = np.asarray(table)
+    if ids.ndim != 1 or (ids.size and (ids.min() < -1 or ids.max() >= 2**31)):
+        raise BadRequest("a block table is a 1-D sequence of int32 block ids (-1: unused)")
+    return ids.astype("<i4").tobytes()
 
 
 def _tokens(token_ids: Any) -> np.ndarray:

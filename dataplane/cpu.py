@@ -18,9 +18,10 @@ import stat
 
 import numpy as np
 
+from dataplane import paged
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import Backend, BufferSpec, ShmBuffer
+from dataplane.messages import Backend, BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
 from shm.layout import KVLayout
 from shm.names import Names
 from shm.private import shm_path
@@ -64,6 +65,76 @@ class CpuBuffer(InstanceBuffer):
             pass  # a copy's view is still alive; the mapping goes with it
 
 
+class CpuPagedBuffer(InstanceBuffer):
+    """A paged cache in shm buffers: per layer, strided views of K and V ``[blocks, slots, heads,
+    dims]`` (numpy checks each view lies inside its mapping); chunks gathered by fancy indexing."""
+
+    def __init__(self, mappings: list[mmap.mmap], spec: PagedBuffer, layout: KVLayout,
+                 slab: np.ndarray) -> None:
+        self.layout = layout
+        self._mmaps, self._slab, self._spec = mappings, slab, spec
+        self._raw = np.dtype(f"u{layout.dtype.itemsize}")  # copies move bits, never values
+        self._k = [self._view(mappings[ly.buffer], ly.offset, spec.k) for ly in spec.layers]
+        self._v = [self._view(mappings[ly.buffer], ly.offset, spec.v) for ly in spec.layers]
+        self._table: paged.BlockTable | None = None
+
+    def _view(self, mapping: mmap.mmap, offset: int, p: KVPlacement) -> np.ndarray:
+        s, isz = self._spec, self._raw.itemsize
+        return np.ndarray((s.num_blocks, s.block_size, s.kv_heads, s.head_dim), self._raw, mapping,
+                          offset + p.offset * isz,
+                          strides=(p.block * isz, p.token * isz, p.head * isz, p.dim * isz))
+
+    def _slot(self, slab_offset: int, chunk_size: int) -> np.ndarray:
+        s, L = self._spec, self.layout.num_layers
+        n = 2 * L * chunk_size * s.kv_heads * s.head_dim * self._raw.itemsize
+        return self._slab[slab_offset:slab_offset + n].view(self._raw).reshape(
+            2, L, chunk_size, s.kv_heads, s.head_dim)
+
+    def bind(self, block_table: bytes | None) -> int:
+        if block_table is None:
+            raise BadRequest("a paged buffer needs the call's block table")
+        self._table = paged.BlockTable(block_table, self._spec.block_size, self._spec.num_blocks)
+        return self._table.num_tokens
+
+    def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
+        assert self._table is not None, "bind() comes first"
+        for t in np.unique(np.asarray(token_starts)).tolist():
+            self._table.slots(t, chunk_size)
+
+    def begin(self, engine_event: bytes | None) -> None:
+        if engine_event is not None:
+            raise BadRequest("a CPU buffer takes no CUDA event")
+
+    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
+        assert self._table is not None, "bind() comes first"
+        at = self._table.slots(token_start, chunk_size)
+        chunk = self._slot(slab_offset, chunk_size)
+        for layer, (k, v) in enumerate(zip(self._k, self._v)):
+            chunk[0, layer] = k[at.block, at.slot]
+            chunk[1, layer] = v[at.block, at.slot]
+
+    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
+        assert self._table is not None, "bind() comes first"
+        at = self._table.slots(token_start, chunk_size)
+        chunk = self._slot(slab_offset, chunk_size)
+        for layer, (k, v) in enumerate(zip(self._k, self._v)):
+            k[at.block, at.slot] = chunk[0, layer]
+            v[at.block, at.slot] = chunk[1, layer]
+
+    def end(self, done_event: bytes | None) -> None:
+        if done_event is not None:
+            raise BadRequest("a CPU buffer takes no CUDA event")
+
+    def close(self) -> None:
+        self.__dict__.pop("_k", None)
+        self.__dict__.pop("_v", None)
+        for m in self._mmaps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a copy's view is still alive; the mapping goes with it
+
+
 class CpuEngine(CopyEngine):
     backend = Backend.CPU
 
@@ -72,20 +143,38 @@ class CpuEngine(CopyEngine):
         self._names = Names(store.name)
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+        if isinstance(spec, PagedBuffer):
+            paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
+                        layout.dtype.itemsize)
+            if not all(isinstance(b, ShmBuffer) for b in spec.buffers):
+                raise BadRequest("the CPU data plane takes shm buffers only (got a CUDA buffer)")
+            if len({b.name for b in spec.buffers}) != len(spec.buffers):  # type: ignore[union-attr]
+                raise BadRequest("a paged buffer names each shm buffer once")
+            mappings: list[mmap.mmap] = []
+            try:
+                for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
+                    mappings.append(self._map(b, owner_uid, need))  # type: ignore[arg-type]
+            except BaseException:
+                for m in mappings:
+                    m.close()
+                raise
+            return CpuPagedBuffer(mappings, spec, layout, self._slab)
         if not isinstance(spec, ShmBuffer):
             raise BadRequest("the CPU data plane takes shm buffers only (got a CUDA buffer)")
+        return CpuBuffer(self._map(spec, owner_uid, layout.nbytes), layout, self._slab)
+
+    def _map(self, spec: ShmBuffer, owner_uid: int, nbytes: int) -> mmap.mmap:
         if not self._names.is_kvbuf(spec.name):
             raise BadRequest(f"shm buffer {spec.name!r} is not an engine buffer of this service: "
                              f"name it '{self._names.prefix}_kvbuf_<32 lowercase hex>' "
                              "(BlendClient.cpu_kv_buffer does)")
-        fd = _open_owned(spec.name, owner_uid, layout.nbytes)
+        fd = _open_owned(spec.name, owner_uid, nbytes)
         try:
-            mapping = mmap.mmap(fd, layout.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            return mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except OSError as exc:
             raise BackendError(f"cannot map shm buffer {spec.name!r}: {exc}") from exc
         finally:
             os.close(fd)
-        return CpuBuffer(mapping, layout, self._slab)
 
 
 def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
@@ -110,4 +199,4 @@ def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
     return fd
 
 
-__all__ = ["CpuEngine", "CpuBuffer"]
+__all__ = ["CpuEngine", "CpuBuffer", "CpuPagedBuffer"]

@@ -29,7 +29,7 @@ import torch
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import Backend, BufferSpec, CudaIpcBuffer
+from dataplane.messages import Backend, BufferSpec, CudaIpcBuffer, PagedBuffer
 from shm.layout import KVLayout
 from shm.store import Store
 
@@ -142,6 +142,9 @@ class CudaEngine(CopyEngine):
             self._pieces.append(ptr)
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+        if isinstance(spec, PagedBuffer):
+            raise BadRequest("the CUDA data plane does not take paged buffers yet: register a "
+                             "contiguous [2, L, T, D] buffer, or use the CPU backend")
         if not isinstance(spec, CudaIpcBuffer):
             raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
         device = self._devices.get(normalize_uuid(spec.device_uuid))

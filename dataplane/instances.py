@@ -41,7 +41,8 @@ import msgspec
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from dataplane.messages import TOKEN_HEX, BufferKind, InstanceInfo, RegisterInstance, ShmBuffer
+from dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo, PagedBuffer,
+                                RegisterInstance, ShmBuffer)
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.names import Names
@@ -103,8 +104,7 @@ class Instance:
                             worker_id=r.worker_id, num_layers=r.num_layers,
                             num_tokens=r.num_tokens, hidden_dim=r.hidden_dim,
                             dtype=r.dtype,
-                            buffer_kind=BufferKind.SHM if isinstance(r.buffer, ShmBuffer)
-                            else BufferKind.CUDA_IPC)
+                            buffer_kind=_KINDS[type(r.buffer)])
 
     def submit(self, job: Job, *, bounded: bool = True) -> None:
         """Queue ``job`` on the worker.
@@ -344,6 +344,9 @@ class Registry:
         with self._lock:
             self._save()
         return back
+
+
+_KINDS = {ShmBuffer: BufferKind.SHM, CudaIpcBuffer: BufferKind.CUDA_IPC, PagedBuffer: BufferKind.PAGED}
 
 
 class _SavedTable(msgspec.Struct):

@@ -62,6 +62,7 @@ class BufferKind(enum.StrEnum):
 
     SHM = "shm"
     CUDA_IPC = "cuda_ipc"
+    PAGED = "paged"
 
 
 class StoreKind(str, enum.Enum):
@@ -110,7 +111,46 @@ class CudaIpcBuffer(_Msg, tag="cuda_ipc"):
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
 
 
-BufferSpec = ShmBuffer | CudaIpcBuffer
+class KVPlacement(msgspec.Struct, array_like=True, frozen=True):
+    """Where K (or V) sits in one layer of a paged cache, in elements of the dtype: element
+    (block b, slot s, head h, dim d) is at ``offset + b*block + s*token + h*head + d*dim``."""
+
+    offset: U63
+    block: U63
+    token: U63
+    head: U63
+    dim: U63
+
+
+class PagedLayer(msgspec.Struct, array_like=True, frozen=True):
+    """Layer l of a paged cache: ``buffers[buffer]`` from byte ``offset``."""
+
+    buffer: Count
+    offset: U63
+
+
+class PagedBuffer(_Msg, tag="paged"):
+    """An engine's paged KV cache: per-layer tensors in one or more shared buffers, described by
+    ``dataplane.paged`` (the layout table there). Its blocks hold ``block_size`` tokens each;
+    calls name them by a block table.
+
+    Attributes:
+        layer_bytes: bytes of one layer from its offset; every element K and V address lies in it.
+    """
+
+    block_size: Count
+    num_blocks: Count
+    kv_heads: Count
+    head_dim: Count
+    k: KVPlacement
+    v: KVPlacement
+    layer_bytes: U63
+    buffers: Annotated[list[ShmBuffer | CudaIpcBuffer], msgspec.Meta(max_length=1024)]
+    layers: Annotated[list[PagedLayer], msgspec.Meta(max_length=1024)]
+
+
+BufferSpec = ShmBuffer | CudaIpcBuffer | PagedBuffer
+BlockTableBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)] | None
 
 
 class MatchSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -167,11 +207,14 @@ class StoreChunks(_Msg):
 
     ``event``: the engine's interprocess CUDA event handle, waited on before the copy.
     ``done_event``: an interprocess CUDA event handle the data plane records after the copy.
+    ``block_table``: a paged buffer's block ids (little-endian int32) for the call's logical
+    positions ``[0, offset + len)``; required for a paged buffer, refused for another.
     """
 
     instance_id: U63
     token_ids: TokenBytes
     offset: U63 = 0
+    block_table: BlockTableBytes = None
     kind: StoreKind = StoreKind.PRE_COMPUTED
     cache_salt: Label = ""
     event: EventHandle = None
@@ -181,12 +224,14 @@ class StoreChunks(_Msg):
 
 
 class RetrieveChunks(_Msg):
-    """Copy each match's chunk into ``buffer[:, :, offset+cur_st:offset+cur_ed, :]``."""
+    """Copy each match's chunk into ``buffer[:, :, offset+cur_st:offset+cur_ed, :]`` (a paged
+    buffer: into the slots its ``block_table`` gives those positions)."""
 
     instance_id: U63
     token_ids: TokenBytes
     matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
     offset: U63 = 0
+    block_table: BlockTableBytes = None
     cache_salt: Label = ""
     event: EventHandle = None
     done_event: EventHandle = None

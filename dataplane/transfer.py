@@ -135,19 +135,20 @@ def _drain(buf: "InstanceBuffer") -> None:
 def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
-    C, T = sh.chunk_size, inst.layout.num_tokens
+    buf, store = inst.buffer, sh.store
+    C, T = sh.chunk_size, buf.bind(msg.block_table)
     if msg.offset < 0 or msg.offset + len(tokens) > T:
         raise OutOfRange(f"offset {msg.offset} + {len(tokens)} tokens exceeds the buffer's {T}")
     ns = _namespace(inst, msg.cache_salt)
     n = len(tokens) // C
+    starts = msg.offset + C * np.arange(n, dtype=np.int64)
+    buf.check(starts, C)
     chunk_bytes = inst.layout.chunk_bytes(C)
     per = max(1, sh.tuning.group_bytes // max(1, chunk_bytes))
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
                 tokens=len(tokens), chunks=n)
     sh.events.record(StoreStart(**base))
-    buf, store = inst.buffer, sh.store
     rows = tokens[:n * C].reshape(n, C)
-    starts = msg.offset + C * np.arange(n, dtype=np.int64)
     slots = np.full(n, EXISTS, np.int64)
     keys: list[ChunkKey] = []
     hashes: list[bytes] = []
@@ -255,15 +256,16 @@ def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:
 def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferDone:
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
+    buf, store = inst.buffer, sh.store
     C = sh.chunk_size
-    _check_matches(msg, len(tokens), C, inst.layout.num_tokens)
-    ns = _namespace(inst, msg.cache_salt)
+    _check_matches(msg, len(tokens), C, buf.bind(msg.block_table))
     n = len(msg.matches)
+    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+    buf.check(msg.offset + cur, C)
+    ns = _namespace(inst, msg.cache_salt)
     base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
     sh.events.record(RetrieveStart(**base))
-    buf, store = inst.buffer, sh.store
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
-    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
     slots = np.full(n, -1, np.int64)
     usable = np.zeros(n, bool)
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker

@@ -1,0 +1,176 @@
+"""Paged engine KV: where each token's K and V sit in an engine's per-layer tensors.
+
+This module owns the layout descriptor of a paged KV cache (the wire form ``PagedBuffer`` is in
+``dataplane.messages``), its validation, the named layouts of common engines, and the mapping of
+a call's token positions to physical slots through its block table. It moves no bytes: the copy
+engines (``dataplane.cpu``, ``dataplane.cuda``) do, and it imports nothing heavy (an engine's
+client uses the presets).
+
+An engine keeps layer l of its KV in ``buffers[layers[l].buffer]`` from byte ``layers[l].offset``.
+Element (block b, token slot s, head h, dim d) of K sits, in elements of the dtype, at::
+
+    k.offset + b * k.block + s * k.token + h * k.head + d * k.dim        (V: the same with v)
+
+so one descriptor covers every layout that is a strided view, and K and V may differ (a
+transposed K). The named layouts, per layer, with B blocks of S tokens, H kv heads, dim Dh::
+
+    name          layer tensor            K: offset  block    token  head     dim   V: offset
+    flash_attn    [2, B, S, H, Dh]        0          S*H*Dh   H*Dh   Dh       1     B*S*H*Dh
+    flashinfer    [B, 2, S, H, Dh]        0          2*S*H*Dh H*Dh   Dh       1     S*H*Dh
+    cpu_kt        [B, H, S, 2*Dh]         0          H*S*2Dh  1      S*2*Dh   S     S*Dh
+                  (K of a (block, head) transposed [Dh, S], then V [S, Dh]; V token stride Dh,
+                   dim stride 1)
+    contiguous    [2, L, T, H*Dh] whole   0          (B = 1, S = T)  H*Dh  Dh   1     L*T*H*Dh
+                  (layer l from byte l*T*H*Dh*itemsize of the one buffer)
+
+A call names the engine's slots by a block table: logical token position p of the call (the
+``offset`` plus the token's index, as for a contiguous buffer) lives in block
+``block_table[p // S]``, slot ``p % S``. Blocks need not be in order or adjacent; entries a call
+does not touch may be -1. In the slab every chunk keeps the one canonical layout
+``[2, L, C, H*Dh]``, so engines of different layouts (same model, shard and dtype) share chunks.
+
+Every number of a descriptor arrives from a client: ``check`` bounds each one and proves that
+every element a layer can address lies inside the bytes that layer declares (``layer_bytes``),
+before any buffer is opened; the copy engines check ``offset + layer_bytes`` against each
+buffer's real size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataplane.errors import BadRequest, OutOfRange
+from dataplane.messages import KVPlacement, PagedBuffer
+
+MAX_LAYERS = 1024
+MAX_BUFFERS = 1024
+LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt", "contiguous")
+
+
+def placements(name: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+               num_layers: int = 1) -> tuple[KVPlacement, KVPlacement]:
+    """K and V placements of a named layout (see the table above).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    B, S, H, Dh = num_blocks, block_size, kv_heads, head_dim
+    if name == "flash_attn":
+        return KVPlacement(0, S * H * Dh, H * Dh, Dh, 1), KVPlacement(B * S * H * Dh, S * H * Dh,
+                                                                      H * Dh, Dh, 1)
+    if name == "flashinfer":
+        return (KVPlacement(0, 2 * S * H * Dh, H * Dh, Dh, 1),
+                KVPlacement(S * H * Dh, 2 * S * H * Dh, H * Dh, Dh, 1))
+    if name == "cpu_kt":
+        return (KVPlacement(0, H * S * 2 * Dh, 1, S * 2 * Dh, S),
+                KVPlacement(S * Dh, H * S * 2 * Dh, Dh, S * 2 * Dh, 1))
+    if name == "contiguous":
+        if B != 1:
+            raise ValueError("the contiguous layout is one block of all the buffer's tokens")
+        return (KVPlacement(0, S * H * Dh, H * Dh, Dh, 1),
+                KVPlacement(num_layers * S * H * Dh, S * H * Dh, H * Dh, Dh, 1))
+    raise ValueError(f"unknown paged layout {name!r}: one of {', '.join(LAYOUTS)}")
+
+
+def _last(p: KVPlacement, spec: PagedBuffer) -> int:
+    """The highest element index ``p`` can address in one layer."""
+    return (p.offset + (spec.num_blocks - 1) * p.block + (spec.block_size - 1) * p.token
+            + (spec.kv_heads - 1) * p.head + (spec.head_dim - 1) * p.dim)
+
+
+def check(spec: PagedBuffer, num_layers: int, num_tokens: int, hidden_dim: int,
+          itemsize: int) -> None:
+    """Refuse a descriptor that disagrees with the registration or reaches past its layers.
+
+    Raises:
+        BadRequest: naming the first field that is wrong.
+    """
+    if min(spec.block_size, spec.num_blocks, spec.kv_heads, spec.head_dim) < 1:
+        raise BadRequest("block_size, num_blocks, kv_heads and head_dim must be >= 1")
+    if spec.kv_heads * spec.head_dim != hidden_dim:
+        raise BadRequest(f"kv_heads * head_dim = {spec.kv_heads * spec.head_dim}, but hidden_dim "
+                         f"is {hidden_dim}")
+    if spec.num_blocks * spec.block_size != num_tokens:
+        raise BadRequest(f"num_blocks * block_size = {spec.num_blocks * spec.block_size}, but "
+                         f"num_tokens is {num_tokens}")
+    if len(spec.layers) != num_layers:
+        raise BadRequest(f"{len(spec.layers)} layers described, num_layers is {num_layers}")
+    if not 1 <= len(spec.buffers) <= MAX_BUFFERS:
+        raise BadRequest(f"a paged buffer names 1 to {MAX_BUFFERS} buffers")
+    if spec.layer_bytes % itemsize:
+        raise BadRequest(f"layer_bytes {spec.layer_bytes} is not a multiple of the dtype's "
+                         f"{itemsize} bytes")
+    for name, p in (("k", spec.k), ("v", spec.v)):
+        if _last(p, spec) >= spec.layer_bytes // itemsize:
+            raise BadRequest(f"{name} reaches element {_last(p, spec)} of a layer that holds "
+                             f"{spec.layer_bytes // itemsize}")
+    for i, layer in enumerate(spec.layers):
+        if layer.buffer >= len(spec.buffers):
+            raise BadRequest(f"layer {i} names buffer {layer.buffer} of {len(spec.buffers)}")
+        if layer.offset % itemsize:
+            raise BadRequest(f"layer {i} starts at byte {layer.offset}, not a multiple of the "
+                             f"dtype's {itemsize} bytes")
+
+
+def buffer_extents(spec: PagedBuffer) -> list[int]:
+    """Bytes each of ``spec.buffers`` must hold: the end of its last layer."""
+    need = [0] * len(spec.buffers)
+    for layer in spec.layers:
+        need[layer.buffer] = max(need[layer.buffer], layer.offset + spec.layer_bytes)
+    return need
+
+
+@dataclass(frozen=True)
+class Slots:
+    """A call's physical token slots: ``block[i], slot[i]`` of logical position ``start + i``."""
+
+    block: np.ndarray
+    slot: np.ndarray
+
+
+class BlockTable:
+    """One call's block table, checked against the engine's block count.
+
+    Args:
+        raw: little-endian int32 block ids, one per ``block_size`` logical tokens.
+        block_size: tokens per block.
+        num_blocks: blocks in the engine's cache.
+
+    Raises:
+        BadRequest: not whole int32 values.
+    """
+
+    def __init__(self, raw: bytes, block_size: int, num_blocks: int) -> None:
+        if len(raw) % 4:
+            raise BadRequest(f"a block table is little-endian int32 values, got {len(raw)} bytes")
+        self.ids = np.frombuffer(raw, "<i4").astype(np.int64)
+        self.block_size, self.num_blocks = block_size, num_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Logical token positions the table covers."""
+        return len(self.ids) * self.block_size
+
+    def slots(self, start: int, count: int) -> Slots:
+        """The physical slots of logical positions ``[start, start + count)``.
+
+        Raises:
+            OutOfRange: the range passes the table's end, or names a block outside the cache
+                (-1 included) for a position it touches.
+        """
+        if start < 0 or start + count > self.num_tokens:
+            raise OutOfRange(f"tokens [{start}, {start + count}) pass the block table's "
+                             f"{self.num_tokens}")
+        pos = np.arange(start, start + count, dtype=np.int64)
+        block = self.ids[pos // self.block_size]
+        if len(block) and (block.min() < 0 or block.max() >= self.num_blocks):
+            bad = int(block[(block < 0) | (block >= self.num_blocks)][0])
+            raise OutOfRange(f"the block table names block {bad} for tokens it touches; the "
+                             f"cache has blocks [0, {self.num_blocks})")
+        return Slots(block, pos % self.block_size)
+
+
+__all__ = ["placements", "check", "buffer_extents", "BlockTable", "Slots", "LAYOUTS",
+           "MAX_LAYERS", "MAX_BUFFERS"]

@@ -1,0 +1,183 @@
+"""Paged engine caches: the named layouts address what their tensors hold, and chunks move
+bit-exactly between layouts through block tables, against a real data-plane process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane import paged
+from dataplane.channel import Channel
+from dataplane.client import BlendClient
+from dataplane.errors import BadRequest, OutOfRange
+from dataplane.messages import (KVPlacement, PagedBuffer, PagedLayer, RegisterInstance, ShmBuffer,
+                                WireDType)
+from tests.dataplane.conftest import CHUNK, DataPlaneProc
+
+L, B, S, H, DH = 2, 16, 8, 2, 16   # layers, blocks, block size, kv heads, head dim
+LAYOUTS = ["flash_attn", "flashinfer", "cpu_kt"]
+
+
+def logical(layer: torch.Tensor, layout: str, block: torch.Tensor,
+            slot: torch.Tensor) -> torch.Tensor:
+    """K and V ``[2, n, H, Dh]`` of the given slots, read by each layout's own indexing."""
+    if layout == "flash_attn":
+        return layer[:, block, slot]
+    if layout == "flashinfer":
+        return layer[block, :, slot].transpose(0, 1)
+    assert layout == "cpu_kt"
+    flat = layer.reshape(B, H, 2 * S * DH)
+    k = flat[:, :, :S * DH].reshape(B, H, DH, S)[block, :, :, slot]  # K stored [Dh, S]
+    v = flat[:, :, S * DH:].reshape(B, H, S, DH)[block, :, slot]
+    return torch.stack([k, v])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_placement_addresses_what_the_layout_holds(layout: str) -> None:
+    layer = torch.arange(2 * B * S * H * DH, dtype=torch.int64).reshape(
+        {"flash_attn": (2, B, S, H, DH), "flashinfer": (B, 2, S, H, DH),
+         "cpu_kt": (B, H, S, 2 * DH)}[layout])
+    k, v = paged.placements(layout, B, S, H, DH)
+    b, s, h, d = np.meshgrid(np.arange(B), np.arange(S), np.arange(H), np.arange(DH),
+                             indexing="ij")
+    want = logical(layer, layout, torch.arange(B).repeat_interleave(S),
+                   torch.arange(S).repeat(B)).reshape(2, B, S, H, DH).numpy()
+    for i, p in enumerate((k, v)):
+        at = p.offset + b * p.block + s * p.token + h * p.head + d * p.dim
+        np.testing.assert_array_equal(at, want[i])
+
+
+def test_the_contiguous_placement_addresses_a_whole_buffer() -> None:
+    T = 40
+    buf = torch.arange(2 * L * T * H * DH, dtype=torch.int64).reshape(2, L, T, H, DH)
+    k, v = paged.placements("contiguous", 1, T, H, DH, num_layers=L)
+    layer = 1
+    base = layer * T * H * DH  # where layer 1 starts in the one buffer
+    assert base + k.offset + 7 * k.token + 1 * k.head + 3 * k.dim == buf[0, layer, 7, 1, 3]
+    assert base + v.offset + 7 * v.token + 1 * v.head + 3 * v.dim == buf[1, layer, 7, 1, 3]
+
+
+def fill(t: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=g,
+                                            dtype=torch.int16))
+
+
+def slots_of(table: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(start, start + n)
+    return torch.tensor(table)[pos // S], pos % S
+
+
+def test_chunks_move_bit_exactly_between_layouts(dataplane: DataPlaneProc) -> None:
+    """Stored from a FlashAttention cache at an unaligned offset through a shuffled block table;
+    retrieved into every other layout (and a contiguous buffer) through tables with holes. Every
+    slot the chunks do not cover is left as it was."""
+    doc = np.random.default_rng(3).integers(0, 50_000, 3 * CHUNK)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        src = client.cpu_paged_kv_cache(L, B, S, H, DH, torch.bfloat16, layout="flash_attn")
+        for i, layer in enumerate(src):
+            fill(layer, i)
+        inst = client.register_paged_kv_cache(src, "flash_attn", S, H, DH, model_name="m")
+        src_table, src_off = [9, 2, 14, 0, 7, 11, 5], 3  # positions 3..50: 7 blocks
+        done = client.store_pre_computed(inst, doc, offset=src_off, block_table=src_table).wait()
+        assert done.ok and done.copied == 3
+        matches = client.lookup(doc, model_name="m").matches
+        assert [m.cur_st for m in matches] == [0, CHUNK, 2 * CHUNK]
+        want = [logical(layer, "flash_attn", *slots_of(src_table, src_off, 3 * CHUNK))
+                for layer in src]
+
+        for n, layout in enumerate(["flashinfer", "cpu_kt", "flash_attn"]):
+            dst = client.cpu_paged_kv_cache(L, B, S, H, DH, torch.bfloat16, layout=layout)
+            for i, layer in enumerate(dst):
+                fill(layer, 100 + 10 * n + i)
+            before = [layer.clone() for layer in dst]
+            got = client.register_paged_kv_cache(dst, layout, S, H, DH, model_name="m")
+            table, off = [-1, 12, 3, 15, 8, 1, 6, 10, -1], 13  # positions 13..60, holes unused
+            r = client.retrieve(got, doc, matches, offset=off, block_table=table).wait()
+            assert r.ok and r.copied == 3, layout
+            block, slot = slots_of(table, off, 3 * CHUNK)
+            for i, layer in enumerate(dst):
+                assert torch.equal(logical(layer, layout, block, slot).view(torch.int16),
+                                   want[i].view(torch.int16)), (layout, i)
+            assert _untouched(before, dst, layout, block, slot), layout
+            client.unregister(got)
+
+        flat = client.cpu_kv_buffer(L, 64, H * DH, torch.bfloat16)
+        fill(flat, 7)
+        old = flat.clone()
+        got = client.register_kv_cache(flat, model_name="m")
+        assert client.retrieve(got, doc, matches, offset=5).wait().copied == 3
+        for i in range(L):
+            assert torch.equal(flat[:, i, 5:5 + 3 * CHUNK].reshape(2, -1, H, DH).view(torch.int16),
+                               want[i].view(torch.int16))
+        old[:, :, 5:5 + 3 * CHUNK] = flat[:, :, 5:5 + 3 * CHUNK]
+        assert torch.equal(old.view(torch.int16), flat.view(torch.int16))
+
+
+def _untouched(before: list[torch.Tensor], after: list[torch.Tensor], layout: str,
+               block: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Equal everywhere but at the written slots (marked through the layout's own indexing)."""
+    for old, new in zip(before, after):
+        changed = torch.zeros(old.shape, dtype=torch.int8)
+        _write(changed, layout, block, slot, torch.ones((2, len(block), H, DH), dtype=torch.int8))
+        keep = changed == 0
+        if not torch.equal(old.view(torch.int16)[keep], new.view(torch.int16)[keep]):
+            return False
+    return True
+
+
+def _write(layer: torch.Tensor, layout: str, block: torch.Tensor, slot: torch.Tensor,
+           value: torch.Tensor) -> None:
+    """The inverse of ``logical``: put ``value`` ``[2, n, H, Dh]`` into the slots."""
+    if layout == "flash_attn":
+        layer[:, block, slot] = value
+    elif layout == "flashinfer":
+        layer[block, :, slot] = value.transpose(0, 1)
+    else:
+        flat = layer.view(B, H, 2 * S * DH)
+        k = flat[:, :, :S * DH].view(B, H, DH, S)
+        v = flat[:, :, S * DH:].view(B, H, S, DH)
+        k[block, :, :, slot] = value[0]
+        v[block, :, slot] = value[1]
+
+
+def test_block_tables_and_descriptors_are_checked_before_any_side_effect(
+        dataplane: DataPlaneProc) -> None:
+    doc = np.random.default_rng(4).integers(0, 50_000, 2 * CHUNK)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        layers = client.cpu_paged_kv_cache(L, B, S, H, DH, torch.float16, layout="flashinfer")
+        inst = client.register_paged_kv_cache(layers, "flashinfer", S, H, DH, model_name="p")
+        with pytest.raises(BadRequest, match="block table"):
+            client.store_pre_computed(inst, doc).wait()
+        with pytest.raises(OutOfRange, match="block -1"):  # a hole where tokens are
+            client.store_pre_computed(inst, doc, block_table=[0, 1, -1, 3]).wait()
+        with pytest.raises(OutOfRange, match=f"block {B}"):
+            client.store_pre_computed(inst, doc, block_table=[0, 1, B, 3]).wait()
+        with pytest.raises(OutOfRange, match="exceeds"):
+            client.store_pre_computed(inst, doc, offset=4, block_table=[0, 1, 2, 3]).wait()
+        assert client.lookup(doc, model_name="p").matches == []  # nothing was stored
+
+        flat = client.cpu_kv_buffer(L, 64, H * DH, torch.float16)
+        contiguous = client.register_kv_cache(flat, model_name="p")
+        with pytest.raises(BadRequest, match="contiguous"):
+            client.store_pre_computed(contiguous, doc, block_table=[0, 1]).wait()
+
+        seg = client._segment_of(layers[0])[0]
+        k, v = paged.placements("flashinfer", B, S, H, DH)
+        layer_bytes = 2 * B * S * H * DH * 2
+        good = dict(block_size=S, num_blocks=B, kv_heads=H, head_dim=DH, k=k, v=v,
+                    layer_bytes=layer_bytes, buffers=[ShmBuffer(name=seg.name)],
+                    layers=[PagedLayer(0, i * layer_bytes) for i in range(L)])
+        bad = {"reaches element": dict(v=KVPlacement(v.offset + 1, v.block, v.token, v.head,
+                                                     v.dim)),
+               "kv_heads": dict(kv_heads=H + 1),
+               "names buffer": dict(layers=[PagedLayer(0, 0), PagedLayer(1, layer_bytes)]),
+               "holds": dict(layers=[PagedLayer(0, 0), PagedLayer(0, 2 * layer_bytes)])}
+        with Channel(dataplane.address) as ch:
+            for why, change in bad.items():
+                spec = PagedBuffer(**{**good, **change})
+                with pytest.raises(BadRequest, match=why):
+                    ch.call(RegisterInstance(model_name="p", world_size=1, worker_id=0,
+                                             num_layers=L, num_tokens=B * S, hidden_dim=H * DH,
+                                             dtype=WireDType.FLOAT16, buffer=spec), timeout=30)
