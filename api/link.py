@@ -16,7 +16,8 @@ import base64
 import threading
 import time
 
-from api.schemas import Instance, InstanceCreated, KVLayoutOut, RegisterInstance
+from api.schemas import (CudaIpc, Instance, InstanceCreated, KVLayoutOut, PagedKV, Placement,
+                         RegisterInstance)
 from dataplane import errors as dp_errors
 from dataplane import messages as dp
 from dataplane.channel import Channel
@@ -83,13 +84,10 @@ class DataPlaneLink:
             TooMany: the data plane's instance limits are reached.
         """
         buffer: dp.BufferSpec
-        if body.shm_name is not None:
-            buffer = dp.ShmBuffer(name=body.shm_name)
+        if body.paged is not None:
+            buffer = _paged(body.paged)
         else:
-            assert body.cuda_ipc is not None, "RegisterInstance validation admits one buffer"
-            ipc = body.cuda_ipc
-            buffer = dp.CudaIpcBuffer(handle=base64.b64decode(ipc.handle), offset=ipc.offset,
-                                      device_uuid=ipc.device_uuid)
+            buffer = _buffer(body.shm_name, body.cuda_ipc)
         msg = dp.RegisterInstance(
             model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,
             num_layers=body.num_layers, num_tokens=body.num_tokens, hidden_dim=body.hidden_dim,
@@ -127,6 +125,25 @@ class DataPlaneLink:
         self._stop.set()
         self._channel.close()
         self._monitor.join()
+
+
+def _buffer(shm_name: str | None, ipc: CudaIpc | None) -> dp.ShmBuffer | dp.CudaIpcBuffer:
+    if shm_name is not None:
+        return dp.ShmBuffer(name=shm_name)
+    assert ipc is not None, "the schema admits exactly one buffer"
+    return dp.CudaIpcBuffer(handle=base64.b64decode(ipc.handle), offset=ipc.offset,
+                            device_uuid=ipc.device_uuid)
+
+
+def _paged(p: PagedKV) -> dp.PagedBuffer:
+    def place(x: Placement) -> dp.KVPlacement:
+        return dp.KVPlacement(x.offset, x.block, x.token, x.head, x.dim)
+
+    return dp.PagedBuffer(
+        block_size=p.block_size, num_blocks=p.num_blocks, kv_heads=p.kv_heads,
+        head_dim=p.head_dim, k=place(p.k), v=place(p.v), layer_bytes=p.layer_bytes,
+        buffers=[_buffer(b.shm_name, b.cuda_ipc) for b in p.buffers],
+        layers=[dp.PagedLayer(ly.buffer, ly.offset) for ly in p.layers])
 
 
 def _instance(info: dp.InstanceInfo) -> Instance:

@@ -104,9 +104,67 @@ class CudaIpc(BaseModel):
                              examples=["GPU-5f3c2d1e-8a9b-4c7d-9e0f-1a2b3c4d5e6f"])
 
 
+Exact = Annotated[int, Field(ge=0, le=2**53)]  # exact as a JSON number
+
+
+class Placement(BaseModel):
+    """Where K (or V) sits in a layer, in elements: (block b, slot s, head h, dim d) is at
+    ``offset + b*block + s*token + h*head + d*dim``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    offset: Exact
+    block: Exact
+    token: Exact
+    head: Exact
+    dim: Exact
+
+
+class PagedBufferRef(BaseModel):
+    """One buffer holding layers of a paged cache: exactly one of ``shm_name`` or ``cuda_ipc``
+    (its ``offset`` 0: layers carry their own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shm_name: str | None = Field(None, pattern=KVBUF_PATTERN)
+    cuda_ipc: CudaIpc | None = None
+
+    @model_validator(mode="after")
+    def _one_buffer(self) -> "PagedBufferRef":
+        if (self.shm_name is None) == (self.cuda_ipc is None):
+            raise ValueError("give exactly one of shm_name or cuda_ipc")
+        return self
+
+
+class PagedLayerRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    buffer: int = Field(ge=0, lt=1024, description="Index into `buffers`.")
+    offset: Exact = Field(description="Bytes from that buffer's start to the layer.")
+
+
+class PagedKV(BaseModel):
+    """A paged cache: per-layer tensors in shared buffers, K and V placed by strides (the layout
+    table in `dataplane/paged.py`). Store and retrieve then take a block table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(gt=0, le=1 << 20, examples=[16])
+    num_blocks: int = Field(gt=0, le=1 << 31, examples=[2048])
+    kv_heads: int = Field(gt=0, le=1 << 16, examples=[8])
+    head_dim: int = Field(gt=0, le=1 << 16, examples=[128])
+    k: Placement
+    v: Placement
+    layer_bytes: Exact = Field(description="Bytes of one layer from its offset.")
+    buffers: list[PagedBufferRef] = Field(min_length=1, max_length=1024)
+    layers: list[PagedLayerRef] = Field(min_length=1, max_length=1024)
+
+
 class RegisterInstance(BaseModel):
-    """An engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``: exactly one of
-    ``shm_name`` (CPU buffer in POSIX shared memory) or ``cuda_ipc`` (CUDA IPC handle)."""
+    """An engine worker's KV cache: exactly one of ``shm_name`` (a CPU buffer
+    ``[2, num_layers, num_tokens, hidden_dim]`` in POSIX shared memory), ``cuda_ipc`` (the same on
+    a GPU, by CUDA IPC handle) or ``paged`` (per-layer paged tensors; ``num_tokens`` is
+    ``num_blocks * block_size``, ``hidden_dim`` ``kv_heads * head_dim``)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
         "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1, "worker_id": 0,
@@ -126,11 +184,13 @@ class RegisterInstance(BaseModel):
         description="POSIX shared-memory name of a CPU buffer the engine created and owns: "
                     "`<shm_prefix>_kvbuf_<32 lowercase hex>`.")
     cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")
+    paged: PagedKV | None = Field(None, description="A paged cache of per-layer tensors.")
 
     @model_validator(mode="after")
     def _one_buffer(self) -> "RegisterInstance":
-        if (self.shm_name is None) == (self.cuda_ipc is None):
-            raise ValueError("give exactly one of shm_name (CPU buffer) or cuda_ipc (GPU buffer)")
+        if sum(x is not None for x in (self.shm_name, self.cuda_ipc, self.paged)) != 1:
+            raise ValueError("give exactly one of shm_name (CPU buffer), cuda_ipc (GPU buffer) "
+                             "or paged (per-layer paged cache)")
         return self
 
 

@@ -14,12 +14,13 @@ import threading
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 import numpy as np
 
 from dataplane.channel import Channel
 from dataplane.errors import DataPlaneUnavailable, http_error
-from dataplane.messages import (CudaIpcBuffer, Registered, RegisterInstance, ShmBuffer,
-                                UnregisterInstance)
+from dataplane.messages import (CudaIpcBuffer, PagedBuffer, Registered, RegisterInstance,
+                                ShmBuffer, UnregisterInstance)
 from shm.matches import LookupResult, Match
 
 
@@ -53,12 +54,15 @@ class HttpControl:
                                     num_tokens=msg.num_tokens, hidden_dim=msg.hidden_dim,
                                     dtype=msg.dtype)
         spec = msg.buffer
-        if isinstance(spec, ShmBuffer):
-            body["shm_name"] = spec.name
+        if isinstance(spec, PagedBuffer):
+            body["paged"] = {
+                "block_size": spec.block_size, "num_blocks": spec.num_blocks,
+                "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+                "k": msgspec.structs.asdict(spec.k), "v": msgspec.structs.asdict(spec.v),
+                "layer_bytes": spec.layer_bytes, "buffers": [_buffer(b) for b in spec.buffers],
+                "layers": [{"buffer": ly.buffer, "offset": ly.offset} for ly in spec.layers]}
         else:
-            assert isinstance(spec, CudaIpcBuffer), "a buffer spec is shm or CUDA IPC"
-            body["cuda_ipc"] = {"handle": base64.b64encode(spec.handle).decode(),
-                                "offset": spec.offset, "device_uuid": spec.device_uuid}
+            body.update(_buffer(spec))
         headers = {"X-Request-ID": msg.request_id} if msg.request_id else None
         got = self.request("POST", "/v1/instances", json=body, headers=headers).json()
         return int(got["instance_id"]), str(got["instance_token"]), float(got["lease_s"])
@@ -140,6 +144,16 @@ class DirectControl:
             store, fingerprints = self._shared
             fingerprints.close()
             store.close()
+
+
+
+
+def _buffer(spec: ShmBuffer | CudaIpcBuffer) -> dict[str, Any]:
+    """A buffer as the API's registration names it (``shm_name`` or ``cuda_ipc``)."""
+    if isinstance(spec, ShmBuffer):
+        return {"shm_name": spec.name}
+    return {"cuda_ipc": {"handle": base64.b64encode(spec.handle).decode(),
+                         "offset": spec.offset, "device_uuid": spec.device_uuid}}
 
 
 __all__ = ["Control", "HttpControl", "DirectControl"]

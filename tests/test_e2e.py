@@ -147,6 +147,28 @@ def check_retrieve(client: BlendClient, inst: int, kv: torch.Tensor, prompt: np.
     assert torch.equal(kv, expect)
 
 
+def check_paged(svc: Service, client: BlendClient, prompt: np.ndarray, matches: list[Any],
+                chunks: dict[int, torch.Tensor]) -> None:
+    """A paged cache (FlashAttention layout, 16-token blocks, 4 heads) registered over HTTP takes
+    the chunks a contiguous buffer stored, through a block table with holes."""
+    S, H = 16, 4
+    layers = client.cpu_paged_kv_cache(L, 64, S, H, D // H, torch.float16, layout="flash_attn")
+    inst = client.register_paged_kv_cache(layers, "flash_attn", S, H, D // H, model_name=MODEL)
+    assert svc.http.get(f"/v1/instances/{inst}").json()["kv_layout"]["num_tokens"] == 64 * S
+    first, last = matches[0].cur_st // S, (matches[-1].cur_ed - 1) // S
+    assert last - first < 64
+    table = [-1] * first + [(7 * j) % 64 for j in range(first, last + 1)]  # no block twice
+    result = client.retrieve(inst, prompt, matches, block_table=table).wait(timeout=60)
+    assert result.ok and result.copied == len(matches)
+    for m in matches:
+        pos = torch.arange(m.cur_st, m.cur_ed)
+        block, slot = torch.tensor(table)[pos // S], pos % S
+        for layer in range(L):
+            got = layers[layer][:, block, slot].reshape(2, CHUNK, D)
+            assert torch.equal(got, chunks[m.old_st // CHUNK][:, layer])
+    client.unregister(inst)
+
+
 def test_service_end_to_end(shm_prefix: str, services: list[Service]) -> None:
     svc = Service(shm_prefix)
     services.append(svc)
@@ -213,6 +235,7 @@ def test_service_end_to_end(shm_prefix: str, services: list[Service]) -> None:
     again = client.lookup(np.concatenate([doc_b[:2 * CHUNK], doc_a]), model_name=MODEL)
     assert [mm.chunk_hash for mm in again.matches] == [mm.chunk_hash for mm in res.matches]
     check_retrieve(client, inst, kv, prompt, res.matches, chunk_kv, offset=2048)
+    check_paged(svc, client, prompt, [m for m in res.matches if m.cur_st >= a_at], ka)
     client.unregister(inst)
     client.close()
 
