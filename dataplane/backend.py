@@ -82,6 +82,18 @@ class InstanceBuffer(abc.ABC):
         for off, t in zip(slab_offsets, token_starts):
             self.from_slab(off, chunk_size, t)
 
+    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
+                         first: int, last: int) -> None:
+        """``from_slab_many`` of layers ``[first, last)`` only (a layer-wise retrieve)."""
+        raise BadRequest(f"{type(self).__name__} has no layer-wise retrieve")
+
+    records_events: bool = False
+    """Whether ``record`` takes interprocess events (CUDA buffers)."""
+
+    def record(self, handle: bytes) -> None:
+        """Record the interprocess event ``handle`` after every copy enqueued so far (CUDA)."""
+        raise BadRequest("a CPU buffer takes no CUDA event")
+
     def mark(self) -> Any:
         """A marker for every copy enqueued so far (CPU: they are done already)."""
         return None

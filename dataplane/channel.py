@@ -21,7 +21,8 @@ import threading
 from typing import Any
 
 from dataplane.errors import DataPlaneUnavailable, Timeout, error_for
-from dataplane.messages import HEADER, MAX_FRAME, ErrorReply, Reply, frame, reply_decoder
+from dataplane.messages import (HEADER, MAX_FRAME, ErrorReply, LayersReady, Reply, frame,
+                                reply_decoder)
 
 
 def recv_frame(sock: socket.socket) -> tuple[int, bytes] | None:
@@ -55,19 +56,43 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class Pending:
-    """The reply to one call, once it arrives."""
+    """The reply to one call, once it arrives, and the progress frames before it."""
 
-    __slots__ = ("_event", "_reply", "_error", "_channel", "_call_id")
+    __slots__ = ("_event", "_reply", "_error", "_channel", "_call_id", "_progress", "_moved")
 
     def __init__(self, channel: "Channel", call_id: int) -> None:
         self._event = threading.Event()
         self._reply: Reply | None = None
         self._error: BaseException | None = None
         self._channel, self._call_id = channel, call_id
+        self._progress: LayersReady | None = None
+        self._moved = threading.Condition(threading.Lock())
 
     def _set(self, reply: Reply | None, error: BaseException | None = None) -> None:
-        self._reply, self._error = reply, error
-        self._event.set()
+        with self._moved:
+            self._reply, self._error = reply, error
+            self._event.set()
+            self._moved.notify_all()
+
+    def _step(self, progress: LayersReady) -> None:
+        with self._moved:
+            self._progress = progress
+            self._moved.notify_all()
+
+    def progress(self, layers: int, timeout: float | None = None) -> LayersReady | None:
+        """The latest progress frame once it covers ``layers`` layers; None when the call ended
+        first (its ``result`` says how).
+
+        Raises:
+            Timeout: neither within ``timeout``.
+        """
+        with self._moved:
+            ok = self._moved.wait_for(lambda: self._event.is_set() or (
+                self._progress is not None and self._progress.layers >= layers), timeout)
+            if not ok:
+                raise Timeout(f"layer {layers - 1} not ready within {timeout} s")
+            p = self._progress
+            return p if p is not None and p.layers >= layers else None
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -152,10 +177,17 @@ class Channel:
                 if got is None:
                     raise ConnectionError("the data plane closed the connection")
                 call_id, payload = got
+                reply = reply_decoder.decode(payload)
                 with self._lock:
-                    pending = self._pending.pop(call_id, None)
+                    if isinstance(reply, LayersReady):  # progress: the call goes on
+                        pending = self._pending.get(call_id)
+                    else:
+                        pending = self._pending.pop(call_id, None)
                 if pending is not None:
-                    pending._set(reply_decoder.decode(payload))
+                    if isinstance(reply, LayersReady):
+                        pending._step(reply)
+                    else:
+                        pending._set(reply)
         except Exception as exc:  # any broken stream ends the connection, never the process
             self._broken(sock, exc)
 

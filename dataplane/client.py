@@ -107,11 +107,37 @@ class Transfer:
 
     def __init__(self, pending: Pending, cuda_event: Any = None,
                  events: "list[_IpcEvent] | None" = None,
-                 pool: "list[_IpcEvent] | None" = None) -> None:
+                 pool: "list[_IpcEvent] | None" = None,
+                 layer_bounds: list[int] | None = None,
+                 layer_events: "list[_IpcEvent] | None" = None, device: Any = None) -> None:
         self._pending = pending
         self.cuda_event = cuda_event
         self._events, self._pool = events, pool  # ours until the call completed
         self._result: TransferResult | None = None
+        self._bounds, self._layer_events, self._device = layer_bounds, layer_events, device
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> list[int]:
+        """For a layer-wise retrieve: return once ``layer`` can be read. On a CPU buffer its
+        bytes are there; on a CUDA buffer the current stream of the buffer's device was made to
+        wait (without blocking this thread) for the copies of its group.
+
+        Returns:
+            The match indexes that are not copied (the engine computes those tokens itself).
+
+        Raises:
+            BadRequest: not a layer-wise retrieve, or no such layer.
+            Timeout: the layer was not ready within ``timeout``.
+            RemoteError: the call was refused or failed.
+        """
+        if self._bounds is None or not 0 <= layer < self._bounds[-1]:
+            raise BadRequest(f"layer {layer} of a retrieve that is not layer-wise or lacks it")
+        ready = self._pending.progress(layer + 1, timeout)
+        if ready is None:  # the call ended first: its result says how
+            return self.wait(0).failed
+        if self._layer_events:
+            group = next(g for g in range(len(self._bounds) - 1) if self._bounds[g + 1] > layer)
+            torch.cuda.current_stream(self._device).wait_event(self._layer_events[group].event)
+        return list(ready.failed)
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block until the data plane completed the call.
@@ -156,6 +182,7 @@ class _IpcEvent:
 class _Registered:
     kv: torch.Tensor
     token: str
+    num_layers: int
     events: list[_IpcEvent] = field(default_factory=list)  # free interprocess events
 
     def take(self) -> _IpcEvent:
@@ -283,7 +310,7 @@ class BlendClient:
             model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
             num_tokens=T, hidden_dim=D, dtype=WireDType(str(_TORCH_DTYPES[kv.dtype])), buffer=spec,
             request_id=request_id))
-        self._track(iid, kv, token, lease)
+        self._track(iid, kv, token, lease, L)
         return iid
 
     def register_paged_kv_cache(self, layers: Sequence[torch.Tensor], layout: str,
@@ -339,12 +366,13 @@ class BlendClient:
             num_layers=len(layers), num_tokens=num_blocks * block_size,
             hidden_dim=kv_heads * head_dim, dtype=WireDType(str(_TORCH_DTYPES[first.dtype])),
             buffer=spec, request_id=request_id))
-        self._track(iid, first, token, lease)
+        self._track(iid, first, token, lease, len(layers))
         return iid
 
-    def _track(self, iid: int, kv: torch.Tensor, token: str, lease: float) -> None:
+    def _track(self, iid: int, kv: torch.Tensor, token: str, lease: float,
+               num_layers: int) -> None:
         with self._lock:
-            self._instances[iid] = _Registered(kv, token)
+            self._instances[iid] = _Registered(kv, token, num_layers)
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, args=(lease / 3,),
                                                  name="kvblend-lease", daemon=True)
@@ -427,18 +455,35 @@ class BlendClient:
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
                  event: Any = None, *, cache_salt: str = "", block_table: Any = None,
-                 request_id: str | None = None) -> Transfer:
+                 layer_groups: int = 0, request_id: str | None = None) -> Transfer:
         """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]`` (a
-        paged cache: into the slots ``block_table`` gives those logical positions)."""
+        paged cache: into the slots ``block_table`` gives those logical positions).
+
+        ``layer_groups`` > 0: copy the layers in that many groups in order; the engine reads
+        layer i after ``Transfer.wait_layer(i)`` while later layers still load (at most
+        ``MAX_LAYER_GROUP_MATCHES`` matches)."""
         ev, done, used, pool = self._events(instance_id, event)
+        layer_events: list[_IpcEvent] = []
+        bounds = None
+        if layer_groups:
+            with self._lock:
+                reg = self._instances.get(instance_id)
+            num_layers = reg.num_layers if reg is not None else layer_groups
+            bounds = [num_layers * g // layer_groups for g in range(layer_groups + 1)]
+            if reg is not None and reg.kv.is_cuda:
+                layer_events = [reg.take() for _ in range(layer_groups)]
+                used = layer_events + used  # the done event stays last
         specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
                            bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                              matches=specs, offset=offset, block_table=_block_table(block_table),
+                             layer_groups=layer_groups,
+                             layer_events=[e.handle for e in layer_events],
                              cache_salt=cache_salt, event=ev,
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)
-        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
+        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool,
+                        bounds, layer_events, reg.kv.device if layer_events else None)
 
     def _events(self, instance_id: int, event: Any
                 ) -> tuple[bytes | None, bytes | None, list[_IpcEvent], list[_IpcEvent] | None]:

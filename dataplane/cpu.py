@@ -53,6 +53,12 @@ class CpuBuffer(InstanceBuffer):
         np.copyto(self._buf[:, :, token_start:token_start + chunk_size],
                   self._slot(slab_offset, chunk_size))
 
+    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
+                         first: int, last: int) -> None:
+        for off, t in zip(slab_offsets, token_starts):
+            np.copyto(self._buf[:, first:last, t:t + chunk_size],
+                      self._slot(off, chunk_size)[:, first:last])
+
     def end(self, done_event: bytes | None) -> None:
         if done_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
@@ -114,12 +120,17 @@ class CpuPagedBuffer(InstanceBuffer):
             chunk[1, layer] = v[at.block, at.slot]
 
     def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
+        self.from_slab_layers([slab_offset], chunk_size, [token_start], 0, len(self._k))
+
+    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
+                         first: int, last: int) -> None:
         assert self._table is not None, "bind() comes first"
-        at = self._table.slots(token_start, chunk_size)
-        chunk = self._slot(slab_offset, chunk_size)
-        for layer, (k, v) in enumerate(zip(self._k, self._v)):
-            k[at.block, at.slot] = chunk[0, layer]
-            v[at.block, at.slot] = chunk[1, layer]
+        for off, t in zip(slab_offsets, token_starts):
+            at = self._table.slots(t, chunk_size)
+            chunk = self._slot(off, chunk_size)
+            for layer in range(first, last):
+                self._k[layer][at.block, at.slot] = chunk[0, layer]
+                self._v[layer][at.block, at.slot] = chunk[1, layer]
 
     def end(self, done_event: bytes | None) -> None:
         if done_event is not None:

@@ -98,6 +98,25 @@ class CudaBuffer(InstanceBuffer):
         for off, t in zip(slab_offsets, token_starts):
             copy(buf + t * row, pitch, slab + off, width, width, rows, H2D, stream)
 
+    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
+                         first: int, last: int) -> None:
+        # K rows of layers [first, last) are adjacent in the slab's [2, L, C, D] (C*D apart) and
+        # in the buffer's [2, L, T, D] (T*D apart): one strided copy for K, one for V
+        L, T = self.layout.num_layers, self.layout.num_tokens
+        width, pitch, row = chunk_size * self._row, T * self._row, self._row
+        buf, slab, stream = self._ptr, self._slab, self.stream.cuda_stream
+        copy = cupy.cuda.runtime.memcpy2DAsync
+        for off, t in zip(slab_offsets, token_starts):
+            for kv in (0, 1):
+                src = slab + off + (kv * L + first) * width
+                dst = buf + ((kv * L + first) * T + t) * row
+                copy(dst, pitch, src, width, width, last - first, H2D, stream)
+
+    records_events = True
+
+    def record(self, handle: bytes) -> None:
+        self._event(handle).record(self.stream)
+
     def mark(self) -> Any:
         ev = self._marks.pop() if self._marks else torch.cuda.Event()
         ev.record(self.stream)

@@ -33,6 +33,8 @@ HEADER = struct.Struct("<IQ")
 MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call
 MAX_MATCHES = 16384                 # matches in one retrieve
 MAX_FRAME = 8 << 20                 # holds either bound with room to spare
+MAX_LAYER_GROUPS = 1024             # groups of a layer-wise retrieve
+MAX_LAYER_GROUP_MATCHES = 512       # matches of a layer-wise retrieve (all pinned at once)
 TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -41,7 +43,8 @@ Label = Annotated[str, msgspec.Meta(max_length=max(MODEL_NAME_BYTES, CACHE_SALT_
 RequestId = Annotated[str, msgspec.Meta(max_length=128)] | None
 InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
-EventHandle = Annotated[bytes, msgspec.Meta(max_length=64)] | None
+IpcHandle = Annotated[bytes, msgspec.Meta(max_length=64)]
+EventHandle = IpcHandle | None
 
 
 class Backend(str, enum.Enum):
@@ -225,13 +228,22 @@ class StoreChunks(_Msg):
 
 class RetrieveChunks(_Msg):
     """Copy each match's chunk into ``buffer[:, :, offset+cur_st:offset+cur_ed, :]`` (a paged
-    buffer: into the slots its ``block_table`` gives those positions)."""
+    buffer: into the slots its ``block_table`` gives those positions).
+
+    ``layer_groups`` > 0 asks for a layer-wise retrieve: the layers are copied in that many
+    groups in order (at most ``MAX_LAYER_GROUP_MATCHES`` matches), and a ``LayersReady`` frame
+    with the call's id announces each group before the final ``TransferDone``: on a CPU buffer
+    once its copies completed, on a CUDA buffer once ``layer_events[g]`` (one interprocess event
+    per group) was recorded after them on the instance's stream.
+    """
 
     instance_id: U63
     token_ids: TokenBytes
     matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
     offset: U63 = 0
     block_table: BlockTableBytes = None
+    layer_groups: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_GROUPS)] = 0
+    layer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=MAX_LAYER_GROUPS)] = []
     cache_salt: Label = ""
     event: EventHandle = None
     done_event: EventHandle = None
@@ -312,7 +324,19 @@ class ErrorReply(_Msg):
     message: str
 
 
-Reply = Pong | Registered | LeaseRenewed | Unregistered | InstanceList | TransferDone | ErrorReply
+class LayersReady(_Msg):
+    """Progress of a layer-wise retrieve (several may precede its ``TransferDone``): layers
+    ``[0, layers)`` are in the buffer (CPU), or their group's event is recorded (CUDA).
+    ``failed``: the match indexes that will not be copied (known before the first group, sent
+    with every one)."""
+
+    instance_id: int
+    layers: int
+    failed: list[int] = []
+
+
+Reply = (Pong | Registered | LeaseRenewed | Unregistered | InstanceList | TransferDone
+         | LayersReady | ErrorReply)
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dataplane import __version__
@@ -34,8 +35,8 @@ from dataplane.backend import CopyEngine
 from dataplane.channel import recv_frame
 from dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
 from dataplane.instances import Instance, Limits, Registry
-from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LeaseRenewed, ListInstances,
-                                Ping, Pong, Registered, RegisterInstance, RenewLease,
+from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady, LeaseRenewed,
+                                ListInstances, Ping, Pong, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
                                 frame, request_decoder)
 from dataplane.transfer import Shared, run_retrieve, run_store
@@ -255,15 +256,18 @@ class DataPlane:
             return LeaseRenewed(instance_id=inst.id, lease_s=self.registry.limits.lease_s)
         raise BadRequest(f"unsupported call {type(msg).__name__}")
 
-    def run_transfer(self, inst: Instance, msg: Any) -> Any:
-        """Run one queued call on ``inst``'s worker; returns the reply."""
+    def run_transfer(self, inst: Instance, msg: Any,
+                     progress: Callable[[LayersReady], None] | None = None) -> Any:
+        """Run one queued call on ``inst``'s worker; returns the reply (a layer-wise retrieve
+        sends its progress frames through ``progress`` first)."""
         if isinstance(msg, UnregisterInstance):
             self.registry.remove(inst)
             return Unregistered(instance_id=inst.id)
         store = isinstance(msg, StoreChunks)
-        run = run_store if store else run_retrieve
         try:
-            return run(self.shared, inst, msg)
+            if store:
+                return run_store(self.shared, inst, msg)
+            return run_retrieve(self.shared, inst, msg, progress)
         except BaseException as exc:
             self.shared.events.add(Counter.STORE_FAILURES if store else Counter.RETRIEVE_FAILURES)
             failed = StoreError if store else RetrieveError
@@ -277,7 +281,7 @@ class DataPlane:
 def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> Any:
     def job(inst: Instance) -> bool:
         try:
-            reply = dp.run_transfer(inst, msg)
+            reply = dp.run_transfer(inst, msg, lambda p: conn.reply(call_id, p))
         except RemoteError as exc:
             log.warning("%s on instance %d failed (request_id=%s): %s", type(msg).__name__,
                         inst.id, msg.request_id, exc)

@@ -27,13 +27,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dataplane.errors import BadRequest, OutOfRange
-from dataplane.messages import RetrieveChunks, StoreChunks, TransferDone
+from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, LayersReady, RetrieveChunks, StoreChunks,
+                                TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
@@ -253,12 +255,31 @@ def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:
             raise BadRequest(f"match {j} has a chunk_hash of {len(m.chunk_hash)} bytes")
 
 
-def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferDone:
+def _check_layerwise(msg: RetrieveChunks, buf: "InstanceBuffer") -> None:
+    if not msg.layer_groups:
+        if msg.layer_events:
+            raise BadRequest("layer_events were given for a retrieve that is not layer-wise")
+        return
+    if msg.layer_groups > buf.layout.num_layers:
+        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
+    if len(msg.matches) > MAX_LAYER_GROUP_MATCHES:
+        raise BadRequest(f"a layer-wise retrieve takes at most {MAX_LAYER_GROUP_MATCHES} matches, "
+                         f"got {len(msg.matches)}: split it")
+    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
+                             not buf.records_events):
+        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
+
+
+def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks,
+                 progress: Callable[[LayersReady], None] | None = None) -> TransferDone:
+    """Copy the matches into the instance's buffer; a layer-wise retrieve announces each group
+    of layers through ``progress`` (``dataplane.messages.RetrieveChunks``)."""
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
     buf, store = inst.buffer, sh.store
     C = sh.chunk_size
     _check_matches(msg, len(tokens), C, buf.bind(msg.block_table))
+    _check_layerwise(msg, buf)
     n = len(msg.matches)
     cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
     buf.check(msg.offset + cur, C)
@@ -271,7 +292,11 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
     try:
         buf.begin(msg.event)
-        for lo, hi in _batches(n, inst.layout.chunk_bytes(C), sh.tuning.first_bytes, PIN_BATCH):
+        if msg.layer_groups:
+            _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, usable, held,
+                            progress or (lambda _: None))
+        for lo, hi in (() if msg.layer_groups else
+                       _batches(n, inst.layout.chunk_bytes(C), sh.tuning.first_bytes, PIN_BATCH)):
             slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
             held.append((lo, hi, None))
             usable[lo:hi] = store.verify_pinned(inst.class_id, slots[lo:hi], keys[lo:hi],
@@ -300,6 +325,29 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
                         Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed)})
     return done
+
+
+def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
+                    tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
+                    slots: np.ndarray, usable: np.ndarray, held: list[tuple[int, int, Any]],
+                    progress: Callable[[LayersReady], None]) -> None:
+    """Pin every match (one batch), then copy group by group of layers, announcing each."""
+    n, L = len(keys), inst.layout.num_layers
+    slots[:] = _pin(store, buf, keys, slots, held)
+    held.append((0, n, None))
+    usable[:] = store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
+    idx = np.flatnonzero(usable)
+    offsets, starts = store.kv_offsets(slots[idx]).tolist(), (msg.offset + cur[idx]).tolist()
+    failed = np.flatnonzero(~usable).tolist()
+    bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
+    for g in range(msg.layer_groups):
+        if len(idx):
+            buf.from_slab_layers(offsets, C, starts, bounds[g], bounds[g + 1])
+        if msg.layer_events:
+            buf.record(msg.layer_events[g])  # the engine's stream waits on it
+        else:
+            buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
+        progress(LayersReady(instance_id=inst.id, layers=bounds[g + 1], failed=failed))
 
 
 def _pin(store: Store, buf: "InstanceBuffer", keys: list[ChunkKey], slots: np.ndarray,
