@@ -16,19 +16,24 @@ loads in flight, which is what a load across PCIe (a retrieve from the mapped sl
 misaligned head and a short tail are copied byte by byte. Correct for any size and alignment; fast
 when both ends agree mod 16 (KV blocks and slab slots are 4 KiB aligned).
 
-Why a kernel straight into the mapped slab (candidate (b) of the issue): on one H200 (PCIe Gen5)
-with Llama-3.1-8B blocks of 32 KiB, 1 GiB each way, medians of 7 runs (``docs/benchmarks.md``,
-``benchmarks/bench_gather.py``), per-block ``cudaMemcpyAsync`` reaches a small fraction of the
-pinned ``copy_`` of the same bytes, while this kernel over the mapped slab reaches close to it in
-both directions without any GPU staging memory and without a second step; gathering into a GPU
-staging area first and then one DMA per chunk (candidate (c)) is about as fast but needs a staging
-buffer as large as what is in flight.
+The choice, measured (``docs/benchmarks.md``, ``benchmarks/bench_gather.py``; one H200, PCIe Gen5
+x16, Llama-3.1-8B blocks of 32 KiB, 1 GiB each way, medians of 7 runs, two runs; pinned ``copy_``
+55 GB/s both ways): per-block ``cudaMemcpyAsync`` 10-13 GB/s (18-24 %); this kernel straight into
+the mapped slab 47-49 GB/s (86-89 %); this kernel into a GPU staging area, then one DMA per chunk
+51-54 GB/s (93-97 %). The data plane should use the staged form: it is the fastest, and the kernel
+holds SMs only for the GPU-to-GPU gather (not timed alone; the whole staged path is 3-7 % behind
+one contiguous DMA, which bounds it) while the copy engines cross PCIe; the direct form keeps SMs
+busy for the whole PCIe transfer, beside the engine's kernels. The benchmark staged a whole call
+(1 GiB); a ring of a few chunk-sized staging slots is not measured yet. The direct form
+(``HostMapping``) stays for callers that cannot spare staging memory.
 
-NOTE: a host range is addressable from a kernel only when it was registered as mapped: the flags
-are ``cudaHostRegisterPortable | cudaHostRegisterMapped`` (``dataplane.cuda`` registers with
-Portable only, enough for DMA but not for kernels). The device address comes from
-``cuMemHostGetDevicePointer``; it equals the host address when every visible device reports
-``cudaDevAttrCanUseHostPointerForRegisteredMem``.
+NOTE: the direct form needs the host range mapped for kernels. ``HostMapping`` registers with
+``cudaHostRegisterPortable | cudaHostRegisterMapped`` and asks ``cuMemHostGetDevicePointer`` for the
+address, which equals the host address when every visible device reports
+``cudaDevAttrCanUseHostPointerForRegisteredMem``. On the H200 above that attribute is 1 and even a
+Portable-only registration (what ``dataplane.cuda`` does) came back mapped at the host address; the
+Mapped flag makes it so on other systems. The staged form needs no mapping: its DMA needs only
+the pinning.
 
 NOTE: lifetime of the segment table. ``copy`` writes the table into a pinned host buffer, enqueues
 its upload and the kernel on the caller's stream, and records an event after the kernel; the pinned
@@ -40,6 +45,7 @@ flight). The caller's segments array may be dropped or changed as soon as ``copy
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Any
 
 import cupy
@@ -127,6 +133,32 @@ def stream_handle(stream: Any) -> int:
     return int(stream)
 
 
+class _StreamHandle:
+    """A raw stream handle behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int) -> Any:
+    """A cupy view of a stream cupy did not create: ``Stream.from_external`` (cupy >= 14),
+    else ``ExternalStream`` (deprecated in 14)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            stream = from_external(_StreamHandle(handle))
+        except (TypeError, ValueError, AttributeError):
+            stream = None
+        if stream is not None and int(stream.ptr) == handle:
+            return stream
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
+
+
 class _Slot:
     """One segment table in flight: pinned host rows, device rows, the event after its kernel."""
 
@@ -188,7 +220,7 @@ class SegmentCopier:
     def _stream(self, handle: int) -> Any:
         ext = self._streams.get(handle)
         if ext is None:
-            ext = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device)
+            ext = self._streams[handle] = external_stream(handle, self.device)
         return ext
 
     def _slot(self, rows: int) -> _Slot:
