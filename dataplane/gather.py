@@ -1,0 +1,301 @@
+"""The segment copier: one kernel moves a list of scattered byte runs between GPU and host memory.
+
+This module owns the kernel that gathers paged KV blocks (vLLM's ``[2, num_blocks, 16, H, Dh]``
+per layer, FlashInfer's ``[num_blocks, 2, 16, H, Dh]``) into a chunk's contiguous slab slot and
+scatters them back, the asynchronous upload of its segment table, and the mapping of a host range
+into the device's address space (``HostMapping``). It does not own the slab, the block tables or
+the streams: the caller builds the table ``(dst_ptr, src_ptr, nbytes)`` from its block table and
+passes the stream the copy is ordered on.
+
+Memory access pattern of ``copy_segments``: pieces of at most ``PIECE`` bytes (longer segments are
+split on the host), one thread block per piece, grid-stride over pieces. Inside a piece the block's
+threads read ``UNROLL`` consecutive-stride 16-byte words each into registers, then store them: 256
+threads move 16 KiB per step with coalesced, 16-byte-aligned accesses, and each thread keeps 4
+loads in flight, which is what a load across PCIe (a retrieve from the mapped slab) needs. When
+``dst`` and ``src`` differ in alignment mod 16 the piece falls back to 8-, 4- or 1-byte words; a
+misaligned head and a short tail are copied byte by byte. Correct for any size and alignment; fast
+when both ends agree mod 16 (KV blocks and slab slots are 4 KiB aligned).
+
+The choice, measured (``docs/benchmarks.md``, ``benchmarks/bench_gather.py``; one H200, PCIe Gen5
+x16, Llama-3.1-8B blocks of 32 KiB, 1 GiB each way, medians of 7 runs, two runs; pinned ``copy_``
+55 GB/s both ways): per-block ``cudaMemcpyAsync`` 10-13 GB/s (18-24 %); this kernel straight into
+the mapped slab 47-49 GB/s (86-89 %); this kernel into a GPU staging area, then one DMA per chunk
+51-54 GB/s (93-97 %). The data plane should use the staged form: it is the fastest, and the kernel
+holds SMs only for the GPU-to-GPU gather (not timed alone; the whole staged path is 3-7 % behind
+one contiguous DMA, which bounds it) while the copy engines cross PCIe; the direct form keeps SMs
+busy for the whole PCIe transfer, beside the engine's kernels. The benchmark staged a whole call
+(1 GiB); a ring of a few chunk-sized staging slots is not measured yet. The direct form
+(``HostMapping``) stays for callers that cannot spare staging memory.
+
+NOTE: the direct form needs the host range mapped for kernels. ``HostMapping`` registers with
+``cudaHostRegisterPortable | cudaHostRegisterMapped`` and asks ``cuMemHostGetDevicePointer`` for the
+address, which equals the host address when every visible device reports
+``cudaDevAttrCanUseHostPointerForRegisteredMem``. On the H200 above that attribute is 1 and even a
+Portable-only registration (what ``dataplane.cuda`` does) came back mapped at the host address; the
+Mapped flag makes it so on other systems. The staged form needs no mapping: its DMA needs only
+the pinning.
+
+NOTE: lifetime of the segment table. ``copy`` writes the table into a pinned host buffer, enqueues
+its upload and the kernel on the caller's stream, and records an event after the kernel; the pinned
+and device buffers belong to one slot of a ring of ``RING`` slots and are reused only after that
+slot's event completed (``copy`` waits for it, which happens only when ``RING`` copies are still in
+flight). The caller's segments array may be dropped or changed as soon as ``copy`` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any
+
+import cupy
+import numpy as np
+
+PIECE = 64 << 10
+THREADS = 256
+BLOCKS_PER_SM = 8
+UNROLL = 4
+RING = 8
+HOST_REGISTER_PORTABLE = 1
+HOST_REGISTER_MAPPED = 2
+ATTR_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+H2D = cupy.cuda.runtime.memcpyHostToDevice
+
+_SOURCE = r"""
+template <typename T>
+__device__ __forceinline__ void copy_run(char* dst, const char* src, long long nb,
+                                         int tid, int step) {
+    const long long w = sizeof(T);
+    long long head = (w - (long long)((unsigned long long)dst & (w - 1))) & (w - 1);
+    if (head > nb) head = nb;
+    for (long long i = tid; i < head; i += step) dst[i] = src[i];
+    dst += head; src += head; nb -= head;
+    const long long nw = nb / w;
+    T* d = reinterpret_cast<T*>(dst);
+    const T* s = reinterpret_cast<const T*>(src);
+    long long i = tid;
+    for (; i + (UNROLL - 1) * (long long)step < nw; i += UNROLL * (long long)step) {
+        T v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = s[i + u * step];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) d[i + u * step] = v[u];
+    }
+    for (; i < nw; i += step) d[i] = s[i];
+    for (long long j = nw * w + tid; j < nb; j += step) dst[j] = src[j];
+}
+
+extern "C" __global__ void copy_segments(const long long* __restrict__ seg, long long n) {
+    for (long long k = blockIdx.x; k < n; k += gridDim.x) {
+        char* dst = reinterpret_cast<char*>(seg[3 * k]);
+        const char* src = reinterpret_cast<const char*>(seg[3 * k + 1]);
+        const long long nb = seg[3 * k + 2];
+        const unsigned long long mis = (unsigned long long)dst ^ (unsigned long long)src;
+        const int t = threadIdx.x, step = blockDim.x;
+        if ((mis & 15) == 0) copy_run<uint4>(dst, src, nb, t, step);
+        else if ((mis & 7) == 0) copy_run<unsigned long long>(dst, src, nb, t, step);
+        else if ((mis & 3) == 0) copy_run<unsigned int>(dst, src, nb, t, step);
+        else copy_run<unsigned char>(dst, src, nb, t, step);
+    }
+}
+"""
+
+
+def split_segments(segments: np.ndarray, piece: int = PIECE) -> np.ndarray:
+    """Split every segment longer than ``piece`` bytes into runs of ``piece`` (the last shorter).
+
+    Both ends move by the same multiple of ``piece``, so a piece keeps its segment's alignment.
+    """
+    seg = np.asarray(segments, dtype=np.int64)
+    if seg.ndim != 2 or seg.shape[1] != 3:
+        raise ValueError(f"segments must be an (n, 3) array of (dst, src, nbytes), got {seg.shape}")
+    if seg.size and int(seg[:, 2].min()) < 0:
+        raise ValueError("a segment's byte count is negative")
+    seg = seg[seg[:, 2] > 0]
+    counts = (seg[:, 2] + piece - 1) // piece
+    if not seg.size or int(counts.max()) == 1:
+        return np.ascontiguousarray(seg)
+    row = np.repeat(np.arange(len(seg)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    shift = (np.arange(len(row)) - first) * piece
+    out = seg[row].copy()
+    out[:, 0] += shift
+    out[:, 1] += shift
+    out[:, 2] = np.minimum(out[:, 2] - shift, piece)
+    return out
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of a torch stream, a cupy stream, or an int handle."""
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    return int(stream)
+
+
+class _StreamHandle:
+    """A raw stream handle behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int) -> Any:
+    """A cupy view of a stream cupy did not create: ``Stream.from_external`` (cupy >= 14),
+    else ``ExternalStream`` (deprecated in 14)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            stream = from_external(_StreamHandle(handle))
+        except (TypeError, ValueError, AttributeError):
+            stream = None
+        if stream is not None and int(stream.ptr) == handle:
+            return stream
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
+
+
+class _Slot:
+    """One segment table in flight: pinned host rows, device rows, the event after its kernel."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.pinned = cupy.cuda.alloc_pinned_memory(rows * 24)
+        self.host = np.frombuffer(self.pinned, np.int64, rows * 3).reshape(rows, 3)
+        self.dev = cupy.empty((rows, 3), dtype=np.int64)
+        self.done = cupy.cuda.Event(disable_timing=True)
+        self.busy = False
+
+
+class SegmentCopier:
+    """Copies ``(dst_ptr, src_ptr, nbytes)`` segments with one kernel launch per call.
+
+    Pointers are device addresses: device memory, or host memory mapped by ``HostMapping``.
+
+    Args:
+        device: the CUDA device the kernel runs on (the one owning the device-side pointers).
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        with cupy.cuda.Device(device):
+            module = cupy.RawModule(code=_SOURCE, options=("-std=c++17", f"-DUNROLL={UNROLL}"))
+            self._kernel = module.get_function("copy_segments")
+            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        self._max_blocks = int(sms) * BLOCKS_PER_SM
+        self._ring: list[_Slot | None] = [None] * RING
+        self._next = 0
+        self._streams: dict[int, Any] = {}
+
+    def copy(self, segments: np.ndarray, stream: Any) -> None:
+        """Enqueue the copy of every segment on ``stream``; returns without waiting for it.
+
+        Segments must not overlap each other's destinations; their order is not kept.
+
+        Args:
+            segments: int64 ``(n, 3)`` rows of ``(dst_ptr, src_ptr, nbytes)``.
+            stream: a torch or cupy stream, or a raw ``cudaStream_t``.
+
+        Raises:
+            ValueError: the table is not ``(n, 3)`` or has a negative byte count.
+        """
+        seg = split_segments(segments)
+        if not len(seg):
+            return
+        with cupy.cuda.Device(self.device):
+            ext = self._stream(stream_handle(stream))
+            slot = self._slot(len(seg))
+            slot.host[:len(seg)] = seg
+            cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ctypes.data,
+                                          seg.nbytes, H2D, ext.ptr)
+            blocks = min(len(seg), self._max_blocks)
+            self._kernel((blocks,), (THREADS,), (slot.dev, np.int64(len(seg))), stream=ext)
+            slot.done.record(ext)
+            slot.busy = True
+
+    def _stream(self, handle: int) -> Any:
+        ext = self._streams.get(handle)
+        if ext is None:
+            ext = self._streams[handle] = external_stream(handle, self.device)
+        return ext
+
+    def _slot(self, rows: int) -> _Slot:
+        i, self._next = self._next, (self._next + 1) % RING
+        slot = self._ring[i]
+        if slot is not None and slot.busy:
+            slot.done.synchronize()  # the table RING calls ago may still be read by its kernel
+            slot.busy = False
+        if slot is None or slot.rows < rows:
+            slot = self._ring[i] = _Slot(max(rows, 2 * slot.rows if slot else 1024))
+        return slot
+
+    def synchronize(self) -> None:
+        """Wait until every copy enqueued so far completed."""
+        for slot in self._ring:
+            if slot is not None and slot.busy:
+                slot.done.synchronize()
+                slot.busy = False
+
+
+class HostMapping:
+    """A host range page-locked and mapped into the device's address space (for kernels).
+
+    Registers with ``cudaHostRegisterPortable | cudaHostRegisterMapped``; ``device_ptr`` is the
+    address kernels use (the host address itself where the device can use host pointers).
+    ``close()`` unregisters, once.
+
+    Args:
+        ptr: start of the host range (page-aligned, as the slab is).
+        nbytes: length of the range.
+        device: the device made current for the registration.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, device: int = 0) -> None:
+        self.ptr, self.nbytes = int(ptr), int(nbytes)
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.hostRegister(self.ptr, self.nbytes,
+                                           HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+            try:
+                self.device_ptr = host_device_pointer(self.ptr)
+            except RuntimeError:
+                cupy.cuda.runtime.hostUnregister(self.ptr)
+                raise
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            cupy.cuda.runtime.hostUnregister(self.ptr)
+
+    def __enter__(self) -> "HostMapping":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def host_device_pointer(ptr: int) -> int:
+    """The device address of registered host memory at ``ptr`` (``cuMemHostGetDevicePointer``).
+
+    Raises:
+        RuntimeError: the range is not registered as mapped.
+    """
+    lib = ctypes.CDLL("libcuda.so.1")
+    out = ctypes.c_uint64(0)
+    rc = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(ptr), ctypes.c_uint(0))
+    if rc != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA error {rc}")
+    return int(out.value)
+
+
+def can_use_host_pointer(device: int = 0) -> bool:
+    """Whether kernels on ``device`` may use a registered host range's own address."""
+    return bool(cupy.cuda.runtime.deviceGetAttribute(ATTR_CAN_USE_HOST_POINTER, device))
+
+
+__all__ = ["SegmentCopier", "HostMapping", "split_segments", "host_device_pointer",
+           "can_use_host_pointer", "stream_handle"]
