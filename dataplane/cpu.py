@@ -71,7 +71,7 @@ class CpuBuffer(InstanceBuffer):
             pass  # a copy's view is still alive; the mapping goes with it
 
 
-class CpuPagedBuffer(InstanceBuffer):
+class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
     """A paged cache in shm buffers: per layer, strided views of K and V ``[blocks, slots, heads,
     dims]`` (numpy checks each view lies inside its mapping); chunks gathered by fancy indexing."""
 
@@ -95,17 +95,6 @@ class CpuPagedBuffer(InstanceBuffer):
         n = 2 * L * chunk_size * s.kv_heads * s.head_dim * self._raw.itemsize
         return self._slab[slab_offset:slab_offset + n].view(self._raw).reshape(
             2, L, chunk_size, s.kv_heads, s.head_dim)
-
-    def bind(self, block_table: bytes | None) -> int:
-        if block_table is None:
-            raise BadRequest("a paged buffer needs the call's block table")
-        self._table = paged.BlockTable(block_table, self._spec.block_size, self._spec.num_blocks)
-        return self._table.num_tokens
-
-    def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
-        assert self._table is not None, "bind() comes first"
-        for t in np.unique(np.asarray(token_starts)).tolist():
-            self._table.slots(t, chunk_size)
 
     def begin(self, engine_event: bytes | None) -> None:
         if engine_event is not None:

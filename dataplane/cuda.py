@@ -162,13 +162,39 @@ class CudaEngine(CopyEngine):
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
         if isinstance(spec, PagedBuffer):
-            raise BadRequest("the CUDA data plane does not take paged buffers yet: register a "
-                             "contiguous [2, L, T, D] buffer, or use the CPU backend")
+            return self._open_paged(spec, layout)
         if not isinstance(spec, CudaIpcBuffer):
             raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
         device = self._devices.get(normalize_uuid(spec.device_uuid))
         if device is None:
             raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
+        base = self._open_ipc(device, spec, layout.nbytes)
+        return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+
+    def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> InstanceBuffer:
+        from dataplane import paged
+        from dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
+        paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
+                    layout.dtype.itemsize)
+        check_gatherable(spec)
+        if not all(isinstance(b, CudaIpcBuffer) for b in spec.buffers):
+            raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
+        devices = {self._devices.get(normalize_uuid(b.device_uuid)) for b in spec.buffers}
+        device = devices.pop() if len(devices) == 1 else None
+        if device is None:
+            raise BadRequest("a paged cache's buffers must all be on one GPU of this host")
+        bases: list[int] = []
+        try:
+            for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
+                bases.append(self._open_ipc(device, b, need))  # type: ignore[arg-type]
+            return CudaPagedBuffer(device, bases, spec, layout, self._slab_ptr)
+        except BaseException:
+            for base in bases:
+                cupy.cuda.runtime.ipcCloseMemHandle(base)
+            raise
+
+    def _open_ipc(self, device: int, spec: CudaIpcBuffer, nbytes: int) -> int:
+        """The base of an opened IPC allocation that holds ``spec.offset + nbytes`` bytes."""
         if len(spec.handle) != 64 or spec.offset < 0:
             raise BadRequest("a CUDA IPC handle is 64 bytes and its offset >= 0")
         try:
@@ -178,11 +204,11 @@ class CudaEngine(CopyEngine):
                 size = allocation_size(base)
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             raise BackendError(f"cannot open the CUDA IPC buffer: {exc}") from exc
-        if spec.offset + layout.nbytes > size:
+        if spec.offset + nbytes > size:
             cupy.cuda.runtime.ipcCloseMemHandle(base)
             raise BadRequest(f"the CUDA allocation holds {size} bytes; offset {spec.offset} + the "
-                             f"layout's {layout.nbytes} bytes do not fit in it")
-        return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+                             f"layout's {nbytes} bytes do not fit in it")
+        return base
 
     def close(self) -> None:
         for ptr in self._pieces:

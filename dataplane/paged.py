@@ -172,5 +172,23 @@ class BlockTable:
         return Slots(block, pos % self.block_size)
 
 
-__all__ = ["placements", "check", "buffer_extents", "BlockTable", "Slots", "LAYOUTS",
-           "MAX_LAYERS", "MAX_BUFFERS"]
+class BlockTableCalls:
+    """``bind`` and ``check`` of an ``InstanceBuffer`` over a paged cache (``_spec``)."""
+
+    _spec: PagedBuffer
+    _table: BlockTable | None
+
+    def bind(self, block_table: bytes | None) -> int:
+        if block_table is None:
+            raise BadRequest("a paged buffer needs the call's block table")
+        self._table = BlockTable(block_table, self._spec.block_size, self._spec.num_blocks)
+        return self._table.num_tokens
+
+    def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
+        assert self._table is not None, "bind() comes first"
+        for t in np.unique(np.asarray(token_starts)).tolist():
+            self._table.slots(t, chunk_size)
+
+
+__all__ = ["placements", "check", "buffer_extents", "BlockTable", "BlockTableCalls", "Slots",
+           "LAYOUTS", "MAX_LAYERS", "MAX_BUFFERS"]

@@ -1,0 +1,148 @@
+"""Paged caches through the whole call path: store, retrieve and layer-wise retrieve GB/s.
+
+An engine's cache in the FlashAttention layout (per layer ``[2, blocks, 16, kv_heads, head_dim]``,
+each layer its own allocation, as vLLM allocates them), Llama-3.1-8B shapes by default, ``--tokens``
+of documents placed by a shuffled block table. Side by side in the same run: a pinned ``copy_``
+of the same bytes each way (the PCIe limit) and the plain retrieve. Layer-wise: the time until
+layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed) and until
+the whole call completed.
+
+Usage::
+
+    python benchmarks/bench_paged.py                       # CUDA, 32 layers, 8k tokens
+    python benchmarks/bench_paged.py --backend cpu --layers 4 --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_dataplane import CHUNK, median_time, start_dataplane  # noqa: E402
+from dataplane import default_address  # noqa: E402
+from dataplane.client import BlendClient  # noqa: E402
+from shm.fingerprint import FingerprintIndex  # noqa: E402
+from shm.names import destroy  # noqa: E402
+from shm.store import Store, StoreConfig  # noqa: E402
+
+S = 16
+
+
+def layers_of(client: BlendClient, backend: str, L: int, B: int, H: int, Dh: int
+              ) -> list[torch.Tensor]:
+    if backend == "cpu":
+        layers = client.cpu_paged_kv_cache(L, B, S, H, Dh, torch.bfloat16, layout="flash_attn")
+        for t in layers:
+            t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16))
+        return layers
+    return [torch.randn((2, B, S, H, Dh), device="cuda").to(torch.bfloat16) for _ in range(L)]
+
+
+def limits(nbytes: int, iters: int, backend: str) -> tuple[float, float]:
+    if backend == "cpu":
+        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        t = median_time(lambda: np.copyto(b, a), iters)
+        return nbytes / t, nbytes / t
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def d2h() -> None:
+        host.copy_(gpu, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d() -> None:
+        gpu.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h(), h2d()
+    return nbytes / median_time(d2h, iters), nbytes / median_time(h2d, iters)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--storage-gib", type=float, default=6.0)
+    args = p.parse_args()
+    L, H, Dh, N = args.layers, args.kv_heads, args.head_dim, args.tokens
+    B = N // S + 64
+    nbytes = 2 * L * N * H * Dh * 2
+    prefix = f"kvbench_{os.getpid()}"
+    Store.open(prefix, StoreConfig(capacity_bytes=int(args.storage_gib * (1 << 30)),
+                                   page_bytes=256 << 20)).close()
+    FingerprintIndex.open(prefix, CHUNK, capacity=1 << 16).close()
+    proc = start_dataplane(prefix, args.backend)
+    device = torch.cuda.get_device_name() if args.backend == "cuda" else f"{os.cpu_count()} CPUs"
+    print(f"# {device}; {L} layers x {H} heads x {Dh}, bf16, {N} tokens = "
+          f"{nbytes / (1 << 20):.1f} MiB a call in {N // CHUNK} chunks, blocks of {S}; "
+          f"medians of {args.iters}")
+    rng = np.random.default_rng(0)
+    try:
+        with BlendClient(dataplane_address=default_address(prefix)) as client:
+            src, dst = (layers_of(client, args.backend, L, B, H, Dh) for _ in range(2))
+            reg = [client.register_paged_kv_cache(x, "flash_attn", S, H, Dh, model_name="bench")
+                   for x in (src, dst)]
+            tables = [rng.permutation(B)[:N // S] for _ in range(2)]
+            tokens = rng.integers(0, 2**31, N)
+            assert client.store_pre_computed(reg[0], tokens, block_table=tables[0]).wait().ok
+            matches = client.lookup(tokens, "bench").matches
+            assert len(matches) == N // CHUNK
+
+            def store() -> None:
+                fresh = rng.integers(0, 2**31, N)
+                done = client.store_pre_computed(reg[0], fresh, block_table=tables[0]).wait()
+                assert done.ok and done.copied == N // CHUNK, done
+
+            def refill() -> None:  # untimed: the timed stores may have evicted the set
+                assert client.store_pre_computed(reg[0], tokens, block_table=tables[0]).wait().ok
+
+            def retrieve() -> None:
+                assert client.retrieve(reg[1], tokens, matches, block_table=tables[1]).wait().ok
+
+            firsts: list[float] = []
+
+            def layerwise() -> None:
+                t0 = time.perf_counter()
+                t = client.retrieve(reg[1], tokens, matches, block_table=tables[1],
+                                    layer_groups=L)
+                assert t.wait_layer(0) == []
+                if args.backend == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                firsts.append(time.perf_counter() - t0)
+                assert t.wait().ok
+
+            store(), refill(), retrieve(), layerwise()  # warm
+            firsts.clear()
+            lim_store, lim_retrieve = limits(nbytes, args.iters, args.backend)
+            got = {"store": nbytes / median_time(store, args.iters),
+                   "retrieve": nbytes / median_time(retrieve, args.iters, refill),
+                   "layer-wise": nbytes / median_time(layerwise, args.iters, refill)}
+            limit = {"store": lim_store, "retrieve": lim_retrieve, "layer-wise": lim_retrieve}
+            print(f"{'op':<11} {'GB/s':>7} {'limit GB/s':>10} {'ratio':>6}")
+            for op, v in got.items():
+                print(f"{op:<11} {v / 1e9:>7.2f} {limit[op] / 1e9:>10.2f} {v / limit[op]:>6.3f}")
+            print(f"layer-wise: layer 0 readable after {1e3 * statistics.median(firsts):.2f} ms "
+                  f"(median); whole call at {got['layer-wise'] / got['retrieve']:.3f} of the "
+                  f"plain retrieve's speed")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        destroy(prefix)
+
+
+if __name__ == "__main__":
+    main()
