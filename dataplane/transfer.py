@@ -15,6 +15,11 @@ This module owns the order of operations that keeps the store consistent whateve
   length fits the pin table. A chunk evicted meanwhile, of another layout, whose tokens differ
   from the prompt's at ``cur_st``, or that found the pin table full (other retrieves hold it) is
   reported failed by match index; nothing is written for it.
+- layer-wise retrieve (``layer_groups``): pin every match at once (at most
+  ``MAX_LAYER_GROUP_MATCHES``), then copy the layers group by group, announcing each group
+  through ``progress`` once its copies completed (CPU) or its event was recorded (CUDA).
+- a paged buffer maps a call's logical token positions to slots through its block table
+  (``InstanceBuffer.bind``); every chunk is checked to have slots before any side effect.
 
 The first batch of a call is small (about ``Tuning.first_bytes``): its copies start while the rest is
 reserved or pinned. No per-chunk Python object is built past the chunk keys.
@@ -295,19 +300,8 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks,
         if msg.layer_groups:
             _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, usable, held,
                             progress or (lambda _: None))
-        for lo, hi in (() if msg.layer_groups else
-                       _batches(n, inst.layout.chunk_bytes(C), sh.tuning.first_bytes, PIN_BATCH)):
-            slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
-            held.append((lo, hi, None))
-            usable[lo:hi] = store.verify_pinned(inst.class_id, slots[lo:hi], keys[lo:hi],
-                                                tokens[cur[lo:hi, None] + np.arange(C)])
-            idx = lo + np.flatnonzero(usable[lo:hi])
-            if len(idx):
-                buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
-                                   (msg.offset + cur[idx]).tolist())
-            held[-1] = (lo, hi, buf.mark())
-            if len(held) > 1:  # the batch before this one: unpin once its copies completed
-                _release(store, buf, slots, held.pop(0))
+        else:
+            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, usable, held)
         buf.wait(buf.end(msg.done_event))
     except BaseException:
         _drain(buf)
@@ -325,6 +319,27 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
                         Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed)})
     return done
+
+
+def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
+                  tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
+                  slots: np.ndarray, usable: np.ndarray,
+                  held: list[tuple[int, int, Any]]) -> None:
+    """Pin, check and copy batch by batch; a batch is unpinned once the next one is copying."""
+    store = sh.store
+    for lo, hi in _batches(len(keys), inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
+                           PIN_BATCH):
+        slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
+        held.append((lo, hi, None))
+        usable[lo:hi] = store.verify_pinned(inst.class_id, slots[lo:hi], keys[lo:hi],
+                                            tokens[cur[lo:hi, None] + np.arange(C)])
+        idx = lo + np.flatnonzero(usable[lo:hi])
+        if len(idx):
+            buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
+                               (msg.offset + cur[idx]).tolist())
+        held[-1] = (lo, hi, buf.mark())
+        if len(held) > 1:  # the batch before this one: unpin once its copies completed
+            _release(store, buf, slots, held.pop(0))
 
 
 def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
