@@ -5,10 +5,14 @@ device pointers of the engine's IPC-opened buffers, a staging area of one chunk 
 the segment tables that ``dataplane.gather.SegmentCopier`` copies between the engine's blocks
 and the staging area. Everything else (events, markers, the stream) is ``CudaBuffer``'s.
 
-One chunk of a store, in order on the instance's stream (a retrieve is the reverse)::
+A batch of chunks of a store, in order on the instance's stream (a retrieve is the reverse)::
 
-    gather kernel   engine blocks (2 x L x runs)  ->  staging [2, L, C, H*Dh]   (GPU to GPU)
-    DMA             staging                        ->  slab slot                 (one copy)
+    gather kernel   engine blocks (2 x L x runs, every chunk of the batch)
+                                      ->  staging, chunk j at j x [2, L, C, H*Dh]   (GPU to GPU)
+    DMA, each chunk staging chunk j   ->  its slab slot                            (one copy)
+
+A batch is as many chunks as ``STAGING_BYTES`` holds (at least one); the segment table of a
+batch is built by numpy in one pass (a table per chunk cost more CPU time than its DMA).
 
 A run is a stretch of the chunk's tokens in consecutive slots of one block: its K (or V) of one
 layer is one contiguous byte range in the engine's cache when a token's heads and dims are
@@ -17,8 +21,8 @@ refused at registration. The staged form was measured against a kernel writing s
 the host slab and per-block DMA (docs/benchmarks.md, ``dataplane.gather``): 93-97 % of a pinned
 copy against 86-89 % and 18-24 %.
 
-NOTE: the staging area is reused by the next chunk while the stream may still be copying the
-last one; both are on the instance's one stream, so the next gather runs only after that DMA.
+NOTE: the staging area is reused by the next batch while the stream may still be copying the
+last one; both are on the instance's one stream, so the next batch's copies run only after it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dataplane.errors import BadRequest
 from dataplane.gather import SegmentCopier
 from dataplane.messages import PagedBuffer
 from shm.layout import KVLayout
+
+STAGING_BYTES = 128 << 20  # GPU staging per instance: whole chunks, at least one
 
 
 def check_gatherable(spec: PagedBuffer) -> None:
@@ -63,42 +69,32 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             self._copier = SegmentCopier(device)
         self._table: paged.BlockTable | None = None
 
-    def _stage(self, chunk_size: int) -> int:
-        need = 2 * self.layout.num_layers * chunk_size * self._row
-        if self._staging is None or self._staging.nbytes < need:
+    def _stage(self, chunk_size: int) -> tuple[int, int]:
+        """The staging area's address and how many chunks it holds."""
+        chunk = 2 * self.layout.num_layers * chunk_size * self._row
+        if self._staging is None or self._staging.nbytes < chunk:
             with cupy.cuda.Device(self.device):
-                self._staging = cupy.empty(need, dtype=np.uint8)
-        return int(self._staging.data.ptr)
+                self._staging = cupy.empty(max(chunk, STAGING_BYTES // chunk * chunk), np.uint8)
+        return int(self._staging.data.ptr), self._staging.nbytes // chunk
 
-    def _segments(self, token_start: int, chunk_size: int, first: int, last: int,
+    def _segments(self, token_starts: list[int], chunk_size: int, first: int, last: int,
                   staging: int, to_slab: bool) -> np.ndarray:
-        """``(dst, src, nbytes)`` rows between the engine's blocks and the staging area for
-        layers ``[first, last)`` of one chunk."""
         assert self._table is not None, "bind() comes first"
-        at = self._table.slots(token_start, chunk_size)
-        cut = np.flatnonzero((np.diff(at.block) != 0) | (np.diff(at.slot) != 1)) + 1
-        start = np.concatenate([[0], cut])
-        count = np.diff(np.concatenate([start, [chunk_size]]))
-        L, row = self.layout.num_layers, self._row
-        layer = np.arange(first, last)[None, :, None]                          # [1, n, 1]
-        kv = np.arange(2)[:, None, None]                                      # [2, 1, 1]
-        engine = (self._layers[layer] + self._kv_at[kv]
-                  + at.block[start][None, None, :] * self._block_b[kv]
-                  + at.slot[start][None, None, :] * self._token_b)
-        stage = staging + ((kv * L + layer) * chunk_size + start[None, None, :]) * row
-        nbytes = np.broadcast_to(count[None, None, :] * row, engine.shape)
-        dst, src = (stage, engine) if to_slab else (engine, stage)
-        return np.stack([np.broadcast_to(dst, engine.shape).ravel(),
-                         np.broadcast_to(src, engine.shape).ravel(), nbytes.ravel()], axis=1)
+        at = self._table.chunk_slots(np.asarray(token_starts, np.int64), chunk_size)
+        return paged.run_segments(at, self._layers, self._kv_at, self._block_b, self._token_b,
+                                  self.layout.num_layers, first, last, staging, to_slab)
 
     def to_slab_many(self, token_starts: list[int], chunk_size: int,
                      slab_offsets: list[int]) -> None:
-        staging, n = self._stage(chunk_size), 2 * self.layout.num_layers * chunk_size * self._row
+        staging, per = self._stage(chunk_size)
+        n, L = 2 * self.layout.num_layers * chunk_size * self._row, self.layout.num_layers
         stream = self.stream.cuda_stream
-        for t, off in zip(token_starts, slab_offsets):
-            self._copier.copy(self._segments(t, chunk_size, 0, self.layout.num_layers, staging,
-                                             True), self.stream)
-            cupy.cuda.runtime.memcpyAsync(self._slab + off, staging, n, D2H, stream)
+        for lo in range(0, len(token_starts), per):  # a batch: one gather, one DMA a chunk
+            starts, offs = token_starts[lo:lo + per], slab_offsets[lo:lo + per]
+            self._copier.copy(self._segments(starts, chunk_size, 0, L, staging, True),
+                              self.stream)
+            for j, off in enumerate(offs):
+                cupy.cuda.runtime.memcpyAsync(self._slab + off, staging + j * n, n, D2H, stream)
 
     def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
                        token_starts: list[int]) -> None:
@@ -106,16 +102,17 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
                          first: int, last: int) -> None:
-        staging, L = self._stage(chunk_size), self.layout.num_layers
-        width = chunk_size * self._row  # one layer's K (or V) of the chunk
-        stream = self.stream.cuda_stream
-        for off, t in zip(slab_offsets, token_starts):
-            for kv in (0, 1):  # the layers' rows are adjacent in the slot and in staging
-                at = (kv * L + first) * width
-                cupy.cuda.runtime.memcpyAsync(staging + at, self._slab + off + at,
-                                              (last - first) * width, H2D, stream)
-            self._copier.copy(self._segments(t, chunk_size, first, last, staging, False),
-                              self.stream)
+        staging, per = self._stage(chunk_size)
+        L, width = self.layout.num_layers, chunk_size * self._row  # a layer's K (or V) of a chunk
+        n, stream = 2 * L * width, self.stream.cuda_stream
+        for lo in range(0, len(token_starts), per):  # a batch: DMAs in, one scatter
+            for j, off in enumerate(slab_offsets[lo:lo + per]):
+                for kv in (0, 1):  # the layers' rows are adjacent in the slot and in staging
+                    at = (kv * L + first) * width
+                    cupy.cuda.runtime.memcpyAsync(staging + j * n + at, self._slab + off + at,
+                                                  (last - first) * width, H2D, stream)
+            self._copier.copy(self._segments(token_starts[lo:lo + per], chunk_size, first, last,
+                                             staging, False), self.stream)
 
     def close(self) -> None:
         if self._bases:

@@ -160,16 +160,59 @@ class BlockTable:
             OutOfRange: the range passes the table's end, or names a block outside the cache
                 (-1 included) for a position it touches.
         """
-        if start < 0 or start + count > self.num_tokens:
-            raise OutOfRange(f"tokens [{start}, {start + count}) pass the block table's "
+        at = self.chunk_slots(np.array([start], np.int64), count)
+        return Slots(at.block[0], at.slot[0])
+
+    def chunk_slots(self, starts: np.ndarray, count: int) -> Slots:
+        """``slots`` of ``[start, start + count)`` for every start at once, shaped
+        ``[len(starts), count]``."""
+        starts = np.asarray(starts, np.int64)
+        if len(starts) and (starts.min() < 0 or starts.max() + count > self.num_tokens):
+            bad = int(starts[(starts < 0) | (starts + count > self.num_tokens)][0])
+            raise OutOfRange(f"tokens [{bad}, {bad + count}) pass the block table's "
                              f"{self.num_tokens}")
-        pos = np.arange(start, start + count, dtype=np.int64)
+        pos = starts[:, None] + np.arange(count, dtype=np.int64)
         block = self.ids[pos // self.block_size]
-        if len(block) and (block.min() < 0 or block.max() >= self.num_blocks):
+        if block.size and (block.min() < 0 or block.max() >= self.num_blocks):
             bad = int(block[(block < 0) | (block >= self.num_blocks)][0])
             raise OutOfRange(f"the block table names block {bad} for tokens it touches; the "
                              f"cache has blocks [0, {self.num_blocks})")
         return Slots(block, pos % self.block_size)
+
+
+def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: np.ndarray,
+                 token_bytes: int, num_layers: int, first: int, last: int, staging: int,
+                 to_slab: bool) -> np.ndarray:
+    """``(dst, src, nbytes)`` rows between an engine's blocks and a staging area, for layers
+    ``[first, last)`` of n chunks at once (the CUDA data plane's gather and scatter).
+
+    A run is a stretch of a chunk's tokens in consecutive slots of one block; for a layout whose
+    token is ``token_bytes`` contiguous bytes and whose slots follow each other, its K (or V) of
+    one layer is one byte range. Chunk j sits in staging at ``j * 2 * L * C * token_bytes`` in the
+    slab's layout ``[2, L, C, token_bytes]``.
+
+    Args:
+        at: the chunks' slots, ``[n, C]`` (``BlockTable.chunk_slots``).
+        layers: each layer's start address.
+        kv_at: bytes from a layer's start to its K and its V.
+        block_bytes: bytes between blocks, for K and for V.
+        to_slab: gather (engine -> staging) when True, else scatter.
+    """
+    n, C = at.block.shape
+    new = np.ones(at.block.shape, bool)  # a run starts at a chunk's first token or a new block
+    new[:, 1:] = np.diff(at.block, axis=1) != 0  # in one block, positions are slots in order
+    chunk, start = np.nonzero(new)
+    count = np.diff(np.append(chunk * C + start, n * C))                       # [R]
+    layer = np.arange(first, last)[None, :, None]                              # [1, l, 1]
+    kv = np.arange(2)[:, None, None]                                           # [2, 1, 1]
+    engine = (layers[layer] + kv_at[kv] + at.block[chunk, start] * block_bytes[kv]
+              + at.slot[chunk, start] * token_bytes)                            # [2, l, R]
+    stage = staging + (chunk * 2 * num_layers * C + (kv * num_layers + layer) * C
+                       + start) * token_bytes
+    shape = np.broadcast_shapes(engine.shape, stage.shape)
+    dst, src = (stage, engine) if to_slab else (engine, stage)
+    return np.stack([np.broadcast_to(dst, shape).ravel(), np.broadcast_to(src, shape).ravel(),
+                     np.broadcast_to(count * token_bytes, shape).ravel()], axis=1)
 
 
 class BlockTableCalls:
@@ -186,9 +229,9 @@ class BlockTableCalls:
 
     def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
         assert self._table is not None, "bind() comes first"
-        for t in np.unique(np.asarray(token_starts)).tolist():
-            self._table.slots(t, chunk_size)
+        self._table.chunk_slots(np.unique(np.asarray(token_starts, np.int64)), chunk_size)
 
 
-__all__ = ["placements", "check", "buffer_extents", "BlockTable", "BlockTableCalls", "Slots",
+__all__ = ["placements", "check", "buffer_extents", "run_segments", "BlockTable",
+           "BlockTableCalls", "Slots",
            "LAYOUTS", "MAX_LAYERS", "MAX_BUFFERS"]

@@ -181,3 +181,47 @@ def test_block_tables_and_descriptors_are_checked_before_any_side_effect(
                     ch.call(RegisterInstance(model_name="p", world_size=1, worker_id=0,
                                              num_layers=L, num_tokens=B * S, hidden_dim=H * DH,
                                              dtype=WireDType.FLOAT16, buffer=spec), timeout=30)
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
+    """The segment tables the CUDA data plane hands its copy kernel, applied here as byte copies
+    in one numpy "address space": gather equals the canonical chunk, scatter is its inverse,
+    nothing else is written."""
+    rng = np.random.default_rng(9)
+    isz, C = 2, CHUNK
+    layer_bytes = 2 * B * S * H * DH * isz
+    space = rng.integers(0, 256, L * layer_bytes + 3 * 2 * L * C * H * DH * isz, dtype=np.uint8)
+    layers_at = np.arange(L, dtype=np.int64) * layer_bytes
+    staging = L * layer_bytes
+    k, v = paged.placements(layout, B, S, H, DH)
+    table = paged.BlockTable(np.array([7, 2, 9, 0, 5, 11, 3, 14, 1], "<i4").tobytes(), S, B)
+    starts = np.array([3, 3 + C, 3 + 2 * C])  # unaligned: chunks start inside blocks
+    at = table.chunk_slots(starts, C)
+    args = (at, layers_at, np.array([k.offset, v.offset]) * isz,
+            np.array([k.block, v.block]) * isz, H * DH * isz, L, 0, L, staging)
+
+    def apply(rows: np.ndarray) -> None:
+        for dst, src, n in rows.tolist():
+            space[dst:dst + n] = space[src:src + n]
+
+    views = [torch.from_numpy(space[a:a + layer_bytes]).view(torch.int16).view(
+        (2, B, S, H, DH) if layout == "flash_attn" else (B, 2, S, H, DH)) for a in layers_at]
+    engine_before = space[:staging].copy()
+    apply(paged.run_segments(*args, to_slab=True))
+    stage = torch.from_numpy(space[staging:].copy()).view(torch.int16).view(3, 2, L, C, H, DH)
+    assert np.array_equal(space[:staging], engine_before)  # a gather writes staging only
+    for j, t0 in enumerate(starts.tolist()):
+        block, slot = slots_of(table.ids.tolist(), t0, C)
+        for layer in range(L):
+            assert torch.equal(stage[j, :, layer], logical(views[layer], layout, block, slot))
+    # scatter into a scrambled engine: exactly the chunks' slots come back
+    space[:staging] = rng.integers(0, 256, staging, dtype=np.uint8)
+    scrambled = space[:staging].copy()
+    apply(paged.run_segments(*args, to_slab=False))
+    written = np.zeros(staging, bool)
+    for dst, _, n in paged.run_segments(*args, to_slab=False).tolist():
+        written[dst:dst + n] = True
+    assert np.array_equal(space[:staging][~written], scrambled[~written])
+    assert np.array_equal(space[:staging][written], engine_before[written])
+    assert written.sum() == 3 * 2 * L * C * H * DH * isz  # every chunk byte, once
