@@ -28,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_dataplane import CHUNK, median_time, start_dataplane  # noqa: E402
+from bench_dataplane import (CHUNK, limits_cpu, limits_cuda, median_time,  # noqa: E402
+                             start_dataplane)
 from dataplane import default_address  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
 from shm.fingerprint import FingerprintIndex  # noqa: E402
@@ -46,26 +47,6 @@ def layers_of(client: BlendClient, backend: str, L: int, B: int, H: int, Dh: int
             t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16))
         return layers
     return [torch.randn((2, B, S, H, Dh), device="cuda").to(torch.bfloat16) for _ in range(L)]
-
-
-def limits(nbytes: int, iters: int, backend: str) -> tuple[float, float]:
-    if backend == "cpu":
-        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-        t = median_time(lambda: np.copyto(b, a), iters)
-        return nbytes / t, nbytes / t
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def d2h() -> None:
-        host.copy_(gpu, non_blocking=True)
-        torch.cuda.synchronize()
-
-    def h2d() -> None:
-        gpu.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-
-    d2h(), h2d()
-    return nbytes / median_time(d2h, iters), nbytes / median_time(h2d, iters)
 
 
 def main() -> None:
@@ -127,7 +108,9 @@ def main() -> None:
 
             store(), refill(), retrieve(), layerwise()  # warm
             firsts.clear()
-            lim_store, lim_retrieve = limits(nbytes, args.iters, args.backend)
+            lim = (limits_cuda(nbytes, args.iters, L, H * Dh, N // CHUNK)
+                   if args.backend == "cuda" else limits_cpu(nbytes, args.iters))
+            lim_store, lim_retrieve = lim["store"], lim["retrieve"]
             got = {"store": nbytes / median_time(store, args.iters),
                    "retrieve": nbytes / median_time(retrieve, args.iters, refill),
                    "layer-wise": nbytes / median_time(layerwise, args.iters, refill)}

@@ -25,16 +25,23 @@ def fill(t: torch.Tensor, seed: int) -> None:
                                             dtype=torch.int16))
 
 
+def stored(client: BlendClient, model: str, doc: np.ndarray, seed: int
+           ) -> tuple[torch.Tensor, list]:
+    """A filled buffer whose ``doc`` is stored from position 0, and the lookup's matches."""
+    src = client.cpu_kv_buffer(L, T, D, torch.float16)
+    fill(src, seed)
+    inst = client.register_kv_cache(src, model_name=model)
+    assert client.store_pre_computed(inst, doc).wait().ok
+    matches = client.lookup(doc, model_name=model).matches
+    assert len(matches) == len(doc) // CHUNK
+    return src, matches
+
+
 def test_groups_arrive_in_order_and_each_is_readable_when_announced(
         dataplane: DataPlaneProc) -> None:
     doc = np.random.default_rng(1).integers(0, 50_000, 4 * CHUNK)
     with BlendClient(dataplane_address=dataplane.address) as client:
-        src = client.cpu_kv_buffer(L, T, D, torch.float16)
-        fill(src, 1)
-        inst = client.register_kv_cache(src, model_name="lw")
-        assert client.store_pre_computed(inst, doc).wait().ok
-        matches = client.lookup(doc, model_name="lw").matches
-        assert len(matches) == 4
+        src, matches = stored(client, "lw", doc, 1)
         bad = MatchSpec(0, CHUNK, 2 * CHUNK, 3 * CHUNK, matches[0].chunk_hash)  # wrong tokens there
         dst = client.cpu_kv_buffer(L, T, D, torch.float16)
         inst2 = client.register_kv_cache(dst, model_name="lw")
@@ -70,11 +77,7 @@ def test_a_paged_cache_loads_layer_by_layer(dataplane: DataPlaneProc) -> None:
     doc = np.random.default_rng(2).integers(0, 50_000, 2 * CHUNK)
     S, H = 8, 4
     with BlendClient(dataplane_address=dataplane.address) as client:
-        src = client.cpu_kv_buffer(L, T, D, torch.float16)
-        fill(src, 3)
-        inst = client.register_kv_cache(src, model_name="lwp")
-        assert client.store_pre_computed(inst, doc).wait().ok
-        matches = client.lookup(doc, model_name="lwp").matches
+        src, matches = stored(client, "lwp", doc, 3)
         layers = client.cpu_paged_kv_cache(L, 8, S, H, D // H, torch.float16, layout="flash_attn")
         paged = client.register_paged_kv_cache(layers, "flash_attn", S, H, D // H,
                                                model_name="lwp")
