@@ -77,8 +77,8 @@ def test_paged_store_and_layerwise_retrieve_bit_exact(cuda_dataplane: DataPlaneP
         t = client.retrieve(plain, doc, matches, offset=7, layer_groups=L)
         for layer in range(L):
             t.wait_layer(layer, timeout=60)
-            assert torch.equal(flat[:, layer, 7:7 + 3 * CHUNK].reshape(2, -1, H, DH),
-                               want[layer])
+            got = flat[:, layer, 7:7 + 3 * CHUNK].reshape(2, -1, H, DH)  # random bits: NaNs
+            assert torch.equal(got.view(torch.int16), want[layer].view(torch.int16))
         assert t.wait(timeout=60).ok
 
 
