@@ -14,7 +14,9 @@ in the slab it is contiguous ``[2, L, C, D]``. One strided copy moves it::
 
 cupy and torch are imported lazily by ``dataplane.backend.make_engine``: CPU machines have no cupy.
 NOTE: the slab is registered with ``cudaHostRegisterPortable`` so every device and context sees it
-as pinned; a copy from an unregistered page would fall back to staged, pageable speed.
+as pinned (a copy from an unregistered page would fall back to staged, pageable speed), and
+``Mapped`` so kernels may read it where the device uses host pointers of registered memory
+(``dataplane.cuda_paged``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shm.store import Store
 
 PIECE = 64 << 30
 HOST_REGISTER_PORTABLE = 1
+HOST_REGISTER_MAPPED = 2  # kernels may read the slab (a paged layer-wise retrieve does)
 IPC_LAZY_PEER_ACCESS = 1
 D2H = cupy.cuda.runtime.memcpyDeviceToHost
 H2D = cupy.cuda.runtime.memcpyHostToDevice
@@ -157,7 +160,7 @@ class CudaEngine(CopyEngine):
         for off in range(0, self._size, PIECE):
             ptr = self._slab_ptr + off
             cupy.cuda.runtime.hostRegister(ptr, min(PIECE, self._size - off),
-                                           HOST_REGISTER_PORTABLE)
+                                           HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
             self._pieces.append(ptr)
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
@@ -174,6 +177,7 @@ class CudaEngine(CopyEngine):
     def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> InstanceBuffer:
         from dataplane import paged
         from dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
+        from dataplane.gather import can_use_host_pointer
         paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
                     layout.dtype.itemsize)
         check_gatherable(spec)
@@ -187,7 +191,8 @@ class CudaEngine(CopyEngine):
         try:
             for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
                 bases.append(self._open_ipc(device, b, need))  # type: ignore[arg-type]
-            return CudaPagedBuffer(device, bases, spec, layout, self._slab_ptr)
+            return CudaPagedBuffer(device, bases, spec, layout, self._slab_ptr,
+                                   can_use_host_pointer(device))
         except BaseException:
             for base in bases:
                 cupy.cuda.runtime.ipcCloseMemHandle(base)

@@ -181,22 +181,23 @@ class BlockTable:
 
 
 def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: np.ndarray,
-                 token_bytes: int, num_layers: int, first: int, last: int, staging: int,
+                 token_bytes: int, num_layers: int, first: int, last: int, chunk_at: np.ndarray,
                  to_slab: bool) -> np.ndarray:
-    """``(dst, src, nbytes)`` rows between an engine's blocks and a staging area, for layers
-    ``[first, last)`` of n chunks at once (the CUDA data plane's gather and scatter).
+    """``(dst, src, nbytes)`` rows between an engine's blocks and n chunks in the slab's layout
+    ``[2, L, C, token_bytes]`` (in a staging area or in their slab slots), for layers
+    ``[first, last)`` of every chunk at once (the CUDA data plane's gather and scatter).
 
     A run is a stretch of a chunk's tokens in consecutive slots of one block; for a layout whose
     token is ``token_bytes`` contiguous bytes and whose slots follow each other, its K (or V) of
-    one layer is one byte range. Chunk j sits in staging at ``j * 2 * L * C * token_bytes`` in the
-    slab's layout ``[2, L, C, token_bytes]``.
+    one layer is one byte range.
 
     Args:
         at: the chunks' slots, ``[n, C]`` (``BlockTable.chunk_slots``).
         layers: each layer's start address.
         kv_at: bytes from a layer's start to its K and its V.
         block_bytes: bytes between blocks, for K and for V.
-        to_slab: gather (engine -> staging) when True, else scatter.
+        chunk_at: where each chunk's ``[2, L, C, token_bytes]`` starts.
+        to_slab: gather (engine -> chunks) when True, else scatter.
     """
     n, C = at.block.shape
     new = np.ones(at.block.shape, bool)  # a run starts at a chunk's first token or a new block
@@ -207,8 +208,7 @@ def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: 
     kv = np.arange(2)[:, None, None]                                           # [2, 1, 1]
     engine = (layers[layer] + kv_at[kv] + at.block[chunk, start] * block_bytes[kv]
               + at.slot[chunk, start] * token_bytes)                            # [2, l, R]
-    stage = staging + (chunk * 2 * num_layers * C + (kv * num_layers + layer) * C
-                       + start) * token_bytes
+    stage = chunk_at[chunk] + ((kv * num_layers + layer) * C + start) * token_bytes
     shape = np.broadcast_shapes(engine.shape, stage.shape)
     dst, src = (stage, engine) if to_slab else (engine, stage)
     return np.stack([np.broadcast_to(dst, shape).ravel(), np.broadcast_to(src, shape).ravel(),

@@ -199,7 +199,8 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     starts = np.array([3, 3 + C, 3 + 2 * C])  # unaligned: chunks start inside blocks
     at = table.chunk_slots(starts, C)
     args = (at, layers_at, np.array([k.offset, v.offset]) * isz,
-            np.array([k.block, v.block]) * isz, H * DH * isz, L, 0, L, staging)
+            np.array([k.block, v.block]) * isz, H * DH * isz, L, 0, L,
+            staging + np.arange(3) * 2 * L * C * H * DH * isz)
 
     def apply(rows: np.ndarray) -> None:
         for dst, src, n in rows.tolist():
