@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
     p.add_argument("--max-connections", type=int)
     p.add_argument("--first-mib", type=float, help="MiB of a call's first batch")
     p.add_argument("--group-mib", type=float, help="MiB of a store's chunks per completion mark")
+    p.add_argument("--staging-mib", type=float,
+                   help="GPU staging per paged CUDA instance, MiB (at least two chunks)")
     p.add_argument("--log-level")
     args = p.parse_args(argv)
     try:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
-    engine = make_engine(settings.backend, store)
+    engine = make_engine(settings.backend, store, settings.tuning().staging_bytes)
     shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning())
     plane = DataPlane(prefix, shared, engine, settings.reclaim_interval, settings.limits(),
                       settings.max_connections)

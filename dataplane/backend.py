@@ -133,7 +133,7 @@ class CopyEngine(abc.ABC):
         """Release process-wide resources (host registration of the slab)."""
 
 
-def make_engine(backend: str, store: Store) -> CopyEngine:
+def make_engine(backend: str, store: Store, staging_bytes: int = 128 << 20) -> CopyEngine:
     """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is present).
 
     CUDA code is imported here, lazily: CPU-only machines have no cupy.
@@ -142,7 +142,7 @@ def make_engine(backend: str, store: Store) -> CopyEngine:
         backend = Backend.CUDA.value if _cuda_present() else Backend.CPU.value
     if backend == Backend.CUDA.value:
         from dataplane.cuda import CudaEngine
-        return CudaEngine(store)
+        return CudaEngine(store, staging_bytes)
     if backend == Backend.CPU.value:
         from dataplane.cpu import CpuEngine
         return CpuEngine(store)

@@ -11,8 +11,8 @@ A batch of chunks of a store, in order on the instance's stream (a retrieve is t
                                       ->  staging, chunk j at j x [2, L, C, H*Dh]   (GPU to GPU)
     DMA, each chunk staging chunk j   ->  its slab slot                            (one copy)
 
-A batch is as many chunks as ``STAGING_BYTES`` holds (at least one); the segment table of a
-batch is built by numpy in one pass (a table per chunk cost more CPU time than its DMA).
+A batch is as many chunks as half of the staging holds (``--staging-mib``) (at least one); the segment table
+of a batch is built by numpy in one pass (a table per chunk cost more CPU time than its DMA).
 
 A run is a stretch of the chunk's tokens in consecutive slots of one block: its K (or V) of one
 layer is one contiguous byte range in the engine's cache when a token's heads and dims are
@@ -26,14 +26,21 @@ host address (``cudaDevAttrCanUseHostPointerForRegisteredMem``), one scatter ker
 group's rows of every chunk straight from their slots over PCIe (the copier's direct form,
 86-89 % of a pinned copy standalone) instead of two DMAs a chunk and a kernel.
 
-NOTE: the staging area is reused by the next batch while the stream may still be copying the
-last one; both are on the instance's one stream, so the next batch's copies run only after it.
+NOTE: the staging area is two halves used in turn, so a batch's gather (store) or DMAs (retrieve)
+on a side stream overlap the other half's DMAs or scatter on the instance's stream. Events order
+them: the instance's stream waits for each batch's side-stream work before using the half, the
+side stream waits until the instance's stream is done with a half before refilling it, and the
+side stream starts each call after everything the instance's stream holds (the engine's event
+included). The call's markers stay on the instance's stream, after every copy of the call.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import cupy
 import numpy as np
+import torch
 
 from dataplane import paged
 from dataplane.cuda import D2H, H2D, CudaBuffer
@@ -42,7 +49,7 @@ from dataplane.gather import SegmentCopier
 from dataplane.messages import PagedBuffer
 from shm.layout import KVLayout
 
-STAGING_BYTES = 128 << 20  # GPU staging per instance: whole chunks, at least one
+STAGING_BYTES = 128 << 20  # default GPU staging per instance (--staging-mib): whole chunks, >= 2
 
 
 def check_gatherable(spec: PagedBuffer) -> None:
@@ -60,9 +67,11 @@ def check_gatherable(spec: PagedBuffer) -> None:
 
 class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
     def __init__(self, device: int, bases: list[int], spec: PagedBuffer, layout: KVLayout,
-                 slab_ptr: int, slab_mapped: bool = False) -> None:
+                 slab_ptr: int, slab_mapped: bool = False,
+                 staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(device, 0, 0, layout, slab_ptr)
         self._slab_mapped = slab_mapped  # kernels on this device may read the slab's host address
+        self._staging_bytes = staging_bytes
         self._bases, self._spec = bases, spec
         isz = layout.dtype.itemsize
         self._layers = np.array([bases[ly.buffer] + spec.buffers[ly.buffer].offset + ly.offset
@@ -73,6 +82,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         self._staging: cupy.ndarray | None = None
         with cupy.cuda.Device(device):
             self._copier = SegmentCopier(device)
+        with torch.cuda.device(device):
+            self._side = torch.cuda.Stream(device)  # fills or drains the other staging half
         self._table: paged.BlockTable | None = None
 
     def _stage(self, chunk_size: int) -> tuple[int, int]:
@@ -80,7 +91,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         chunk = 2 * self.layout.num_layers * chunk_size * self._row
         if self._staging is None or self._staging.nbytes < chunk:
             with cupy.cuda.Device(self.device):
-                self._staging = cupy.empty(max(chunk, STAGING_BYTES // chunk * chunk), np.uint8)
+                self._staging = cupy.empty(max(2 * chunk, self._staging_bytes // chunk * chunk),
+                                           np.uint8)
         return int(self._staging.data.ptr), self._staging.nbytes // chunk
 
     def _segments(self, token_starts: list[int], chunk_size: int, first: int, last: int,
@@ -94,18 +106,40 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         return staging + np.arange(count, dtype=np.int64) * (
             2 * self.layout.num_layers * chunk_size * self._row)
 
+    def _halves(self, chunk_size: int) -> tuple[list[int], int]:
+        """The two staging halves' addresses and the chunks each holds (at least one)."""
+        staging, per = self._stage(chunk_size)
+        n = 2 * self.layout.num_layers * chunk_size * self._row
+        return [staging, staging + per // 2 * n], per // 2
+
     def to_slab_many(self, token_starts: list[int], chunk_size: int,
                      slab_offsets: list[int]) -> None:
-        staging, per = self._stage(chunk_size)
+        # gathers on the side stream into one half while the main stream DMAs the other half:
+        # the main stream (whose markers complete the call) waits for each gather, and the side
+        # stream waits until the DMAs that last read a half are done before refilling it
+        halves, per = self._halves(chunk_size)
         n, L = 2 * self.layout.num_layers * chunk_size * self._row, self.layout.num_layers
-        stream = self.stream.cuda_stream
-        for lo in range(0, len(token_starts), per):  # a batch: one gather, one DMA a chunk
+        stream, side = self.stream.cuda_stream, self._side
+        freed: list[Any] = [self._after(self.stream), None]  # the call starts after begin()
+        side.wait_event(freed[0])
+        for b, lo in enumerate(range(0, len(token_starts), per)):
+            base = halves[b % 2]
+            if freed[b % 2] is not None:
+                side.wait_event(freed[b % 2])
             starts, offs = token_starts[lo:lo + per], slab_offsets[lo:lo + per]
             self._copier.copy(self._segments(starts, chunk_size, 0, L,
-                                             self._staged(staging, len(starts), chunk_size),
-                                             True), self.stream)
+                                             self._staged(base, len(starts), chunk_size), True),
+                              side)
+            self.stream.wait_event(self._after(side))
             for j, off in enumerate(offs):
-                cupy.cuda.runtime.memcpyAsync(self._slab + off, staging + j * n, n, D2H, stream)
+                cupy.cuda.runtime.memcpyAsync(self._slab + off, base + j * n, n, D2H, stream)
+            freed[b % 2] = self._after(self.stream)
+
+    @staticmethod
+    def _after(stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
 
     def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
                        token_starts: list[int]) -> None:
@@ -119,19 +153,27 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots,
                                              False), self.stream)
             return
-        staging, per = self._stage(chunk_size)
+        # DMAs into one half on the side stream while the main stream scatters the other half
+        halves, per = self._halves(chunk_size)
         L, width = self.layout.num_layers, chunk_size * self._row  # a layer's K (or V) of a chunk
-        n, stream = 2 * L * width, self.stream.cuda_stream
-        for lo in range(0, len(token_starts), per):  # a batch: DMAs in, one scatter
+        n, side = 2 * L * width, self._side
+        freed: list[Any] = [self._after(self.stream), None]
+        side.wait_event(freed[0])
+        for b, lo in enumerate(range(0, len(token_starts), per)):
+            base = halves[b % 2]
+            if freed[b % 2] is not None:
+                side.wait_event(freed[b % 2])
             for j, off in enumerate(slab_offsets[lo:lo + per]):
                 for kv in (0, 1):  # the layers' rows are adjacent in the slot and in staging
                     at = (kv * L + first) * width
-                    cupy.cuda.runtime.memcpyAsync(staging + j * n + at, self._slab + off + at,
-                                                  (last - first) * width, H2D, stream)
+                    cupy.cuda.runtime.memcpyAsync(base + j * n + at, self._slab + off + at,
+                                                  (last - first) * width, H2D, side.cuda_stream)
+            self.stream.wait_event(self._after(side))
             batch = token_starts[lo:lo + per]
             self._copier.copy(self._segments(batch, chunk_size, first, last,
-                                             self._staged(staging, len(batch), chunk_size),
-                                             False), self.stream)
+                                             self._staged(base, len(batch), chunk_size), False),
+                              self.stream)
+            freed[b % 2] = self._after(self.stream)
 
     def close(self) -> None:
         if self._bases:

@@ -35,6 +35,8 @@ class DataPlaneSettings(BaseSettings):
             or pinned.
         group_mib: MiB of chunks per completion marker of a store; a group's commits overlap
             later groups' copies.
+        staging_mib: GPU staging per paged CUDA instance (whole chunks, at least two), in two
+            halves that a batch's gather and the other batch's DMAs use in turn.
         log_level: logging level name.
     """
 
@@ -51,13 +53,15 @@ class DataPlaneSettings(BaseSettings):
     max_connections: int = Field(256, gt=0)
     first_mib: float = Field(16.0, gt=0)
     group_mib: float = Field(32.0, gt=0)
+    staging_mib: float = Field(128.0, gt=0)
     log_level: str = "INFO"
 
     def limits(self) -> Limits:
         return Limits(self.lease, self.max_instances, self.max_instances_per_client)
 
     def tuning(self) -> Tuning:
-        return Tuning(int(self.first_mib * MIB), int(self.group_mib * MIB))
+        return Tuning(int(self.first_mib * MIB), int(self.group_mib * MIB),
+                      int(self.staging_mib * MIB))
 
 
 __all__ = ["DataPlaneSettings"]

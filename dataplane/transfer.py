@@ -66,10 +66,12 @@ class Tuning:
             pinned.
         group_bytes: chunks per completion marker of a store; a group's commits overlap the
             copies of later groups.
+        staging_bytes: GPU staging of a paged CUDA instance (``dataplane.cuda_paged``).
     """
 
     first_bytes: int = 16 << 20
     group_bytes: int = 32 << 20
+    staging_bytes: int = 128 << 20
 
 
 @dataclass(frozen=True)
