@@ -1,18 +1,19 @@
 """Paged engine caches on the CUDA data plane: blocks gathered on the GPU, one DMA per chunk.
 
 This module owns the CUDA side of a paged registration (``dataplane.paged``): the per-layer
-device pointers of the engine's IPC-opened buffers, a staging area of one chunk on the GPU, and
-the segment tables that ``dataplane.gather.SegmentCopier`` copies between the engine's blocks
+device pointers of the engine's IPC-opened buffers, a staging area of whole chunks on the GPU,
+and the segment tables that ``dataplane.gather.SegmentCopier`` copies between the engine's blocks
 and the staging area. Everything else (events, markers, the stream) is ``CudaBuffer``'s.
 
-A batch of chunks of a store, in order on the instance's stream (a retrieve is the reverse)::
+A batch of chunks of a store (a retrieve is the reverse)::
 
     gather kernel   engine blocks (2 x L x runs, every chunk of the batch)
                                       ->  staging, chunk j at j x [2, L, C, H*Dh]   (GPU to GPU)
     DMA, each chunk staging chunk j   ->  its slab slot                            (one copy)
 
-A batch is as many chunks as half of the staging holds (``--staging-mib``) (at least one); the segment table
-of a batch is built by numpy in one pass (a table per chunk cost more CPU time than its DMA).
+A batch is as many chunks as half of the staging holds (``--staging-mib``, at least one); the
+segment table of a batch is built by numpy in one pass (a table per chunk cost more CPU time
+than its DMA).
 
 A run is a stretch of the chunk's tokens in consecutive slots of one block: its K (or V) of one
 layer is one contiguous byte range in the engine's cache when a token's heads and dims are
@@ -32,6 +33,9 @@ them: the instance's stream waits for each batch's side-stream work before using
 side stream waits until the instance's stream is done with a half before refilling it, and the
 side stream starts each call after everything the instance's stream holds (the engine's event
 included). The call's markers stay on the instance's stream, after every copy of the call.
+Measured on the H200, this overlap did not raise the paged store's or retrieve's speed
+(docs/benchmarks.md); it is kept because it is correct and tested on the GPU, and the copies are
+no longer serialized when the remaining cost is found.
 """
 
 from __future__ import annotations
