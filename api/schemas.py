@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from dataplane.messages import MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
 from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
 from shm.names import KVBUF_PATTERN
 from shm.telemetry import EventKind
@@ -139,7 +140,7 @@ class PagedBufferRef(BaseModel):
 class PagedLayerRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    buffer: int = Field(ge=0, lt=1024, description="Index into `buffers`.")
+    buffer: int = Field(ge=0, lt=MAX_PAGED_BUFFERS, description="Index into `buffers`.")
     offset: Exact = Field(description="Bytes from that buffer's start to the layer.")
 
 
@@ -156,8 +157,8 @@ class PagedKV(BaseModel):
     k: Placement
     v: Placement
     layer_bytes: Exact = Field(description="Bytes of one layer from its offset.")
-    buffers: list[PagedBufferRef] = Field(min_length=1, max_length=1024)
-    layers: list[PagedLayerRef] = Field(min_length=1, max_length=1024)
+    buffers: list[PagedBufferRef] = Field(min_length=1, max_length=MAX_PAGED_BUFFERS)
+    layers: list[PagedLayerRef] = Field(min_length=1, max_length=MAX_PAGED_LAYERS)
 
 
 class RegisterInstance(BaseModel):

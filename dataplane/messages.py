@@ -34,6 +34,8 @@ MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call
 MAX_MATCHES = 16384                 # matches in one retrieve
 MAX_FRAME = 8 << 20                 # holds either bound with room to spare
 MAX_LAYER_GROUPS = 1024             # groups of a layer-wise retrieve
+MAX_PAGED_LAYERS = 1024             # layers of a paged registration
+MAX_PAGED_BUFFERS = 1024            # buffers a paged registration names
 MAX_LAYER_GROUP_MATCHES = 512       # matches of a layer-wise retrieve (all pinned at once)
 TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
 
@@ -148,8 +150,9 @@ class PagedBuffer(_Msg, tag="paged"):
     k: KVPlacement
     v: KVPlacement
     layer_bytes: U63
-    buffers: Annotated[list[ShmBuffer | CudaIpcBuffer], msgspec.Meta(max_length=1024)]
-    layers: Annotated[list[PagedLayer], msgspec.Meta(max_length=1024)]
+    buffers: Annotated[list[ShmBuffer | CudaIpcBuffer],
+                       msgspec.Meta(max_length=MAX_PAGED_BUFFERS)]
+    layers: Annotated[list[PagedLayer], msgspec.Meta(max_length=MAX_PAGED_LAYERS)]
 
 
 BufferSpec = ShmBuffer | CudaIpcBuffer | PagedBuffer

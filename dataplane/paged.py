@@ -42,10 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataplane.errors import BadRequest, OutOfRange
-from dataplane.messages import KVPlacement, PagedBuffer
+from dataplane.messages import MAX_PAGED_BUFFERS, KVPlacement, PagedBuffer
 
-MAX_LAYERS = 1024
-MAX_BUFFERS = 1024
 LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt", "contiguous")
 
 
@@ -97,8 +95,8 @@ def check(spec: PagedBuffer, num_layers: int, num_tokens: int, hidden_dim: int,
                          f"num_tokens is {num_tokens}")
     if len(spec.layers) != num_layers:
         raise BadRequest(f"{len(spec.layers)} layers described, num_layers is {num_layers}")
-    if not 1 <= len(spec.buffers) <= MAX_BUFFERS:
-        raise BadRequest(f"a paged buffer names 1 to {MAX_BUFFERS} buffers")
+    if not 1 <= len(spec.buffers) <= MAX_PAGED_BUFFERS:
+        raise BadRequest(f"a paged buffer names 1 to {MAX_PAGED_BUFFERS} buffers")
     if spec.layer_bytes % itemsize:
         raise BadRequest(f"layer_bytes {spec.layer_bytes} is not a multiple of the dtype's "
                          f"{itemsize} bytes")
@@ -234,4 +232,4 @@ class BlockTableCalls:
 
 __all__ = ["placements", "check", "buffer_extents", "run_segments", "BlockTable",
            "BlockTableCalls", "Slots",
-           "LAYOUTS", "MAX_LAYERS", "MAX_BUFFERS"]
+           "LAYOUTS"]
