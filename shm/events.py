@@ -51,8 +51,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from enum import IntEnum, unique
 from typing import Any
 
@@ -61,7 +59,7 @@ import numpy as np
 
 from shm import segment
 from shm.errors import LayoutMismatch
-from shm.lock import FileLock
+from shm.lock import FileLock, held
 from shm.names import Names
 from shm.telemetry import COUNTER_NAMES, Event
 
@@ -143,7 +141,7 @@ class EventLog:
                 used nor removed.
         """
         _check_geometry(capacity, slot_bytes)
-        with _held(prefix) as lock:
+        with held(Names(prefix).lock("events")) as lock:
             seg = _create(Names(prefix).events, capacity, slot_bytes)
         return cls(prefix, seg, lock)
 
@@ -182,7 +180,7 @@ class EventLog:
         """
         _check_geometry(capacity, slot_bytes)
         name = Names(prefix).events
-        with _held(prefix) as lock:
+        with held(Names(prefix).lock("events")) as lock:
             try:
                 seg = _attach(name)
             except (FileNotFoundError, LayoutMismatch):
@@ -346,21 +344,6 @@ def _encode(event: dict[str, Any], limit: int) -> bytes:
 def _check_geometry(capacity: int, slot_bytes: int) -> None:
     if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
         raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
-
-
-@contextmanager
-def _held(prefix: str) -> Iterator[FileLock]:
-    """The log's lock of ``prefix``, held for the body; closed as well when the body raises."""
-    lock = FileLock(Names(prefix).lock("events"))
-    try:
-        lock.acquire()
-        try:
-            yield lock
-        finally:
-            lock.release()
-    except BaseException:
-        lock.close()
-        raise
 
 
 def _attach(name: str) -> segment.Segment:

@@ -52,7 +52,7 @@ from shm.fpformat import (E_HASH0, E_HASH1, E_SEQ, E_STAMP, E_STATE, ENTRY_WORDS
                           attach_segment, create_segment, geometry_of)
 from shm.fpkernels import bloom_rebuild, find_hash, rebuild, register, remove, remove_unchanged
 from shm.hashing import Namespace, as_tokens
-from shm.lock import FileLock, Guarded
+from shm.lock import FileLock, Guarded, held
 from shm.matches import Match
 from shm.names import Names
 from shm.private import shm_path, unlink_private
@@ -167,16 +167,8 @@ class FingerprintIndex:
     @classmethod
     def _under_lock(cls, prefix: str, lock_timeout: float | None, lock_free_reads: bool | None,
                     make: Callable[[str], segment.Segment]) -> "FingerprintIndex":
-        lock = FileLock(Names(prefix).lock("fp"))
-        try:
-            lock.acquire(lock_timeout)
-            try:
-                seg = make(Names(prefix).fp)
-            finally:
-                lock.release()
-        except BaseException:
-            lock.close()
-            raise
+        with held(Names(prefix).lock("fp"), lock_timeout) as lock:
+            seg = make(Names(prefix).fp)
         return cls(prefix, seg, lock, lock_timeout, lock_free_reads)
 
     # -- mutations ----------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import numpy as np
@@ -102,6 +103,28 @@ class FileLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@contextmanager
+def held(path: str, timeout: float | None = None) -> Iterator[FileLock]:
+    """A new ``FileLock`` on ``path``, held inside the body and released after; closed as well
+    when acquiring or the body fails (on success the caller keeps it, e.g. in the structure the
+    body attached). This is how every shm structure creates or attaches under its lock.
+
+    Raises:
+        Busy: not acquired within ``timeout``.
+        ForeignObject: the lock file is not ours.
+    """
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout)
+        try:
+            yield lock
+        finally:
+            lock.release()
+    except BaseException:
+        lock.close()
+        raise
 
 
 class Guarded:

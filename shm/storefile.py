@@ -43,8 +43,7 @@ creator was killed has no magic and is replaced; nothing was ever committed in i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +52,7 @@ from shm import index, slab
 from shm import pins as pintable
 from shm.errors import LayoutMismatch
 from shm.header import HEADER_WORDS, STORE_MAGIC, Hdr
-from shm.lock import FileLock
+from shm.lock import FileLock, held
 from shm.names import Names
 from shm.private import shm_path, unlink_private
 from shm.segment import Progress, Segment, attach_checked
@@ -234,27 +233,14 @@ def _initialize(t: dict[str, np.ndarray], cfg: StoreConfig) -> None:
     h[Hdr.MAGIC] = MAGIC  # last: a store without it is unfinished
 
 
-@contextmanager
-def locked(prefix: str) -> Iterator[FileLock]:
-    """The store lock of ``prefix`` (``P_store.lock``), held inside; released after, and closed
-    unless the body succeeded (the ``Store`` it built keeps it).
+def locked(prefix: str) -> AbstractContextManager[FileLock]:
+    """The store lock of ``prefix`` (``P_store.lock``), held inside (``shm.lock.held``): the
+    ``Store`` the body builds keeps it.
 
     Raises:
         ForeignObject: the lock file is not ours.
     """
-    lock = FileLock(Names(prefix).lock("store"))
-    try:
-        lock.acquire()
-    except BaseException:
-        lock.close()
-        raise
-    try:
-        yield lock
-    except BaseException:
-        lock.release()
-        lock.close()
-        raise
-    lock.release()
+    return held(Names(prefix).lock("store"))
 
 
 def destroy_segments(prefix: str) -> None:
