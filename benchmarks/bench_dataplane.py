@@ -1,7 +1,8 @@
 """Data-plane throughput: store and retrieve GB/s through the whole call path, against the limit.
 
 Each timed call goes client -> channel -> data plane (reserve/pin, one strided copy per chunk,
-wait for completion, commit/unpin) -> reply, for ``--chunks`` chunks. Side by side in the same run:
+wait for completion, commit/unpin) -> reply, for ``--chunks`` chunks; the ``x4`` ops send four
+calls back to back on one instance and wait for all (calls in flight). Side by side in the same run:
 
 - CUDA: a plain pinned ``copy_`` of the same bytes each way (the PCIe limit), and both directions
   at once on two streams; and, for reference only, the same strided copies the data plane issues
@@ -38,7 +39,8 @@ from shm.fingerprint import FingerprintIndex  # noqa: E402
 from shm.names import destroy  # noqa: E402
 from shm.store import Store, StoreConfig  # noqa: E402
 
-LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128)}  # (L, D), bfloat16
+LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128), "2mib": (16, 128)}  # (L, D), bfloat16
+IN_FLIGHT = 4  # calls sent back to back by the "x4" ops
 CHUNK = 256
 
 
@@ -104,6 +106,18 @@ class Case:
 
     def retrieve(self, inst: int = 0) -> None:
         assert self.client.retrieve(self.inst[inst], self.tokens, self.matches).wait().ok
+
+    def stores_in_flight(self) -> None:
+        calls = [self.client.store_pre_computed(self.inst[1], self.fresh())
+                 for _ in range(IN_FLIGHT)]
+        for c in calls:
+            done = c.wait()
+            assert done.ok and done.copied == self.chunks, done
+
+    def retrieves_in_flight(self) -> None:
+        calls = [self.client.retrieve(self.inst[0], self.tokens, self.matches)
+                 for _ in range(IN_FLIGHT)]
+        assert all(c.wait().ok for c in calls)
 
     def both(self) -> None:
         r = self.client.retrieve(self.inst[0], self.tokens, self.matches)
@@ -208,7 +222,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.backend == "cuda" else f"{os.cpu_count()} CPUs"
     print(f"# device: {device}")
     limit_name = "pinned copy_" if args.backend == "cuda" else "memcpy"
-    print(f"{'layout':<9} {'chunk MiB':>9} {'op':<9} {'dataplane GB/s':>14} "
+    print(f"{'layout':<9} {'chunk MiB':>9} {'op':<11} {'dataplane GB/s':>12} "
           f"{limit_name + ' GB/s':>17} {'ratio':>6}")
     events = EventLog.open(prefix)
     try:
@@ -224,9 +238,16 @@ def main() -> None:
                        "retrieve": case.nbytes / median_time(case.retrieve, args.iters,
                                                              case.refill),
                        "both": 2 * case.nbytes / median_time(case.both, args.iters, case.refill)}
+                if IN_FLIGHT * case.nbytes <= args.storage_gib * (1 << 30) / 2:
+                    x = f"x{IN_FLIGHT}"
+                    got["store " + x] = IN_FLIGHT * case.nbytes / median_time(
+                        case.stores_in_flight, args.iters)
+                    got["retrieve " + x] = IN_FLIGHT * case.nbytes / median_time(
+                        case.retrieves_in_flight, args.iters, case.refill)
+                    limits["store " + x], limits["retrieve " + x] = limits["store"], limits["retrieve"]
                 chunk_mib = case.nbytes / args.chunks / (1 << 20)
-                for op in ("store", "retrieve", "both"):
-                    print(f"{name:<9} {chunk_mib:>9.1f} {op:<9} {got[op] / 1e9:>14.2f} "
+                for op in got:
+                    print(f"{name:<9} {chunk_mib:>9.1f} {op:<11} {got[op] / 1e9:>12.2f} "
                           f"{limits[op] / 1e9:>17.2f} {got[op] / limits[op]:>6.3f}", flush=True)
                 for op in ("store", "retrieve"):
                     if op + "_2d" in limits:

@@ -5,7 +5,7 @@ each layer its own allocation, as vLLM allocates them), Llama-3.1-8B shapes by d
 of documents placed by a shuffled block table. Side by side in the same run: a pinned ``copy_``
 of the same bytes each way (the PCIe limit) and the plain retrieve. Layer-wise: the time until
 layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed) and until
-the whole call completed.
+the whole call completed. ``x4``: four calls sent back to back on one instance (calls in flight).
 
 Usage::
 
@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_dataplane import (CHUNK, limits_cpu, limits_cuda, median_time,  # noqa: E402
+from bench_dataplane import (CHUNK, IN_FLIGHT, limits_cpu, limits_cuda, median_time,  # noqa: E402
                              start_dataplane)
 from dataplane import default_address  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
@@ -106,6 +106,17 @@ def main() -> None:
                 firsts.append(time.perf_counter() - t0)
                 assert t.wait().ok
 
+            def stores_in_flight() -> None:
+                calls = [client.store_pre_computed(reg[0], rng.integers(0, 2**31, N),
+                                                   block_table=tables[0])
+                         for _ in range(IN_FLIGHT)]
+                assert all(c.wait().copied == N // CHUNK for c in calls)
+
+            def retrieves_in_flight() -> None:
+                calls = [client.retrieve(reg[1], tokens, matches, block_table=tables[1])
+                         for _ in range(IN_FLIGHT)]
+                assert all(c.wait().ok for c in calls)
+
             store(), refill(), retrieve(), layerwise()  # warm
             firsts.clear()
             lim = (limits_cuda(nbytes, args.iters, L, H * Dh, N // CHUNK)
@@ -115,6 +126,12 @@ def main() -> None:
                    "retrieve": nbytes / median_time(retrieve, args.iters, refill),
                    "layer-wise": nbytes / median_time(layerwise, args.iters, refill)}
             limit = {"store": lim_store, "retrieve": lim_retrieve, "layer-wise": lim_retrieve}
+            if IN_FLIGHT * nbytes <= args.storage_gib * (1 << 30) * 3 / 4:
+                x = f"x{IN_FLIGHT}"
+                got["store " + x] = IN_FLIGHT * nbytes / median_time(stores_in_flight, args.iters)
+                got["retrieve " + x] = IN_FLIGHT * nbytes / median_time(retrieves_in_flight,
+                                                                       args.iters, refill)
+                limit["store " + x], limit["retrieve " + x] = lim_store, lim_retrieve
             print(f"{'op':<11} {'GB/s':>7} {'limit GB/s':>10} {'ratio':>6}")
             for op, v in got.items():
                 print(f"{op:<11} {v / 1e9:>7.2f} {limit[op] / 1e9:>10.2f} {v / limit[op]:>6.3f}")

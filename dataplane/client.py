@@ -109,12 +109,38 @@ class Transfer:
                  events: "list[_IpcEvent] | None" = None,
                  pool: "list[_IpcEvent] | None" = None,
                  layer_bounds: list[int] | None = None,
-                 layer_events: "list[_IpcEvent] | None" = None, device: Any = None) -> None:
+                 layer_events: "list[_IpcEvent] | None" = None, device: Any = None,
+                 num_layers: int = 0) -> None:
         self._pending = pending
         self.cuda_event = cuda_event
         self._events, self._pool = events, pool  # ours until the call completed
         self._result: TransferResult | None = None
         self._bounds, self._layer_events, self._device = layer_bounds, layer_events, device
+        self._num_layers = num_layers
+
+    def wait_queued(self, timeout: float | None = None) -> list[int]:
+        """Return once the data plane queued every copy of the call, before it commits (store)
+        or unpins (retrieve) and replies. On a CPU buffer the copies are done; on a CUDA buffer
+        the current stream of the buffer's device was made to wait (without blocking this
+        thread) on ``cuda_event``, which the data plane recorded after the last copy. From then
+        on, in that stream's order, a store's buffer may be overwritten and a retrieve's read.
+
+        Returns:
+            The chunk indexes (store) or match indexes (retrieve) that are not copied.
+
+        Raises:
+            Timeout: not queued within ``timeout``.
+            RemoteError: the call was refused or failed.
+        """
+        ready = self._pending.progress(max(1, self._num_layers), timeout)
+        if ready is None:  # the call ended first: its result says how
+            return self.wait(0).failed
+        # a layer-wise retrieve's last group event follows its last copy (the done event may
+        # not be recorded yet when that group is announced)
+        last = self._layer_events[-1].event if self._layer_events else self.cuda_event
+        if last is not None:
+            torch.cuda.current_stream(self._device).wait_event(last)
+        return list(ready.failed)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> list[int]:
         """For a layer-wise retrieve: return once ``layer`` can be read. On a CPU buffer its
@@ -447,11 +473,15 @@ class BlendClient:
                     event: Any, cache_salt: str, block_table: Any,
                     request_id: str | None) -> Transfer:
         ev, done, used, pool = self._events(instance_id, event)
+        with self._lock:
+            reg = self._instances.get(instance_id)
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                           offset=offset, block_table=_block_table(block_table), kind=kind,
                           cache_salt=cache_salt, event=ev, done_event=done,
                           token=self._token(instance_id), request_id=request_id)
-        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool)
+        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool,
+                        device=reg.kv.device if reg is not None else None,
+                        num_layers=reg.num_layers if reg is not None else 0)
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
                  event: Any = None, *, cache_salt: str = "", block_table: Any = None,
@@ -465,9 +495,9 @@ class BlendClient:
         ev, done, used, pool = self._events(instance_id, event)
         layer_events: list[_IpcEvent] = []
         bounds = None
+        with self._lock:
+            reg = self._instances.get(instance_id)
         if layer_groups:
-            with self._lock:
-                reg = self._instances.get(instance_id)
             num_layers = reg.num_layers if reg is not None else layer_groups
             bounds = [num_layers * g // layer_groups for g in range(layer_groups + 1)]
             if reg is not None and reg.kv.is_cuda:
@@ -483,7 +513,8 @@ class BlendClient:
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)
         return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool,
-                        bounds, layer_events, reg.kv.device if layer_events else None)
+                        bounds, layer_events, reg.kv.device if reg is not None else None,
+                        reg.num_layers if reg is not None else 0)
 
     def _events(self, instance_id: int, event: Any
                 ) -> tuple[bytes | None, bytes | None, list[_IpcEvent], list[_IpcEvent] | None]:

@@ -1,8 +1,20 @@
 """Registered engine buffers: the table of instances, their capabilities, leases and persistence.
 
 This module owns the instance table of one data-plane process. Each instance has its own FIFO
-queue and worker thread: calls for one instance run in the order they arrived (and its GPU work
-on its own stream), calls for different instances run concurrently.
+queue and worker thread: calls for one instance start in the order they arrived (and queue their
+GPU work on the instance's own stream, so their copies run in that order too); calls for
+different instances run concurrently.
+
+A call runs in two parts (``dataplane.transfer.Call``): its start (checks, reservations or pins,
+every copy queued) on the worker, its end (wait for the copies, commit or unpin, reply) on the
+instance's completion thread, so the worker prepares the next call while the GPU still copies
+the previous ones. When no call waits behind it, the worker ends the call itself (one thread
+hand-off fewer). Calls of one instance in flight (started, not ended)::
+
+    worker starts a call      when fewer than MAX_IN_FLIGHT are in flight; a retrieve also
+                              waits until no store is in flight (it sees their commits)
+    completion thread ends    in the order the calls started
+    unregister / drop / stop  wait until none is in flight, then close the buffer
 
 An instance is a capability (docs/security.md): registration draws a token of 128 random bits,
 and every call on the instance must present it (``Registry.authorize``). Its life is a lease, not
@@ -34,8 +46,9 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -53,6 +66,8 @@ log = logging.getLogger("kvblend.dataplane")
 
 Job = Callable[["Instance"], bool]  # returns False to stop the worker
 MAX_QUEUED = 64  # calls waiting on one instance; more are refused with TooMany
+MAX_IN_FLIGHT = 4  # calls of one instance started and not yet ended (reservations or pins held)
+Done = Callable[[Any, "BaseException | None"], None]  # a call's result or its error
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,12 @@ class Instance:
     dropping: bool = False
     _queued: int = 0
     _qlock: threading.Lock = field(default_factory=threading.Lock)
+    _ends: "queue.SimpleQueue[tuple[Generator[None, None, Any], Done, bool] | None]" = field(
+        default_factory=queue.SimpleQueue)
+    _ender: threading.Thread | None = None
+    _flight: threading.Condition = field(default_factory=threading.Condition)
+    _in_flight: int = 0
+    _stores: int = 0
 
     @property
     def rank(self) -> int:
@@ -118,17 +139,79 @@ class Instance:
             self._queued += 1
         self.jobs.put(job)
 
+    def start(self) -> None:
+        """Start the worker and the completion thread."""
+        self.thread = threading.Thread(target=self._work, name=f"instance-{self.id}", daemon=True)
+        self._ender = threading.Thread(target=self._end_calls, name=f"instance-{self.id}-end",
+                                       daemon=True)
+        self._ender.start()
+        self.thread.start()
+
+    def run_call(self, call: Generator[None, None, Any], done: Done, *, store: bool) -> None:
+        """On the worker: start ``call`` (up to its ``yield``), then end it here when no call
+        waits behind it, else on the completion thread; ``done`` gets its result or error."""
+        with self._flight:
+            self._flight.wait_for(lambda: self._in_flight < MAX_IN_FLIGHT and
+                                  (store or not self._stores))
+            self._in_flight += 1
+            self._stores += store
+        try:
+            next(call)
+        except StopIteration as stop:  # ended without waiting for anything
+            self._ended(done, stop.value, None, store)
+        except BaseException as exc:
+            self._ended(done, None, exc, store)
+        else:
+            if self.jobs.empty():
+                self._end(call, done, store)
+            else:
+                self._ends.put((call, done, store))
+
+    def settle(self) -> None:
+        """Block until every call in flight ended (not on the completion thread)."""
+        with self._flight:
+            self._flight.wait_for(lambda: self._in_flight == 0)
+
+    def _end(self, call: Generator[None, None, Any], done: Done, store: bool) -> None:
+        try:
+            next(call)
+        except StopIteration as stop:
+            self._ended(done, stop.value, None, store)
+        except BaseException as exc:
+            self._ended(done, None, exc, store)
+        else:
+            self._ended(done, None, RuntimeError("a call yielded twice"), store)
+
+    def _ended(self, done: Done, result: Any, error: BaseException | None, store: bool) -> None:
+        try:
+            done(result, error)
+        except BaseException:  # done reports its own errors; never lose the thread
+            log.exception("instance %d: ending a call failed", self.id)
+        finally:
+            with self._flight:
+                self._in_flight -= 1
+                self._stores -= store
+                self._flight.notify_all()
+
+    def _end_calls(self) -> None:
+        while (item := self._ends.get()) is not None:
+            self._end(*item)
+
     def _work(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                if not job(self):
-                    return
-            except BaseException:  # a job reports its own errors; never lose the worker
-                log.exception("instance %d: job failed", self.id)
-            finally:
-                with self._qlock:
-                    self._queued -= 1
+        try:
+            while True:
+                job = self.jobs.get()
+                try:
+                    if not job(self):
+                        return
+                except BaseException:  # a job reports its own errors; never lose the worker
+                    log.exception("instance %d: job failed", self.id)
+                finally:
+                    with self._qlock:
+                        self._queued -= 1
+        finally:
+            self.settle()
+            self._ends.put(None)
 
 
 class Registry:
@@ -183,8 +266,7 @@ class Registry:
                 buffer.close()
                 raise  # the server answers by dataplane.errors.FROM_SHM
             inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
-        assert inst.thread is not None
-        inst.thread.start()
+        inst.start()
         log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
                  req.request_id)
@@ -215,7 +297,6 @@ class Registry:
             self._next_id = max(self._next_id, iid + 1)
             inst = Instance(iid, token, req, layout, class_id, buffer, owner_uid, client,
                             time.monotonic() + self.limits.lease_s)
-            inst.thread = threading.Thread(target=inst._work, name=f"instance-{iid}", daemon=True)
             self._by_id[iid] = inst
             try:
                 self._save()
@@ -292,8 +373,10 @@ class Registry:
     # -- the table --------------------------------------------------------------------------
 
     def remove(self, inst: Instance) -> None:
-        """Drop ``inst`` from the table, close its buffer, release its layout class when no
-        instance uses it and it holds no chunk (on the instance's own worker thread)."""
+        """Drop ``inst`` from the table, wait for its calls in flight, close its buffer, release
+        its layout class when no instance uses it and it holds no chunk (on the instance's own
+        worker thread)."""
+        inst.settle()
         with self._lock:
             self._by_id.pop(inst.id, None)
             in_use = any(i.class_id == inst.class_id for i in self._by_id.values())
@@ -366,4 +449,4 @@ def _layout_of(req: RegisterInstance, chunk_size: int) -> tuple[KVLayout, ChunkC
         raise BadRequest(str(exc)) from exc
 
 
-__all__ = ["Instance", "Limits", "Registry", "MAX_QUEUED"]
+__all__ = ["Instance", "Limits", "Registry", "MAX_QUEUED", "MAX_IN_FLIGHT"]

@@ -328,10 +328,12 @@ class ErrorReply(_Msg):
 
 
 class LayersReady(_Msg):
-    """Progress of a layer-wise retrieve (several may precede its ``TransferDone``): layers
-    ``[0, layers)`` are in the buffer (CPU), or their group's event is recorded (CUDA).
-    ``failed``: the match indexes that will not be copied (known before the first group, sent
-    with every one)."""
+    """Progress of a store or retrieve, before its ``TransferDone``: the copies of layers
+    ``[0, layers)`` are done (CPU) or queued with their event recorded (CUDA: the group's layer
+    event, or with every layer the call's ``done_event``). A layer-wise retrieve sends one per
+    group; any other store or retrieve one with every layer, once all its copies are queued
+    (before it commits or unpins). ``failed``: the chunk (store) or match (retrieve) indexes that
+    will not be copied, known before the first."""
 
     instance_id: int
     layers: int

@@ -7,8 +7,10 @@ This module owns the process's threads::
     connection threads   one per client connection: read frames, answer control calls inline
                          (Ping, ListInstances, RegisterInstance, RenewLease), queue transfers on
                          their instance once its token checked out
-    instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance in
-                         arrival order (``dataplane.instances``)
+    instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance
+                         started in arrival order (``dataplane.instances``)
+    completion threads   one per instance: the end of its calls (wait for the copies, commit or
+                         unpin, reply) while its worker starts the next
     maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
 
 Control calls never queue behind a copy: they are answered on the connection's own thread.
@@ -39,7 +41,7 @@ from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady
                                 ListInstances, Ping, Pong, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
                                 frame, request_decoder)
-from dataplane.transfer import Shared, run_retrieve, run_store
+from dataplane.transfer import Call, Shared, retrieve_call, store_call
 from shm.events import EventLog
 from shm.private import check_socket
 from shm.telemetry import Counter, RetrieveError, StoreError
@@ -256,38 +258,45 @@ class DataPlane:
             return LeaseRenewed(instance_id=inst.id, lease_s=self.registry.limits.lease_s)
         raise BadRequest(f"unsupported call {type(msg).__name__}")
 
-    def run_transfer(self, inst: Instance, msg: Any,
-                     progress: Callable[[LayersReady], None] | None = None) -> Any:
-        """Run one queued call on ``inst``'s worker; returns the reply (a layer-wise retrieve
-        sends its progress frames through ``progress`` first)."""
-        if isinstance(msg, UnregisterInstance):
-            self.registry.remove(inst)
-            return Unregistered(instance_id=inst.id)
+    def transfer_call(self, inst: Instance, msg: StoreChunks | RetrieveChunks,
+                      progress: Callable[[LayersReady], None] | None = None) -> Call:
+        """The call that runs ``msg`` on ``inst`` (``dataplane.transfer.Call``); its progress
+        frames go through ``progress``."""
+        if isinstance(msg, StoreChunks):
+            return store_call(self.shared, inst, msg, progress)
+        return retrieve_call(self.shared, inst, msg, progress)
+
+    def failed(self, inst: Instance, msg: StoreChunks | RetrieveChunks,
+               exc: BaseException) -> RemoteError:
+        """Count and record a failed store or retrieve; the error to answer."""
         store = isinstance(msg, StoreChunks)
-        try:
-            if store:
-                return run_store(self.shared, inst, msg)
-            return run_retrieve(self.shared, inst, msg, progress)
-        except BaseException as exc:
-            self.shared.events.add(Counter.STORE_FAILURES if store else Counter.RETRIEVE_FAILURES)
-            failed = StoreError if store else RetrieveError
-            self.shared.events.record(failed(request_id=msg.request_id, instance_id=inst.id,
-                                             error=repr(exc)[:200]))
-            if not isinstance(exc, Exception):
-                raise
-            raise remote_error(exc) from exc
+        self.shared.events.add(Counter.STORE_FAILURES if store else Counter.RETRIEVE_FAILURES)
+        kind = StoreError if store else RetrieveError
+        self.shared.events.record(kind(request_id=msg.request_id, instance_id=inst.id,
+                                       error=repr(exc)[:200]))
+        err = remote_error(exc)
+        if isinstance(err, BackendError) and not isinstance(exc, RemoteError):
+            log.exception("%s on instance %d failed (request_id=%s)", type(msg).__name__,
+                          inst.id, msg.request_id, exc_info=exc)
+        else:
+            log.warning("%s on instance %d failed (request_id=%s): %s", type(msg).__name__,
+                        inst.id, msg.request_id, err)
+        return err
 
 
 def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> Any:
     def job(inst: Instance) -> bool:
-        try:
-            reply = dp.run_transfer(inst, msg, lambda p: conn.reply(call_id, p))
-        except RemoteError as exc:
-            log.warning("%s on instance %d failed (request_id=%s): %s", type(msg).__name__,
-                        inst.id, msg.request_id, exc)
-            reply = reply_for(exc)
-        conn.reply(call_id, reply)
-        return not isinstance(msg, UnregisterInstance)
+        if isinstance(msg, UnregisterInstance):
+            dp.registry.remove(inst)  # after every call in flight ended
+            conn.reply(call_id, Unregistered(instance_id=inst.id))
+            return False
+
+        def done(reply: Any, error: BaseException | None) -> None:
+            conn.reply(call_id, reply if error is None else reply_for(dp.failed(inst, msg, error)))
+
+        inst.run_call(dp.transfer_call(inst, msg, lambda p: conn.reply(call_id, p)), done,
+                      store=isinstance(msg, StoreChunks))
+        return True
     return job
 
 

@@ -21,6 +21,12 @@ This module owns the order of operations that keeps the store consistent whateve
 - a paged buffer maps a call's logical token positions to slots through its block table
   (``InstanceBuffer.bind``); every chunk is checked to have slots before any side effect.
 
+Each call is a generator (``Call``) with one ``yield``, once every copy is queued: the instance's
+worker runs it that far, its completion thread (``dataplane.instances``) the rest, so the next call
+is prepared while these copies run. Before the ``yield`` a store or plain retrieve sends one
+``LayersReady`` of every layer: the engine may reuse (store) or read (retrieve) its buffer after
+the done event from then on, without waiting for the commits and the reply.
+
 The first batch of a call is small (about ``Tuning.first_bytes``): its copies start while the rest is
 reserved or pinned. No per-chunk Python object is built past the chunk keys.
 
@@ -32,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +147,34 @@ def _drain(buf: "InstanceBuffer") -> None:
         pass
 
 
+Call = Generator[None, None, TransferDone]
+"""A store or retrieve in two parts: up to its one ``yield`` it checks, reserves or pins and
+queues every copy (the instance's worker); the rest waits for the copies and commits or unpins
+(the instance's completion thread, ``dataplane.instances``)."""
+
+
+def run_to_end(call: Call) -> TransferDone:
+    """Run both parts of ``call`` on this thread."""
+    try:
+        while True:
+            next(call)
+    except StopIteration as stop:
+        return stop.value
+
+
 def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
+    return run_to_end(store_call(sh, inst, msg))
+
+
+def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferDone:
+    return run_to_end(retrieve_call(sh, inst, msg))
+
+
+def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
+               progress: Callable[[LayersReady], None] | None = None) -> Call:
+    """Copy the call's chunks to the slab; once every copy is queued (and the done event
+    recorded) ``progress`` hears ``LayersReady`` of every layer: the engine may reuse its buffer
+    after that event (CPU: at once)."""
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
     buf, store = inst.buffer, sh.store
@@ -177,8 +210,12 @@ def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:
                 groups.append((a, b, buf.end(msg.done_event) if b == n else buf.mark()))
         if not groups:
             groups.append((0, 0, buf.end(msg.done_event)))
+        if progress is not None:
+            progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
+                                 failed=np.flatnonzero(slots == FULL).tolist()))
         # digests and fingerprints while the copies run; inserted once the chunks are committed
         prepared = sh.fingerprints.prepare(ns, tokens[:n * C], hashes)
+        yield
         for a, b, marker in groups:
             buf.wait(marker)  # only then may the group's chunks become visible
             try:
@@ -277,10 +314,11 @@ def _check_layerwise(msg: RetrieveChunks, buf: "InstanceBuffer") -> None:
         raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
 
 
-def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks,
-                 progress: Callable[[LayersReady], None] | None = None) -> TransferDone:
+def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
+                  progress: Callable[[LayersReady], None] | None = None) -> Call:
     """Copy the matches into the instance's buffer; a layer-wise retrieve announces each group
-    of layers through ``progress`` (``dataplane.messages.RetrieveChunks``)."""
+    of layers through ``progress`` (``dataplane.messages.RetrieveChunks``), any other once every
+    copy is queued and the done event recorded."""
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
     buf, store = inst.buffer, sh.store
@@ -304,7 +342,12 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks,
                             progress or (lambda _: None))
         else:
             _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, usable, held)
-        buf.wait(buf.end(msg.done_event))
+        marker = buf.end(msg.done_event)
+        if progress is not None and not msg.layer_groups:
+            progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
+                                 failed=np.flatnonzero(~usable).tolist()))
+        yield
+        buf.wait(marker)
     except BaseException:
         _drain(buf)
         raise
@@ -391,4 +434,5 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
     store.unpin_slots(slots[lo:hi])
 
 
-__all__ = ["Shared", "open_fingerprints", "run_store", "run_retrieve", "tokens_of"]
+__all__ = ["Shared", "Call", "open_fingerprints", "store_call", "retrieve_call", "run_to_end",
+           "run_store", "run_retrieve", "tokens_of"]

@@ -12,7 +12,9 @@ import torch
 from dataplane.channel import Channel
 from dataplane.client import BlendClient
 from dataplane.errors import BadRequest
-from dataplane.messages import RegisterInstance
+from dataplane.instances import MAX_IN_FLIGHT
+from dataplane.messages import MatchSpec, RegisterInstance
+from shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 pytestmark = pytest.mark.gpu
@@ -99,6 +101,51 @@ def test_store_and_retrieve_wait_for_the_engine_event(cuda_dataplane: DataPlaneP
         assert bool((region == 1234).all())  # retrieved after the fill, and stored after it
         assert bool((kv.view(torch.int16)[:, :, 4 * CHUNK:] == -1).all())
         client.unregister(inst)
+
+
+def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlaneProc) -> None:
+    rng = np.random.default_rng(3)
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        src, dst = random_kv(), torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+        want = src.view(torch.int16).clone()
+        a = client.register_kv_cache(src, model_name="gpu-q")
+        b = client.register_kv_cache(dst, model_name="gpu-q")
+        # more calls than the data plane keeps in flight, none waited for; each retrieve comes
+        # right behind the store of its chunk (matches computed here, not looked up)
+        docs = [rng.integers(0, 30_000, CHUNK) for _ in range(2 * MAX_IN_FLIGHT)]
+        calls = []
+        for i, doc in enumerate(docs):
+            at = (i % (T // CHUNK)) * CHUNK
+            h = chunk_hashes(Namespace("gpu-q", 1, ""), doc, CHUNK)[0]
+            calls.append(client.store_pre_computed(a, doc, offset=at))
+            calls.append(client.retrieve(b, doc, [MatchSpec(0, CHUNK, 0, CHUNK, h)], offset=at))
+        assert all(c.wait(timeout=60).ok for c in calls)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.view(torch.int16), want)
+
+        # wait_queued: the copies are held back ~0.1 s by the engine's event, so only the
+        # stream's wait on cuda_event keeps the overwrite (and the read) behind them
+        def late_event() -> torch.cuda.Event:
+            side, ev = torch.cuda.Stream(), torch.cuda.Event(interprocess=True)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)
+                ev.record(side)
+            return ev
+
+        doc = rng.integers(0, 30_000, T)
+        t = client.store_pre_computed(a, doc, event=late_event())
+        assert t.wait_queued(timeout=60) == []
+        src.view(torch.int16).fill_(-1)  # the engine reuses its buffer at once
+        assert t.wait(timeout=60).copied == T // CHUNK
+        dst.zero_()
+        r = client.retrieve(b, doc, client.lookup(doc, "gpu-q").matches, event=late_event())
+        assert r.wait_queued(timeout=60) == []
+        seen = dst.view(torch.int16).clone()  # read in stream order, before the reply
+        assert torch.equal(seen, want)
+        assert r.wait(timeout=60).ok
+        client.unregister(a)
+        client.unregister(b)
 
 
 def test_a_layout_larger_than_the_shared_allocation_is_refused(shm_prefix: str) -> None:
