@@ -27,8 +27,11 @@ is prepared while these copies run. Before the ``yield`` a store or plain retrie
 ``LayersReady`` of every layer: the engine may reuse (store) or read (retrieve) its buffer after
 the done event from then on, without waiting for the commits and the reply.
 
-The first batch of a call is small (about ``Tuning.first_bytes``): its copies start while the rest is
-reserved or pinned. No per-chunk Python object is built past the chunk keys.
+The first batch of a call is small (about ``Tuning.first_bytes``): its copies start while the next
+one is reserved or pinned; each batch is twice the one before, so the copies already queued keep
+the GPU busy while the next batch is reserved or pinned (measured on a 2-core VM: hashing and
+reserving the other 504 chunks of a 512-chunk call at once took 5 ms or more, while the first
+batch's 16 MiB take 0.3 ms to cross PCIe). No per-chunk Python object is built past the chunk keys.
 
 It does not own threads or sockets (``dataplane.server``) or how bytes move (``dataplane.backend``).
 """
@@ -124,14 +127,16 @@ PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two 
 
 def _batches(n: int, chunk_bytes: int, first_bytes: int, most: int | None = None
              ) -> list[tuple[int, int]]:
-    """Chunk index ranges of the call's reserve/pin batches: a small first one, then the rest
-    (in pieces of at most ``most`` when given)."""
-    first = min(n, max(1, first_bytes // max(1, chunk_bytes)))
-    if most is not None:
-        first = min(first, most)
-    step = most or max(1, n)
-    out = [(0, first)] if first else []
-    return out + [(lo, min(lo + step, n)) for lo in range(first, n, step)]
+    """Chunk index ranges of the call's reserve/pin batches: a small first one (its copies start
+    at once), then each twice the one before, so a batch is reserved or pinned while the copies
+    queued before it (half its size or more) still run; at most ``most`` chunks each."""
+    size = min(n, max(1, first_bytes // max(1, chunk_bytes)), most or n)
+    out, lo = [], 0
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = min(2 * size, most or 2 * size)
+    return out
 
 
 def _keys(ns_id: int, hashes: list[bytes], rank: int) -> list[ChunkKey]:

@@ -111,16 +111,22 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
         a = client.register_kv_cache(src, model_name="gpu-q")
         b = client.register_kv_cache(dst, model_name="gpu-q")
         # more calls than the data plane keeps in flight, none waited for; each retrieve comes
-        # right behind the store of its chunk (matches computed here, not looked up)
-        docs = [rng.integers(0, 30_000, CHUNK) for _ in range(2 * MAX_IN_FLIGHT)]
+        # right behind the store of its chunk on the same instance (a retrieve sees the stores
+        # its instance received before it; matches computed here, not looked up)
+        docs = [rng.integers(0, 30_000, CHUNK) for _ in range(T // CHUNK)]
+        hashes = [chunk_hashes(Namespace("gpu-q", 1, ""), doc, CHUNK)[0] for doc in docs]
         calls = []
-        for i, doc in enumerate(docs):
-            at = (i % (T // CHUNK)) * CHUNK
-            h = chunk_hashes(Namespace("gpu-q", 1, ""), doc, CHUNK)[0]
-            calls.append(client.store_pre_computed(a, doc, offset=at))
-            calls.append(client.retrieve(b, doc, [MatchSpec(0, CHUNK, 0, CHUNK, h)], offset=at))
-        assert all(c.wait(timeout=60).ok for c in calls)
-        torch.cuda.synchronize()
+        for _ in range(2):
+            for i, (doc, h) in enumerate(zip(docs, hashes)):
+                calls.append(client.store_pre_computed(a, doc, offset=i * CHUNK))
+                calls.append(client.retrieve(a, doc, [MatchSpec(0, CHUNK, 0, CHUNK, h)],
+                                             offset=i * CHUNK))
+        assert len(calls) > MAX_IN_FLIGHT and all(c.wait(timeout=60).ok for c in calls)
+        prompt = np.concatenate(docs)
+        r = client.retrieve(b, prompt, [MatchSpec(0, CHUNK, i * CHUNK, (i + 1) * CHUNK, h)
+                                        for i, h in enumerate(hashes)])
+        assert r.wait(timeout=60).copied == len(docs)
+        torch.cuda.current_stream().wait_event(r.cuda_event)
         assert torch.equal(dst.view(torch.int16), want)
 
         # wait_queued: the copies are held back ~0.1 s by the engine's event, so only the

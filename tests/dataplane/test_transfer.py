@@ -122,8 +122,9 @@ def test_commits_each_group_only_after_its_copies_completed(
     all_hashes = chunk_hashes(ns, tokens, CHUNK)
     done = tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
     assert done.copied == N and done.failed == [] and done.num_chunks == N
-    # first batch [0, 2) in one group, then [2, 12) in groups of 3: five commits, in order
-    assert commits == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9, 10], [11]]
+    # batches [0, 2), [2, 6), [6, 12) (each twice the one before), each in groups of at most
+    # 3: five commits, in order
+    assert commits == [[0, 1], [2, 3, 4], [5], [6, 7, 8], [9, 10, 11]]
     assert sum(1 for e in buf.log if e[0] == "mark") == 5
     assert shared.store.contains([ChunkKey(ns.id, h) for h in all_hashes]).all()
     assert shared.store.stats().num_reserved == 0
