@@ -87,6 +87,11 @@ class InstanceBuffer(abc.ABC):
         """``from_slab_many`` of layers ``[first, last)`` only (a layer-wise retrieve)."""
         raise BadRequest(f"{type(self).__name__} has no layer-wise retrieve")
 
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
+        """``to_slab_many`` of layers ``[first, last)`` only (a layer-wise store)."""
+        raise BadRequest(f"{type(self).__name__} has no layer-wise store")
+
     records_events: bool = False
     """Whether ``record`` takes interprocess events (CUDA buffers)."""
 

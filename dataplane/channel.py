@@ -60,6 +60,11 @@ class Pending:
 
     __slots__ = ("_event", "_reply", "_error", "_channel", "_call_id", "_progress", "_moved")
 
+    @property
+    def call_id(self) -> int:
+        """The call's id on its connection (a ``LayersWritten`` names its store by it)."""
+        return self._call_id
+
     def __init__(self, channel: "Channel", call_id: int) -> None:
         self._event = threading.Event()
         self._reply: Reply | None = None
@@ -151,6 +156,22 @@ class Channel:
         except OSError as exc:
             self._broken(sock, exc)
         return pending
+
+    def send(self, msg: Any) -> None:
+        """Send ``msg``, which has no reply (``LayersWritten``).
+
+        Raises:
+            DataPlaneUnavailable: no connection, or it broke.
+        """
+        data = frame(next(self._ids), msg)
+        with self._lock:
+            sock = self._connected()
+        try:
+            with self._send_lock:
+                sock.sendall(data)
+        except OSError as exc:
+            self._broken(sock, exc)
+            raise DataPlaneUnavailable(f"connection to the data plane lost: {exc}") from exc
 
     def _connected(self) -> socket.socket:
         if self._closed:

@@ -64,7 +64,8 @@ from dataplane import paged
 from dataplane.channel import Channel, Pending
 from dataplane.control import Control, DirectControl, HttpControl
 from dataplane.errors import BadRequest, DataPlaneError
-from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, ListInstances,
+from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, LayersWritten,
+                                ListInstances,
                                 MatchSpec, PagedBuffer, PagedLayer, Ping, Pong,
                                 RegisterInstance, RenewLease,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
@@ -117,6 +118,30 @@ class Transfer:
         self._result: TransferResult | None = None
         self._bounds, self._layer_events, self._device = layer_bounds, layer_events, device
         self._num_layers = num_layers
+        self._announce: Any = None  # a layer-wise store's LayersWritten sender
+        self._announced = 0  # groups announced
+
+    def layers_written(self, layers: int) -> None:
+        """For a layer-wise store: layers ``[0, layers)`` of the buffer now hold the call's KV.
+        On a CUDA buffer, each group completed by them gets its event recorded on the current
+        stream of the buffer's device (after the kernels that wrote it) before it is announced;
+        the data plane copies the group once that event completed.
+
+        Raises:
+            BadRequest: not a layer-wise store, or ``layers`` past the buffer's.
+            DataPlaneUnavailable: the connection broke.
+        """
+        if self._announce is None or self._bounds is None or not 0 < layers <= self._bounds[-1]:
+            raise BadRequest(f"layers_written({layers}) of a call that is not a layer-wise store "
+                             "or has fewer layers")
+        g = self._announced
+        while g < len(self._bounds) - 1 and self._bounds[g + 1] <= layers:
+            if self._layer_events:
+                self._layer_events[g].event.record(torch.cuda.current_stream(self._device))
+            g += 1
+        if g > self._announced:
+            self._announced = g
+            self._announce(self._bounds[g])
 
     def wait_queued(self, timeout: float | None = None) -> list[int]:
         """Return once the data plane queued every copy of the call, before it commits (store)
@@ -137,7 +162,8 @@ class Transfer:
             return self.wait(0).failed
         # a layer-wise retrieve's last group event follows its last copy (the done event may
         # not be recorded yet when that group is announced)
-        last = self._layer_events[-1].event if self._layer_events else self.cuda_event
+        retrieve_groups = self._layer_events and self._announce is None
+        last = self._layer_events[-1].event if retrieve_groups else self.cuda_event
         if last is not None:
             torch.cuda.current_stream(self._device).wait_event(last)
         return list(ready.failed)
@@ -155,7 +181,7 @@ class Transfer:
             Timeout: the layer was not ready within ``timeout``.
             RemoteError: the call was refused or failed.
         """
-        if self._bounds is None or not 0 <= layer < self._bounds[-1]:
+        if self._bounds is None or self._announce is not None or not 0 <= layer < self._bounds[-1]:
             raise BadRequest(f"layer {layer} of a retrieve that is not layer-wise or lacks it")
         ready = self._pending.progress(layer + 1, timeout)
         if ready is None:  # the call ended first: its result says how
@@ -454,34 +480,63 @@ class BlendClient:
 
     def store_pre_computed(self, instance_id: int, token_ids: Any, offset: int = 0,
                            event: Any = None, *, cache_salt: str = "", block_table: Any = None,
+                           layer_groups: int = 0, layer_wait_s: float = 30.0,
                            request_id: str | None = None) -> Transfer:
         """Store a document computed on its own (positions from 0) from ``offset`` in the buffer.
 
         ``block_table`` (paged caches only): the block ids holding logical positions
-        ``[0, offset + len(token_ids))``, ``block_size`` positions each."""
+        ``[0, offset + len(token_ids))``, ``block_size`` positions each.
+
+        ``layer_groups`` > 0: a layer-wise store, sent before the engine has written the layers;
+        the engine calls ``Transfer.layers_written(n)`` as its forward writes them, and the data
+        plane copies that many groups of layers in order as they are announced (at most
+        ``MAX_LAYER_GROUP_MATCHES`` chunks; the call fails when a group is not announced within
+        ``layer_wait_s`` seconds)."""
         return self._store_call(StoreKind.PRE_COMPUTED, instance_id, token_ids, offset, event,
-                                cache_salt, block_table, request_id)
+                                cache_salt, block_table, layer_groups, layer_wait_s, request_id)
 
     def store_final(self, instance_id: int, token_ids: Any, offset: int = 0, event: Any = None,
-                    *, cache_salt: str = "", block_table: Any = None,
-                    request_id: str | None = None) -> Transfer:
+                    *, cache_salt: str = "", block_table: Any = None, layer_groups: int = 0,
+                    layer_wait_s: float = 30.0, request_id: str | None = None) -> Transfer:
         """Store a whole (blended) request so that later requests can reuse it."""
         return self._store_call(StoreKind.FINAL, instance_id, token_ids, offset, event,
-                                cache_salt, block_table, request_id)
+                                cache_salt, block_table, layer_groups, layer_wait_s, request_id)
 
     def _store_call(self, kind: StoreKind, instance_id: int, token_ids: Any, offset: int,
-                    event: Any, cache_salt: str, block_table: Any,
-                    request_id: str | None) -> Transfer:
+                    event: Any, cache_salt: str, block_table: Any, layer_groups: int,
+                    layer_wait_s: float, request_id: str | None) -> Transfer:
         ev, done, used, pool = self._events(instance_id, event)
         with self._lock:
             reg = self._instances.get(instance_id)
+        bounds, layer_events = self._layer_groups(reg, layer_groups)
+        used = layer_events + used  # the done event stays last
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
-                          offset=offset, block_table=_block_table(block_table), kind=kind,
+                          offset=offset, block_table=_block_table(block_table),
+                          layer_groups=layer_groups, layer_events=[e.handle for e in layer_events],
+                          layer_wait_s=layer_wait_s, kind=kind,
                           cache_salt=cache_salt, event=ev, done_event=done,
                           token=self._token(instance_id), request_id=request_id)
-        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool,
-                        device=reg.kv.device if reg is not None else None,
-                        num_layers=reg.num_layers if reg is not None else 0)
+        pending = self._channel.submit(msg)
+        t = Transfer(pending, used[-1].event if used else None, used, pool, bounds,
+                     layer_events, reg.kv.device if reg is not None else None,
+                     reg.num_layers if reg is not None else 0)
+        if layer_groups:
+            token, channel, call = msg.token, self._channel, pending.call_id
+            t._announce = lambda layers: channel.send(LayersWritten(
+                instance_id=instance_id, call=call, layers=layers, token=token))
+        return t
+
+    @staticmethod
+    def _layer_groups(reg: "_Registered | None", layer_groups: int
+                      ) -> tuple[list[int] | None, list[_IpcEvent]]:
+        """A layer-wise call's group bounds and, on a CUDA buffer, one event per group."""
+        if not layer_groups:
+            return None, []
+        num_layers = reg.num_layers if reg is not None else layer_groups
+        bounds = [num_layers * g // layer_groups for g in range(layer_groups + 1)]
+        if reg is not None and reg.kv.is_cuda:
+            return bounds, [reg.take() for _ in range(layer_groups)]
+        return bounds, []
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
                  event: Any = None, *, cache_salt: str = "", block_table: Any = None,
@@ -493,16 +548,10 @@ class BlendClient:
         layer i after ``Transfer.wait_layer(i)`` while later layers still load (at most
         ``MAX_LAYER_GROUP_MATCHES`` matches)."""
         ev, done, used, pool = self._events(instance_id, event)
-        layer_events: list[_IpcEvent] = []
-        bounds = None
         with self._lock:
             reg = self._instances.get(instance_id)
-        if layer_groups:
-            num_layers = reg.num_layers if reg is not None else layer_groups
-            bounds = [num_layers * g // layer_groups for g in range(layer_groups + 1)]
-            if reg is not None and reg.kv.is_cuda:
-                layer_events = [reg.take() for _ in range(layer_groups)]
-                used = layer_events + used  # the done event stays last
+        bounds, layer_events = self._layer_groups(reg, layer_groups)
+        used = layer_events + used  # the done event stays last
         specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
                            bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),

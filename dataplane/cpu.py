@@ -59,6 +59,12 @@ class CpuBuffer(InstanceBuffer):
             np.copyto(self._buf[:, first:last, t:t + chunk_size],
                       self._slot(off, chunk_size)[:, first:last])
 
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
+        for t, off in zip(token_starts, slab_offsets):
+            np.copyto(self._slot(off, chunk_size)[:, first:last],
+                      self._buf[:, first:last, t:t + chunk_size])
+
     def end(self, done_event: bytes | None) -> None:
         if done_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
@@ -101,12 +107,17 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
             raise BadRequest("a CPU buffer takes no CUDA event")
 
     def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
+        self.to_slab_layers([token_start], chunk_size, [slab_offset], 0, len(self._k))
+
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
         assert self._table is not None, "bind() comes first"
-        at = self._table.slots(token_start, chunk_size)
-        chunk = self._slot(slab_offset, chunk_size)
-        for layer, (k, v) in enumerate(zip(self._k, self._v)):
-            chunk[0, layer] = k[at.block, at.slot]
-            chunk[1, layer] = v[at.block, at.slot]
+        for t, off in zip(token_starts, slab_offsets):
+            at = self._table.slots(t, chunk_size)
+            chunk = self._slot(off, chunk_size)
+            for layer in range(first, last):
+                chunk[0, layer] = self._k[layer][at.block, at.slot]
+                chunk[1, layer] = self._v[layer][at.block, at.slot]
 
     def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
         self.from_slab_layers([slab_offset], chunk_size, [token_start], 0, len(self._k))

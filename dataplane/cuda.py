@@ -115,6 +115,18 @@ class CudaBuffer(InstanceBuffer):
                 dst = buf + ((kv * L + first) * T + t) * row
                 copy(dst, pitch, src, width, width, last - first, H2D, stream)
 
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
+        L, T = self.layout.num_layers, self.layout.num_tokens
+        width, pitch, row = chunk_size * self._row, T * self._row, self._row
+        buf, slab, stream = self._ptr, self._slab, self.stream.cuda_stream
+        copy = cupy.cuda.runtime.memcpy2DAsync
+        for t, off in zip(token_starts, slab_offsets):
+            for kv in (0, 1):  # the rows of layers [first, last): as in from_slab_layers
+                dst = slab + off + (kv * L + first) * width
+                src = buf + ((kv * L + first) * T + t) * row
+                copy(dst, width, src, pitch, width, last - first, D2H, stream)
+
     records_events = True
 
     def record(self, handle: bytes) -> None:

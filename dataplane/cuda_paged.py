@@ -145,6 +145,19 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         ev.record(stream)
         return ev
 
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
+        if (first, last) == (0, self.layout.num_layers):
+            self.to_slab_many(token_starts, chunk_size, slab_offsets)
+            return
+        if not self._slab_mapped:
+            raise BadRequest("a layer-wise store of a paged cache needs a GPU that can use the "
+                             "slab's host address (cudaDevAttrCanUseHostPointerForRegisteredMem)")
+        # a layer group: one gather kernel writing the slots over PCIe (no DMA per chunk)
+        slots = self._slab + np.asarray(slab_offsets, np.int64)
+        self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots, True),
+                          self.stream)
+
     def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
                        token_starts: list[int]) -> None:
         self.from_slab_layers(slab_offsets, chunk_size, token_starts, 0, self.layout.num_layers)

@@ -86,6 +86,12 @@ class BackendError(RemoteError):
     kind = ErrorKind.BACKEND
 
 
+class LayersNotWritten(RemoteError):
+    """A layer-wise store's engine did not announce a group of layers in time."""
+
+    kind = ErrorKind.LAYERS_NOT_WRITTEN
+
+
 class DataPlaneUnavailable(DataPlaneError, ConnectionError):
     """No data plane listens at the address, or the connection broke mid-call."""
 
@@ -97,7 +103,7 @@ class Timeout(DataPlaneError, TimeoutError):
 HTTP_STATUS: dict[type[DataPlaneError], int] = {
     RemoteError: 500, UnknownInstance: 404, Forbidden: 403, TooMany: 429, BadRequest: 422,
     OutOfRange: 422, LayoutMismatch: 409, StoreFull: 507, CapacityExceeded: 507, Busy: 503,
-    BackendError: 500, DataPlaneUnavailable: 503, Timeout: 504,
+    BackendError: 500, LayersNotWritten: 504, DataPlaneUnavailable: 503, Timeout: 504,
 }
 
 FROM_SHM: dict[type[shm.ShmError], type[RemoteError]] = {
@@ -151,5 +157,5 @@ def http_error(status: int, code: str, detail: str) -> DataPlaneError:
 
 __all__ = ["DataPlaneError", "RemoteError", "UnknownInstance", "Forbidden", "TooMany",
            "BadRequest", "OutOfRange", "LayoutMismatch", "StoreFull", "CapacityExceeded", "Busy",
-           "BackendError", "DataPlaneUnavailable", "Timeout", "HTTP_STATUS", "FROM_SHM",
+           "BackendError", "LayersNotWritten", "DataPlaneUnavailable", "Timeout", "HTTP_STATUS", "FROM_SHM",
            "remote_error", "error_for", "reply_for", "http_error"]

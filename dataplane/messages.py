@@ -36,7 +36,9 @@ MAX_FRAME = 8 << 20                 # holds either bound with room to spare
 MAX_LAYER_GROUPS = 1024             # groups of a layer-wise retrieve
 MAX_PAGED_LAYERS = 1024             # layers of a paged registration
 MAX_PAGED_BUFFERS = 1024            # buffers a paged registration names
-MAX_LAYER_GROUP_MATCHES = 512       # matches of a layer-wise retrieve (all pinned at once)
+MAX_LAYER_GROUP_MATCHES = 512       # matches (chunks) of a layer-wise retrieve (store): all
+                                    # pinned (reserved) at once
+MAX_LAYER_WAIT_S = 300.0            # a layer-wise store's wait for each group's announcement
 TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -86,6 +88,7 @@ class ErrorKind(str, enum.Enum):
     CAPACITY = "capacity"
     BUSY = "busy"
     BACKEND = "backend"
+    LAYERS_NOT_WRITTEN = "layers_not_written"
     INTERNAL = "internal"
 
 
@@ -215,12 +218,21 @@ class StoreChunks(_Msg):
     ``done_event``: an interprocess CUDA event handle the data plane records after the copy.
     ``block_table``: a paged buffer's block ids (little-endian int32) for the call's logical
     positions ``[0, offset + len)``; required for a paged buffer, refused for another.
+
+    ``layer_groups`` > 0 asks for a layer-wise store: the engine is still writing the layers and
+    announces them with ``LayersWritten`` frames naming this call; the data plane copies each group
+    of layers once announced (on a CUDA buffer after ``layer_events[g]``, one interprocess event
+    per group that the engine records before it announces the group) and fails the call when a
+    group is not announced within ``layer_wait_s`` (at most ``MAX_LAYER_GROUP_MATCHES`` chunks).
     """
 
     instance_id: U63
     token_ids: TokenBytes
     offset: U63 = 0
     block_table: BlockTableBytes = None
+    layer_groups: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_GROUPS)] = 0
+    layer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=MAX_LAYER_GROUPS)] = []
+    layer_wait_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LAYER_WAIT_S)] = 30.0
     kind: StoreKind = StoreKind.PRE_COMPUTED
     cache_salt: Label = ""
     event: EventHandle = None
@@ -254,8 +266,19 @@ class RetrieveChunks(_Msg):
     request_id: RequestId = None
 
 
+class LayersWritten(_Msg):
+    """Layers ``[0, layers)`` of the layer-wise store sent as ``call`` (the call id of its frame,
+    on this connection) are in the engine's buffer (CUDA: the group's event is recorded). No
+    reply: a frame that names no such store of this instance in flight is dropped."""
+
+    instance_id: U63
+    call: U63
+    layers: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGED_LAYERS)]
+    token: InstanceToken = ""
+
+
 Request = (Ping | RegisterInstance | UnregisterInstance | RenewLease | ListInstances | StoreChunks
-           | RetrieveChunks)
+           | RetrieveChunks | LayersWritten)
 
 
 # -- replies ------------------------------------------------------------------------------------
@@ -357,6 +380,6 @@ def frame(call_id: int, msg: _Msg) -> bytes:
 __all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
            "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
            "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
-           "StoreChunks", "RetrieveChunks", "Request", "Pong", "InstanceInfo", "Registered",
+           "StoreChunks", "RetrieveChunks", "LayersWritten", "Request", "Pong", "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
            "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]

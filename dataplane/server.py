@@ -6,7 +6,8 @@ This module owns the process's threads::
                          of another uid (``SO_PEERCRED``) or past ``max_connections``
     connection threads   one per client connection: read frames, answer control calls inline
                          (Ping, ListInstances, RegisterInstance, RenewLease), queue transfers on
-                         their instance once its token checked out
+                         their instance once its token checked out, pass LayersWritten frames
+                         to their layer-wise store (``dataplane.transfer.Gate``)
     instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance
                          started in arrival order (``dataplane.instances``)
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
@@ -37,11 +38,12 @@ from dataplane.backend import CopyEngine
 from dataplane.channel import recv_frame
 from dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
 from dataplane.instances import Instance, Limits, Registry
-from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady, LeaseRenewed,
+from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady, LayersWritten,
+                                LeaseRenewed,
                                 ListInstances, Ping, Pong, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
                                 frame, request_decoder)
-from dataplane.transfer import Call, Shared, retrieve_call, store_call
+from dataplane.transfer import Call, Gate, Shared, retrieve_call, store_call
 from shm.events import EventLog
 from shm.private import check_socket
 from shm.telemetry import Counter, RetrieveError, StoreError
@@ -108,6 +110,8 @@ class DataPlane:
         self._listener: socket.socket | None = None
         self._conns: set[Connection] = set()
         self._conns_lock = threading.Lock()
+        self._gates: dict[tuple[int, int], Gate] = {}  # layer-wise stores by (connection, call)
+        self._gates_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     # -- life cycle -------------------------------------------------------------------------
@@ -224,6 +228,9 @@ class DataPlane:
     # -- calls ------------------------------------------------------------------------------
 
     def _dispatch(self, conn: Connection, call_id: int, msg: Any) -> None:
+        if isinstance(msg, LayersWritten):
+            self._announce(conn, msg)  # no reply
+            return
         try:
             if isinstance(msg, (StoreChunks, RetrieveChunks, UnregisterInstance)):
                 inst = self.registry.authorize(msg.instance_id, msg.token)
@@ -231,8 +238,18 @@ class DataPlane:
                     if not self.registry.claim_drop(inst):
                         raise BadRequest(f"instance {inst.id} is being unregistered already")
                     inst.submit(_transfer_job(self, conn, call_id, msg), bounded=False)
-                else:
-                    inst.submit(_transfer_job(self, conn, call_id, msg))
+                    return
+                gate = None
+                if isinstance(msg, StoreChunks) and msg.layer_groups:
+                    # before it is queued: its announcements follow on this thread
+                    gate = Gate(inst.id)
+                    with self._gates_lock:
+                        self._gates[(conn.id, call_id)] = gate
+                try:
+                    inst.submit(_transfer_job(self, conn, call_id, msg, gate))
+                except BaseException:
+                    self.forget_gate(conn, call_id)
+                    raise
                 return
             conn.reply(call_id, self._control(conn, msg))
         except Exception as exc:
@@ -241,6 +258,23 @@ class DataPlane:
                 log.exception("call %s failed (request_id=%s)", type(msg).__name__,
                               getattr(msg, "request_id", None))
             conn.reply(call_id, reply_for(err))
+
+    def _announce(self, conn: Connection, msg: LayersWritten) -> None:
+        """Pass a ``LayersWritten`` to its store; one that names no layer-wise store of this
+        instance in flight on this connection, or carries a wrong token, is dropped."""
+        try:
+            self.registry.authorize(msg.instance_id, msg.token)
+        except RemoteError as exc:
+            log.warning("dropped a LayersWritten frame: %s", exc)
+            return
+        with self._gates_lock:
+            gate = self._gates.get((conn.id, msg.call))
+        if gate is not None and gate.instance_id == msg.instance_id:
+            gate.announce(msg.layers)
+
+    def forget_gate(self, conn: Connection, call_id: int) -> None:
+        with self._gates_lock:
+            self._gates.pop((conn.id, call_id), None)
 
     def _control(self, conn: Connection, msg: Any) -> Any:
         if isinstance(msg, Ping):
@@ -259,11 +293,12 @@ class DataPlane:
         raise BadRequest(f"unsupported call {type(msg).__name__}")
 
     def transfer_call(self, inst: Instance, msg: StoreChunks | RetrieveChunks,
-                      progress: Callable[[LayersReady], None] | None = None) -> Call:
+                      progress: Callable[[LayersReady], None] | None = None,
+                      gate: Gate | None = None) -> Call:
         """The call that runs ``msg`` on ``inst`` (``dataplane.transfer.Call``); its progress
-        frames go through ``progress``."""
+        frames go through ``progress``; a layer-wise store hears its layers through ``gate``."""
         if isinstance(msg, StoreChunks):
-            return store_call(self.shared, inst, msg, progress)
+            return store_call(self.shared, inst, msg, progress, gate)
         return retrieve_call(self.shared, inst, msg, progress)
 
     def failed(self, inst: Instance, msg: StoreChunks | RetrieveChunks,
@@ -284,7 +319,8 @@ class DataPlane:
         return err
 
 
-def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> Any:
+def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any,
+                  gate: Gate | None = None) -> Any:
     def job(inst: Instance) -> bool:
         if isinstance(msg, UnregisterInstance):
             dp.registry.remove(inst)  # after every call in flight ended
@@ -292,9 +328,11 @@ def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any) -> An
             return False
 
         def done(reply: Any, error: BaseException | None) -> None:
+            if gate is not None:
+                dp.forget_gate(conn, call_id)
             conn.reply(call_id, reply if error is None else reply_for(dp.failed(inst, msg, error)))
 
-        inst.run_call(dp.transfer_call(inst, msg, lambda p: conn.reply(call_id, p)), done,
+        inst.run_call(dp.transfer_call(inst, msg, lambda p: conn.reply(call_id, p), gate), done,
                       store=isinstance(msg, StoreChunks))
         return True
     return job

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataplane.errors import BadRequest, OutOfRange
+from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, LayersReady, RetrieveChunks, StoreChunks,
                                 TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
@@ -175,11 +176,38 @@ def run_retrieve(sh: Shared, inst: "Instance", msg: RetrieveChunks) -> TransferD
     return run_to_end(retrieve_call(sh, inst, msg))
 
 
+class Gate:
+    """The layers an engine announced written for one layer-wise store (``LayersWritten``): set
+    on the connection's thread, awaited on the instance's worker.
+
+    Attributes:
+        instance_id: the store's instance (an announcement must name it).
+    """
+
+    def __init__(self, instance_id: int) -> None:
+        self.instance_id = instance_id
+        self._cv = threading.Condition()
+        self._layers = 0
+
+    def announce(self, layers: int) -> None:
+        with self._cv:
+            if layers > self._layers:
+                self._layers = layers
+                self._cv.notify_all()
+
+    def wait(self, layers: int, timeout: float) -> bool:
+        """True once ``layers`` layers are announced; False when ``timeout`` ran out first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._layers >= layers, timeout)
+
+
 def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
-               progress: Callable[[LayersReady], None] | None = None) -> Call:
+               progress: Callable[[LayersReady], None] | None = None,
+               gate: Gate | None = None) -> Call:
     """Copy the call's chunks to the slab; once every copy is queued (and the done event
     recorded) ``progress`` hears ``LayersReady`` of every layer: the engine may reuse its buffer
-    after that event (CPU: at once)."""
+    after that event (CPU: at once). A layer-wise store (``layer_groups``) reserves every chunk,
+    then copies each group of layers once ``gate`` has it announced."""
     t0 = time.monotonic()
     tokens = tokens_of(msg.token_ids)
     buf, store = inst.buffer, sh.store
@@ -190,6 +218,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     n = len(tokens) // C
     starts = msg.offset + C * np.arange(n, dtype=np.int64)
     buf.check(starts, C)
+    _check_layerwise_store(msg, buf, n, gate)
     chunk_bytes = inst.layout.chunk_bytes(C)
     per = max(1, sh.tuning.group_bytes // max(1, chunk_bytes))
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
@@ -203,7 +232,17 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     done = 0  # chunks [0, done) are committed (or were lost to reclaim)
     try:
         buf.begin(msg.event)
-        for lo, hi in _batches(n, chunk_bytes, sh.tuning.first_bytes):
+        if msg.layer_groups:
+            assert gate is not None, "checked by _check_layerwise_store"
+            hashes = chunk_hashes(ns, tokens[:n * C], C)
+            keys = _keys(ns.id, hashes, inst.rank)
+            slots[:] = store.reserve_slots(inst.class_id, keys, rows)
+            idx = np.flatnonzero(slots >= 0)  # the others exist already, or found no room
+            _store_layer_groups(buf, msg, gate, starts[idx].tolist(),
+                                store.kv_offsets(slots[idx]).tolist(), C, inst.layout.num_layers)
+            groups.append((0, n, buf.end(msg.done_event)))
+        for lo, hi in _batches(n if not msg.layer_groups else 0, chunk_bytes,
+                               sh.tuning.first_bytes):
             hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
@@ -257,6 +296,39 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
                         Counter.FINGERPRINT_NEW_ENTRIES: reg.new,
                         Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed)})
     return reply
+
+
+def _check_layerwise_store(msg: StoreChunks, buf: "InstanceBuffer", n: int,
+                           gate: Gate | None) -> None:
+    if not msg.layer_groups:
+        if msg.layer_events:
+            raise BadRequest("layer_events were given for a store that is not layer-wise")
+        return
+    if gate is None:
+        raise BadRequest("a layer-wise store needs the channel (its layers are announced there)")
+    if msg.layer_groups > buf.layout.num_layers:
+        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
+    if n > MAX_LAYER_GROUP_MATCHES:
+        raise BadRequest(f"a layer-wise store takes at most {MAX_LAYER_GROUP_MATCHES} chunks, "
+                         f"got {n}: split it")
+    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
+                             not buf.records_events):
+        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
+
+
+def _store_layer_groups(buf: "InstanceBuffer", msg: StoreChunks, gate: Gate, at: list[int],
+                        offs: list[int], C: int, L: int) -> None:
+    """Copy each group of layers of the reserved chunks (token starts ``at``, slab offsets
+    ``offs``) once the engine announced it."""
+    bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
+    for g in range(msg.layer_groups):
+        if not gate.wait(bounds[g + 1], msg.layer_wait_s):
+            raise LayersNotWritten(f"layers [{bounds[g]}, {bounds[g + 1]}) were not announced "
+                                   f"written within {msg.layer_wait_s} s")
+        if msg.layer_events:
+            buf.begin(msg.layer_events[g])  # the engine recorded it after writing the group
+        if at:
+            buf.to_slab_layers(at, C, offs, bounds[g], bounds[g + 1])
 
 
 def forget_evicted(sh: Shared) -> int:
@@ -439,5 +511,5 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
     store.unpin_slots(slots[lo:hi])
 
 
-__all__ = ["Shared", "Call", "open_fingerprints", "store_call", "retrieve_call", "run_to_end",
+__all__ = ["Shared", "Call", "Gate", "open_fingerprints", "store_call", "retrieve_call", "run_to_end",
            "run_store", "run_retrieve", "tokens_of"]

@@ -154,6 +154,29 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
         client.unregister(b)
 
 
+def test_a_layerwise_store_copies_each_group_after_its_event(
+        cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.arange(2 * CHUNK) + 77
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        kv = torch.full((2, L, T, D), -7, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+        inst = client.register_kv_cache(kv, model_name="gpu-lws")
+        t = client.store_pre_computed(inst, doc, layer_groups=2)  # layers [0, 2), [2, 4)
+        for g in range(2):
+            torch.cuda._sleep(100_000_000)  # the forward's time before it writes the group
+            kv.view(torch.int16)[:, 2 * g:2 * g + 2].fill_(100 + g)
+            t.layers_written(2 * g + 2)  # announced at once; the GPU writes ~50 ms later
+        assert t.wait(timeout=60).copied == 2
+        dst = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+        got = client.register_kv_cache(dst, model_name="gpu-lws")
+        r = client.retrieve(got, doc, client.lookup(doc, "gpu-lws").matches)
+        assert r.wait(timeout=60).ok
+        torch.cuda.current_stream().wait_event(r.cuda_event)
+        region = dst.view(torch.int16)[:, :, :2 * CHUNK]
+        assert bool((region[:, :2] == 100).all()) and bool((region[:, 2:] == 101).all())
+        client.unregister(inst)
+        client.unregister(got)
+
+
 def test_a_layout_larger_than_the_shared_allocation_is_refused(shm_prefix: str) -> None:
     create_store(shm_prefix)
     dp = start_dataplane(shm_prefix, backend="cuda")

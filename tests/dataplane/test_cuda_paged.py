@@ -85,6 +85,34 @@ def test_paged_store_and_layerwise_retrieve_bit_exact(cuda_dataplane: DataPlaneP
         assert t.wait(timeout=60).ok
 
 
+def test_a_paged_cache_is_stored_layer_by_layer(cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.random.default_rng(7).integers(0, 30_000, 2 * CHUNK)
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        src = random_layers((2, B, S, H, DH), 8)
+        real = [x.view(torch.int16).clone() for x in src]
+        for x in src:
+            x.view(torch.int16).fill_(-7)  # not yet written
+        inst = client.register_paged_kv_cache(src, "flash_attn", S, H, DH, model_name="gpl")
+        table = list(np.random.default_rng(9).permutation(B)[:2 * CHUNK // S])
+        t = client.store_pre_computed(inst, doc, block_table=table, layer_groups=L)
+        for layer in range(L):
+            torch.cuda._sleep(50_000_000)  # the forward's time before it writes the layer
+            src[layer].view(torch.int16).copy_(real[layer])
+            t.layers_written(layer + 1)
+        assert t.wait(timeout=60).copied == 2
+        flat = torch.zeros((2, L, 1024, H * DH), dtype=torch.bfloat16, device="cuda")
+        plain = client.register_kv_cache(flat, model_name="gpl")
+        r = client.retrieve(plain, doc, client.lookup(doc, "gpl").matches)
+        assert r.wait(timeout=60).ok
+        torch.cuda.current_stream().wait_event(r.cuda_event)
+        pos = torch.arange(2 * CHUNK, device="cuda")
+        block, slot = torch.tensor(table, device="cuda")[pos // S], pos % S
+        for layer in range(L):
+            want = real[layer].view(torch.bfloat16)[:, block, slot]
+            got = flat[:, layer, :2 * CHUNK].reshape(2, -1, H, DH)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_a_layout_the_gpu_cannot_gather_is_refused(cuda_dataplane: DataPlaneProc) -> None:
     with BlendClient(dataplane_address=cuda_dataplane.address) as client:
         layers = random_layers((B, H, S, 2 * DH), 6)
