@@ -97,32 +97,39 @@ class Case:
 
     def store(self, inst: int = 1) -> None:
         tokens = self.fresh()
-        done = self.client.store_pre_computed(self.inst[inst], tokens).wait()
+        with self.client.store_pre_computed(self.inst[inst], tokens) as t:
+            done = t.wait()  # the with block gives the call's CUDA events back for reuse
         assert done.ok and done.copied == self.chunks, done
 
     def refill(self) -> None:
         """Re-store whatever of the retrieved set the timed stores evicted (untimed)."""
-        assert self.client.store_pre_computed(self.inst[0], self.tokens).wait().ok
+        with self.client.store_pre_computed(self.inst[0], self.tokens) as t:
+            assert t.wait().ok
 
     def retrieve(self, inst: int = 0) -> None:
-        assert self.client.retrieve(self.inst[inst], self.tokens, self.matches).wait().ok
+        with self.client.retrieve(self.inst[inst], self.tokens, self.matches) as t:
+            assert t.wait().ok
 
     def stores_in_flight(self) -> None:
         calls = [self.client.store_pre_computed(self.inst[1], self.fresh())
                  for _ in range(IN_FLIGHT)]
         for c in calls:
             done = c.wait()
+            c.release()
             assert done.ok and done.copied == self.chunks, done
 
     def retrieves_in_flight(self) -> None:
         calls = [self.client.retrieve(self.inst[0], self.tokens, self.matches)
                  for _ in range(IN_FLIGHT)]
         assert all(c.wait().ok for c in calls)
+        for c in calls:
+            c.release()
 
     def both(self) -> None:
         r = self.client.retrieve(self.inst[0], self.tokens, self.matches)
         s = self.client.store_pre_computed(self.inst[1], self.fresh())
         assert r.wait().ok and s.wait().ok
+        r.release(), s.release()
 
 
 def ping_round_trips(client: BlendClient, n: int) -> None:

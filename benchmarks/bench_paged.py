@@ -85,37 +85,44 @@ def main() -> None:
 
             def store() -> None:
                 fresh = rng.integers(0, 2**31, N)
-                done = client.store_pre_computed(reg[0], fresh, block_table=tables[0]).wait()
+                with client.store_pre_computed(reg[0], fresh, block_table=tables[0]) as t:
+                    done = t.wait()  # the with block gives the call's CUDA events back for reuse
                 assert done.ok and done.copied == N // CHUNK, done
 
             def refill() -> None:  # untimed: the timed stores may have evicted the set
-                assert client.store_pre_computed(reg[0], tokens, block_table=tables[0]).wait().ok
+                with client.store_pre_computed(reg[0], tokens, block_table=tables[0]) as t:
+                    assert t.wait().ok
 
             def retrieve() -> None:
-                assert client.retrieve(reg[1], tokens, matches, block_table=tables[1]).wait().ok
+                with client.retrieve(reg[1], tokens, matches, block_table=tables[1]) as t:
+                    assert t.wait().ok
 
             firsts: list[float] = []
 
             def layerwise() -> None:
                 t0 = time.perf_counter()
-                t = client.retrieve(reg[1], tokens, matches, block_table=tables[1],
-                                    layer_groups=L)
-                assert t.wait_layer(0) == []
-                if args.backend == "cuda":
-                    torch.cuda.current_stream().synchronize()
-                firsts.append(time.perf_counter() - t0)
-                assert t.wait().ok
+                with client.retrieve(reg[1], tokens, matches, block_table=tables[1],
+                                     layer_groups=L) as t:
+                    assert t.wait_layer(0) == []
+                    if args.backend == "cuda":
+                        torch.cuda.current_stream().synchronize()
+                    firsts.append(time.perf_counter() - t0)
+                    assert t.wait().ok
 
             def stores_in_flight() -> None:
                 calls = [client.store_pre_computed(reg[0], rng.integers(0, 2**31, N),
                                                    block_table=tables[0])
                          for _ in range(IN_FLIGHT)]
                 assert all(c.wait().copied == N // CHUNK for c in calls)
+                for c in calls:
+                    c.release()
 
             def retrieves_in_flight() -> None:
                 calls = [client.retrieve(reg[1], tokens, matches, block_table=tables[1])
                          for _ in range(IN_FLIGHT)]
                 assert all(c.wait().ok for c in calls)
+                for c in calls:
+                    c.release()
 
             store(), refill(), retrieve(), layerwise()  # warm
             firsts.clear()

@@ -113,7 +113,7 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
         # more calls than the data plane keeps in flight, none waited for; each retrieve comes
         # right behind the store of its chunk on the same instance (a retrieve sees the stores
         # its instance received before it; matches computed here, not looked up)
-        docs = [rng.integers(0, 30_000, CHUNK) for _ in range(T // CHUNK)]
+        docs = [rng.integers(0, 30_000, CHUNK) for _ in range(2 * MAX_IN_FLIGHT)]  # 32 calls
         hashes = [chunk_hashes(Namespace("gpu-q", 1, ""), doc, CHUNK)[0] for doc in docs]
         calls = []
         for _ in range(2):
