@@ -91,7 +91,8 @@ class DataPlaneLink:
         msg = dp.RegisterInstance(
             model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,
             num_layers=body.num_layers, num_tokens=body.num_tokens, hidden_dim=body.hidden_dim,
-            dtype=dp.WireDType(body.dtype), buffer=buffer, request_id=request_id)
+            dtype=dp.WireDType(body.dtype), buffer=buffer, request_id=request_id,
+            rotary=None if body.rotary is None else dp.RotaryConfig(**body.rotary.model_dump()))
         reply = self._call(msg, self._timeout)
         assert isinstance(reply, dp.Registered), "the channel raises on error replies"
         return InstanceCreated(instance_id=reply.instance_id, instance_token=reply.token,

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from dataplane.messages import MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
+from dataplane.messages import MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
 from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
 from shm.names import KVBUF_PATTERN
 from shm.telemetry import EventKind
@@ -161,6 +161,35 @@ class PagedKV(BaseModel):
     layers: list[PagedLayerRef] = Field(min_length=1, max_length=MAX_PAGED_LAYERS)
 
 
+class Rotary(BaseModel):
+    """The model's rotary position embedding; retrieves then turn K to the prompt's positions
+    (the fields and formulas: `dataplane/rotary.py`)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "head_dim": 128, "theta": 500000.0, "scaling": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}]})
+
+    head_dim: int = Field(ge=2, le=MAX_HEAD_DIM)
+    rotary_dim: int = Field(0, ge=0, le=MAX_HEAD_DIM,
+                            description="Dims of each head that rotate; 0 means all.")
+    theta: float = Field(10000.0, gt=0)
+    style: Literal["neox", "gptj"] = Field(
+        "neox", description="neox: half split (Llama, Mistral, Qwen); gptj: interleaved pairs.")
+    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = Field(1.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    truncate: bool = True
+    inv_freq: list[float] | None = Field(
+        None, max_length=MAX_HEAD_DIM // 2,
+        description="The engine's own frequencies (rotary_dim / 2 of them) instead of theta "
+                    "and scaling.")
+
+
 class RegisterInstance(BaseModel):
     """An engine worker's KV cache: exactly one of ``shm_name`` (a CPU buffer
     ``[2, num_layers, num_tokens, hidden_dim]`` in POSIX shared memory), ``cuda_ipc`` (the same on
@@ -186,6 +215,7 @@ class RegisterInstance(BaseModel):
                     "`<shm_prefix>_kvbuf_<32 lowercase hex>`.")
     cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")
     paged: PagedKV | None = Field(None, description="A paged cache of per-layer tensors.")
+    rotary: Rotary | None = Field(None, description="The model's rotary config (CPU buffers).")
 
     @model_validator(mode="after")
     def _one_buffer(self) -> "RegisterInstance":

@@ -67,7 +67,7 @@ from dataplane.errors import BadRequest, DataPlaneError
 from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, LayersWritten,
                                 ListInstances,
                                 MatchSpec, PagedBuffer, PagedLayer, Ping, Pong,
-                                RegisterInstance, RenewLease,
+                                RegisterInstance, RenewLease, RotaryConfig,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
                                 UnregisterInstance, WireDType)
 from shm.hashing import as_tokens
@@ -343,8 +343,10 @@ class BlendClient:
     # -- control ----------------------------------------------------------------------------
 
     def register_kv_cache(self, kv: torch.Tensor, model_name: str, world_size: int = 1,
-                          worker_id: int | None = 0, request_id: str | None = None) -> int:
-        """Register an engine buffer ``[2, L, T, D]``; returns the instance id.
+                          worker_id: int | None = 0, request_id: str | None = None,
+                          rotary: RotaryConfig | None = None) -> int:
+        """Register an engine buffer ``[2, L, T, D]``; returns the instance id. With ``rotary``
+        (the model's rotary config) retrieves turn K to the prompt's positions.
 
         Raises:
             BadRequest: not 4-D ``[2, ...]`` and contiguous, an unsupported dtype, or a CPU
@@ -361,17 +363,18 @@ class BlendClient:
         iid, token, lease = self._control.register(RegisterInstance(
             model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
             num_tokens=T, hidden_dim=D, dtype=WireDType(str(_TORCH_DTYPES[kv.dtype])), buffer=spec,
-            request_id=request_id))
+            rotary=rotary, request_id=request_id))
         self._track(iid, kv, token, lease, L)
         return iid
 
     def register_paged_kv_cache(self, layers: Sequence[torch.Tensor], layout: str,
                                 block_size: int, kv_heads: int, head_dim: int, model_name: str,
                                 world_size: int = 1, worker_id: int | None = 0,
-                                request_id: str | None = None) -> int:
+                                request_id: str | None = None,
+                                rotary: RotaryConfig | None = None) -> int:
         """Register a paged cache: one contiguous tensor per layer, all of one named layout
         (``dataplane.paged``) and dtype; returns the instance id. Calls then name its token slots
-        by a block table.
+        by a block table. With ``rotary`` retrieves turn K to the prompt's positions.
 
         Raises:
             BadRequest: layers of different sizes, dtypes or devices, a layout that does not fit
@@ -417,7 +420,7 @@ class BlendClient:
             model_name=model_name, world_size=world_size, worker_id=worker_id,
             num_layers=len(layers), num_tokens=num_blocks * block_size,
             hidden_dim=kv_heads * head_dim, dtype=WireDType(str(_TORCH_DTYPES[first.dtype])),
-            buffer=spec, request_id=request_id))
+            buffer=spec, rotary=rotary, request_id=request_id))
         self._track(iid, first, token, lease, len(layers))
         return iid
 
@@ -540,13 +543,18 @@ class BlendClient:
 
     def retrieve(self, instance_id: int, token_ids: Any, matches: Sequence[Any], offset: int = 0,
                  event: Any = None, *, cache_salt: str = "", block_table: Any = None,
-                 layer_groups: int = 0, request_id: str | None = None) -> Transfer:
+                 layer_groups: int = 0, first_position: int = 0, rotate: bool = True,
+                 request_id: str | None = None) -> Transfer:
         """Copy each match's chunk into ``buffer[:, :, offset+cur_st : offset+cur_ed, :]`` (a
         paged cache: into the slots ``block_table`` gives those logical positions).
 
         ``layer_groups`` > 0: copy the layers in that many groups in order; the engine reads
         layer i after ``Transfer.wait_layer(i)`` while later layers still load (at most
-        ``MAX_LAYER_GROUP_MATCHES`` matches)."""
+        ``MAX_LAYER_GROUP_MATCHES`` matches).
+
+        On an instance registered with a rotary config, K of each chunk is turned from the
+        position it was stored at to ``first_position + cur_st`` (``first_position``: the model's
+        position of the prompt's token 0), unless ``rotate`` is False."""
         ev, done, used, pool = self._events(instance_id, event)
         with self._lock:
             reg = self._instances.get(instance_id)
@@ -558,6 +566,7 @@ class BlendClient:
                              matches=specs, offset=offset, block_table=_block_table(block_table),
                              layer_groups=layer_groups,
                              layer_events=[e.handle for e in layer_events],
+                             first_position=first_position, rotate=rotate,
                              cache_salt=cache_salt, event=ev,
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)

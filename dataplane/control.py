@@ -63,6 +63,8 @@ class HttpControl:
                 "layers": [{"buffer": ly.buffer, "offset": ly.offset} for ly in spec.layers]}
         else:
             body.update(_buffer(spec))
+        if msg.rotary is not None:
+            body["rotary"] = msgspec.to_builtins(msg.rotary)
         headers = {"X-Request-ID": msg.request_id} if msg.request_id else None
         got = self.request("POST", "/v1/instances", json=body, headers=headers).json()
         return int(got["instance_id"]), str(got["instance_token"]), float(got["lease_s"])

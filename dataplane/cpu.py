@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,13 @@ from shm.layout import KVLayout
 from shm.names import Names
 from shm.private import shm_path
 from shm.store import Store
+
+def torch_view(a: np.ndarray, dtype: Any) -> Any:
+    """``a``'s bytes (raw integers or uint8 rows, last axis contiguous) as a torch tensor of
+    ``dtype`` sharing its memory."""
+    import torch
+    return torch.from_numpy(a).view(dtype)
+
 
 class CpuBuffer(InstanceBuffer):
     def __init__(self, mapping: mmap.mmap, layout: KVLayout, slab: np.ndarray) -> None:
@@ -64,6 +72,14 @@ class CpuBuffer(InstanceBuffer):
         for t, off in zip(token_starts, slab_offsets):
             np.copyto(self._slot(off, chunk_size)[:, first:last],
                       self._buf[:, first:last, t:t + chunk_size])
+
+    def turn_k(self, token_starts: list[int], chunk_size: int, cos: Any, sin: Any, cfg: Any,
+               first: int, last: int) -> None:
+        from dataplane import rotary
+        dtype = rotary.torch_dtype(self.layout.dtype.name)
+        for j, t in enumerate(token_starts):
+            rows = torch_view(self._buf[0, first:last, t:t + chunk_size], dtype)  # [l, C, D]
+            rotary.rotate(rows.unflatten(-1, (-1, cfg.head_dim)), cos[j], sin[j], cfg)
 
     def end(self, done_event: bytes | None) -> None:
         if done_event is not None:
@@ -131,6 +147,18 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
             for layer in range(first, last):
                 self._k[layer][at.block, at.slot] = chunk[0, layer]
                 self._v[layer][at.block, at.slot] = chunk[1, layer]
+
+    def turn_k(self, token_starts: list[int], chunk_size: int, cos: Any, sin: Any, cfg: Any,
+               first: int, last: int) -> None:
+        from dataplane import rotary
+        assert self._table is not None, "bind() comes first"
+        dtype = rotary.torch_dtype(self.layout.dtype.name)
+        for j, t in enumerate(token_starts):
+            at = self._table.slots(t, chunk_size)
+            for layer in range(first, last):
+                k = self._k[layer][at.block, at.slot]  # [C, heads, dims], a copy
+                rotary.rotate(torch_view(k, dtype), cos[j], sin[j], cfg)
+                self._k[layer][at.block, at.slot] = k
 
     def end(self, done_event: bytes | None) -> None:
         if done_event is not None:

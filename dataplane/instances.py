@@ -54,8 +54,8 @@ import msgspec
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo, PagedBuffer,
-                                RegisterInstance, ShmBuffer)
+from dataplane.messages import (TOKEN_HEX, Backend, BufferKind, CudaIpcBuffer, InstanceInfo,
+                                PagedBuffer, RegisterInstance, ShmBuffer)
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.names import Names
@@ -114,6 +114,7 @@ class Instance:
     _flight: threading.Condition = field(default_factory=threading.Condition)
     _in_flight: int = 0
     _stores: int = 0
+    freqs: Any = None  # the rotary frequencies (``dataplane.rotary``) when it has a config
 
     @property
     def rank(self) -> int:
@@ -256,6 +257,7 @@ class Registry:
             BackendError: the buffer cannot be mapped.
         """
         layout, cc = _layout_of(req, self._chunk)
+        freqs = self._rotary_of(req)
         with self._reg_lock:
             self._check_limits(client)
             self._check_namespace_layout(cc)
@@ -266,11 +268,35 @@ class Registry:
                 buffer.close()
                 raise  # the server answers by dataplane.errors.FROM_SHM
             inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
+        inst.freqs = freqs
         inst.start()
         log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
                  req.request_id)
         return inst
+
+    def _rotary_of(self, req: RegisterInstance) -> Any:
+        """The frequencies of a registration's rotary config, once it fits the buffer and passes
+        ``dataplane.rotary.check``; None without one.
+
+        Raises:
+            BadRequest: naming what does not fit.
+        """
+        cfg = req.rotary
+        if cfg is None:
+            return None
+        if self._engine.backend is not Backend.CPU:
+            raise BadRequest("re-rotation runs on CPU buffers only for now: register without "
+                             "`rotary` and turn K in the engine")
+        head = req.buffer.head_dim if isinstance(req.buffer, PagedBuffer) else cfg.head_dim
+        if cfg.head_dim != head or req.hidden_dim % cfg.head_dim:
+            raise BadRequest(f"rotary head_dim {cfg.head_dim} does not fit the buffer "
+                             f"(hidden_dim {req.hidden_dim}, head_dim {head})")
+        from dataplane import rotary  # torch: only where a rotary config is registered
+        try:
+            return rotary.check(cfg)
+        except ValueError as exc:
+            raise BadRequest(f"rotary: {exc}") from exc
 
     def _register_class(self, cc: ChunkClass) -> int:
         """The id of ``cc``'s layout class. When every row of the class table is taken, first

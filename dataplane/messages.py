@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -178,9 +178,53 @@ class Ping(_Msg):
     request_id: RequestId = None
 
 
+MAX_HEAD_DIM = 1024
+MAX_POSITION = 1 << 24  # positions a rotation takes (float32 holds every integer below 2^24)
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class RotaryConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How a model rotates K by position (``dataplane.rotary`` has the formulas and the check).
+
+    Attributes:
+        head_dim: dims of one head.
+        rotary_dim: dims of each head that rotate (partial rotary); 0 means all of ``head_dim``.
+        theta: the base of the frequencies (``rope_theta``).
+        style: ``neox`` (half split, Llama, Mistral, Qwen) or ``gptj`` (interleaved pairs).
+        scaling: ``none``, ``linear``, ``llama3`` or ``yarn``.
+        factor: the scaling factor (linear, llama3, yarn).
+        low_freq_factor, high_freq_factor: llama3's bounds.
+        original_max_position_embeddings: the pre-training context (llama3, yarn).
+        beta_fast, beta_slow, truncate: yarn's ramp.
+        inv_freq: the engine's own frequencies, ``rotary_dim / 2`` of them; replaces theta and
+            scaling when given.
+    """
+
+    head_dim: Annotated[int, msgspec.Meta(ge=2, le=MAX_HEAD_DIM)]
+    rotary_dim: Annotated[int, msgspec.Meta(ge=0, le=MAX_HEAD_DIM)] = 0
+    theta: Positive = 10000.0
+    style: Literal["neox", "gptj"] = "neox"
+    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: Positive = 1.0
+    low_freq_factor: Positive = 1.0
+    high_freq_factor: Positive = 4.0
+    original_max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    beta_fast: Positive = 32.0
+    beta_slow: Positive = 1.0
+    truncate: bool = True
+    inv_freq: Annotated[list[float], msgspec.Meta(max_length=MAX_HEAD_DIM // 2)] | None = None
+
+    @property
+    def dim(self) -> int:
+        """The dims that rotate."""
+        return self.rotary_dim or self.head_dim
+
+
 class RegisterInstance(_Msg):
     """Register an engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``; the
-    instance lives while its lease is renewed (``RenewLease`` or any call with its token)."""
+    instance lives while its lease is renewed (``RenewLease`` or any call with its token).
+    ``rotary``: the model's rotary config; its retrieves then turn K to the prompt's positions."""
 
     model_name: Label
     world_size: Count
@@ -190,6 +234,7 @@ class RegisterInstance(_Msg):
     hidden_dim: Count
     dtype: WireDType
     buffer: BufferSpec
+    rotary: RotaryConfig | None = None
     request_id: RequestId = None
 
 
@@ -250,6 +295,11 @@ class RetrieveChunks(_Msg):
     with the call's id announces each group before the final ``TransferDone``: on a CPU buffer
     once its copies completed, on a CUDA buffer once ``layer_events[g]`` (one interprocess event
     per group) was recorded after them on the instance's stream.
+
+    On an instance registered with a rotary config, K of each copied chunk is turned from the
+    position it was stored at (``old_st``) to the prompt's (``first_position + cur_st``, the
+    model's position of the prompt's token 0 plus the match's place) unless ``rotate`` is False;
+    a layer-wise retrieve announces a group once its layers are turned.
     """
 
     instance_id: U63
@@ -259,6 +309,8 @@ class RetrieveChunks(_Msg):
     block_table: BlockTableBytes = None
     layer_groups: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_GROUPS)] = 0
     layer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=MAX_LAYER_GROUPS)] = []
+    first_position: Annotated[int, msgspec.Meta(ge=0, lt=MAX_POSITION)] = 0
+    rotate: bool = True
     cache_salt: Label = ""
     event: EventHandle = None
     done_event: EventHandle = None
@@ -380,6 +432,7 @@ def frame(call_id: int, msg: _Msg) -> bytes:
 __all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
            "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
            "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
-           "StoreChunks", "RetrieveChunks", "LayersWritten", "Request", "Pong", "InstanceInfo", "Registered",
+           "StoreChunks", "RetrieveChunks", "LayersWritten", "RotaryConfig", "Request", "Pong",
+           "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
            "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]

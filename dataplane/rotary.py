@@ -32,53 +32,14 @@ buffer's dtype. Pairs: ``neox`` (half split) rotates dims ``(j, j + d/2)``, ``gp
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
-
-import msgspec
 import numpy as np
 import torch
 
-MAX_HEAD_DIM = 1024
-MAX_POSITION = 1 << 24  # positions a rotation accepts (float32 keeps every integer below 2^24)
+from dataplane.messages import MAX_POSITION, RotaryConfig
 
-Positive = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class RotaryConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How a model rotates K by position (see the module docstring for the formulas).
-
-    Attributes:
-        head_dim: dims of one head.
-        rotary_dim: dims of each head that rotate (partial rotary); 0 means all of ``head_dim``.
-        theta: the base of the frequencies (``rope_theta``).
-        style: ``neox`` (half split, Llama, Mistral, Qwen) or ``gptj`` (interleaved pairs).
-        scaling: ``none``, ``linear``, ``llama3`` or ``yarn``.
-        factor: the scaling factor (linear, llama3, yarn).
-        low_freq_factor, high_freq_factor: llama3's bounds.
-        original_max_position_embeddings: the pre-training context (llama3, yarn).
-        beta_fast, beta_slow, truncate: yarn's ramp.
-        inv_freq: the engine's own frequencies, ``rotary_dim / 2`` of them; replaces theta and
-            scaling when given.
-    """
-
-    head_dim: Annotated[int, msgspec.Meta(ge=2, le=MAX_HEAD_DIM)]
-    rotary_dim: Annotated[int, msgspec.Meta(ge=0, le=MAX_HEAD_DIM)] = 0
-    theta: Positive = 10000.0
-    style: Literal["neox", "gptj"] = "neox"
-    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
-    factor: Positive = 1.0
-    low_freq_factor: Positive = 1.0
-    high_freq_factor: Positive = 4.0
-    original_max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] = 8192
-    beta_fast: Positive = 32.0
-    beta_slow: Positive = 1.0
-    truncate: bool = True
-    inv_freq: Annotated[list[float], msgspec.Meta(max_length=MAX_HEAD_DIM // 2)] | None = None
-
-    @property
-    def dim(self) -> int:
-        """The dims that rotate."""
-        return self.rotary_dim or self.head_dim
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``shm.layout.DType`` name."""
+    return {"FLOAT16": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT32": torch.float32}[name]
 
 
 def check(cfg: RotaryConfig) -> np.ndarray:
@@ -210,4 +171,4 @@ def _probe(cfg: RotaryConfig, freqs: np.ndarray) -> None:
                          "and back did not return)")
 
 
-__all__ = ["RotaryConfig", "check", "frequencies", "angles", "turn", "rotate", "MAX_POSITION"]
+__all__ = ["RotaryConfig", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate", "MAX_POSITION"]

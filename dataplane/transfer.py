@@ -404,6 +404,7 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     _check_layerwise(msg, buf)
     n = len(msg.matches)
     cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+    turn = _Turn.of(inst, msg, cur, C)
     buf.check(msg.offset + cur, C)
     ns = _namespace(inst, msg.cache_salt)
     base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
@@ -416,9 +417,9 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
         buf.begin(msg.event)
         if msg.layer_groups:
             _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, usable, held,
-                            progress or (lambda _: None))
+                            progress or (lambda _: None), turn)
         else:
-            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, usable, held)
+            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, usable, held, turn)
         marker = buf.end(msg.done_event)
         if progress is not None and not msg.layer_groups:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
@@ -443,10 +444,43 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     return done
 
 
+class _Turn:
+    """The re-rotation of a retrieve's chunks: each match's K turns from its stored positions
+    (``old_st``) to the prompt's (``first_position + cur_st``)."""
+
+    def __init__(self, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int) -> None:
+        from dataplane import rotary
+        self._rotary, self._inst, self._C = rotary, inst, C
+        self.cfg = inst.request.rotary
+        self._old = np.fromiter((m.old_st for m in msg.matches), np.int64, len(cur))
+        self._new = msg.first_position + cur
+        if len(cur) and max(self._old.max(), self._new.max()) + C > rotary.MAX_POSITION:
+            raise BadRequest(f"positions past {rotary.MAX_POSITION} cannot be turned")
+
+    @classmethod
+    def of(cls, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int
+           ) -> "_Turn | None":
+        """None when the instance has no rotary config or the call opted out."""
+        if getattr(inst, "freqs", None) is None or not msg.rotate:
+            return None
+        return cls(inst, msg, cur, C)
+
+    def apply(self, buf: "InstanceBuffer", idx: np.ndarray, starts: list[int], first: int,
+              last: int) -> None:
+        """Turn K of layers ``[first, last)`` of matches ``idx`` (at ``starts`` in the buffer)."""
+        step = np.arange(self._C)
+        old = (self._old[idx, None] + step).ravel()
+        new = (self._new[idx, None] + step).ravel()
+        cos, sin = self._rotary.turn(self._inst.freqs, old, new)
+        half = cos.shape[-1]
+        buf.turn_k(starts, self._C, cos.view(len(idx), self._C, half),
+                   sin.view(len(idx), self._C, half), self.cfg, first, last)
+
+
 def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
                   tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
                   slots: np.ndarray, usable: np.ndarray,
-                  held: list[tuple[int, int, Any]]) -> None:
+                  held: list[tuple[int, int, Any]], turn: _Turn | None = None) -> None:
     """Pin, check and copy batch by batch; a batch is unpinned once the next one is copying."""
     store = sh.store
     for lo, hi in _batches(len(keys), inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
@@ -457,8 +491,10 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
                                             tokens[cur[lo:hi, None] + np.arange(C)])
         idx = lo + np.flatnonzero(usable[lo:hi])
         if len(idx):
-            buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C,
-                               (msg.offset + cur[idx]).tolist())
+            at = (msg.offset + cur[idx]).tolist()
+            buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C, at)
+            if turn is not None:
+                turn.apply(buf, idx, at, 0, inst.layout.num_layers)
         held[-1] = (lo, hi, buf.mark())
         if len(held) > 1:  # the batch before this one: unpin once its copies completed
             _release(store, buf, slots, held.pop(0))
@@ -467,7 +503,7 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
 def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
                     tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
                     slots: np.ndarray, usable: np.ndarray, held: list[tuple[int, int, Any]],
-                    progress: Callable[[LayersReady], None]) -> None:
+                    progress: Callable[[LayersReady], None], turn: _Turn | None = None) -> None:
     """Pin every match (one batch), then copy group by group of layers, announcing each."""
     n, L = len(keys), inst.layout.num_layers
     slots[:] = _pin(store, buf, keys, slots, held)
@@ -480,6 +516,8 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
     for g in range(msg.layer_groups):
         if len(idx):
             buf.from_slab_layers(offsets, C, starts, bounds[g], bounds[g + 1])
+            if turn is not None:
+                turn.apply(buf, idx, starts, bounds[g], bounds[g + 1])
         if msg.layer_events:
             buf.record(msg.layer_events[g])  # the engine's stream waits on it
         else:
