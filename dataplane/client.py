@@ -484,8 +484,9 @@ class BlendClient:
     def store_pre_computed(self, instance_id: int, token_ids: Any, offset: int = 0,
                            event: Any = None, *, cache_salt: str = "", block_table: Any = None,
                            layer_groups: int = 0, layer_wait_s: float = 30.0,
-                           request_id: str | None = None) -> Transfer:
-        """Store a document computed on its own (positions from 0) from ``offset`` in the buffer.
+                           first_position: int = 0, request_id: str | None = None) -> Transfer:
+        """Store a document computed on its own from ``offset`` in the buffer; its KV was computed
+        at positions from ``first_position`` (1 for a document prefilled behind a BOS token).
 
         ``block_table`` (paged caches only): the block ids holding logical positions
         ``[0, offset + len(token_ids))``, ``block_size`` positions each.
@@ -496,18 +497,22 @@ class BlendClient:
         ``MAX_LAYER_GROUP_MATCHES`` chunks; the call fails when a group is not announced within
         ``layer_wait_s`` seconds)."""
         return self._store_call(StoreKind.PRE_COMPUTED, instance_id, token_ids, offset, event,
-                                cache_salt, block_table, layer_groups, layer_wait_s, request_id)
+                                cache_salt, block_table, layer_groups, layer_wait_s,
+                                first_position, request_id)
 
     def store_final(self, instance_id: int, token_ids: Any, offset: int = 0, event: Any = None,
                     *, cache_salt: str = "", block_table: Any = None, layer_groups: int = 0,
-                    layer_wait_s: float = 30.0, request_id: str | None = None) -> Transfer:
+                    layer_wait_s: float = 30.0, first_position: int = 0,
+                    request_id: str | None = None) -> Transfer:
         """Store a whole (blended) request so that later requests can reuse it."""
         return self._store_call(StoreKind.FINAL, instance_id, token_ids, offset, event,
-                                cache_salt, block_table, layer_groups, layer_wait_s, request_id)
+                                cache_salt, block_table, layer_groups, layer_wait_s,
+                                first_position, request_id)
 
     def _store_call(self, kind: StoreKind, instance_id: int, token_ids: Any, offset: int,
                     event: Any, cache_salt: str, block_table: Any, layer_groups: int,
-                    layer_wait_s: float, request_id: str | None) -> Transfer:
+                    layer_wait_s: float, first_position: int,
+                    request_id: str | None) -> Transfer:
         ev, done, used, pool = self._events(instance_id, event)
         with self._lock:
             reg = self._instances.get(instance_id)
@@ -516,7 +521,7 @@ class BlendClient:
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
                           offset=offset, block_table=_block_table(block_table),
                           layer_groups=layer_groups, layer_events=[e.handle for e in layer_events],
-                          layer_wait_s=layer_wait_s, kind=kind,
+                          layer_wait_s=layer_wait_s, first_position=first_position, kind=kind,
                           cache_salt=cache_salt, event=ev, done_event=done,
                           token=self._token(instance_id), request_id=request_id)
         pending = self._channel.submit(msg)

@@ -269,6 +269,10 @@ class StoreChunks(_Msg):
     of layers once announced (on a CUDA buffer after ``layer_events[g]``, one interprocess event
     per group that the engine records before it announces the group) and fails the call when a
     group is not announced within ``layer_wait_s`` (at most ``MAX_LAYER_GROUP_MATCHES`` chunks).
+
+    ``first_position``: the model's position of ``token_ids[0]`` when its KV was computed (a
+    document prefilled behind a BOS token starts at 1); each chunk keeps its own, and retrieves
+    turn K from there.
     """
 
     instance_id: U63
@@ -278,6 +282,7 @@ class StoreChunks(_Msg):
     layer_groups: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_GROUPS)] = 0
     layer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=MAX_LAYER_GROUPS)] = []
     layer_wait_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LAYER_WAIT_S)] = 30.0
+    first_position: Annotated[int, msgspec.Meta(ge=0, lt=MAX_POSITION)] = 0
     kind: StoreKind = StoreKind.PRE_COMPUTED
     cache_salt: Label = ""
     event: EventHandle = None
@@ -297,7 +302,7 @@ class RetrieveChunks(_Msg):
     per group) was recorded after them on the instance's stream.
 
     On an instance registered with a rotary config, K of each copied chunk is turned from the
-    position it was stored at (``old_st``) to the prompt's (``first_position + cur_st``, the
+    position it was stored at (the store's ``first_position`` plus the chunk's place) to the prompt's (``first_position + cur_st``, the
     model's position of the prompt's token 0 plus the match's place) unless ``rotate`` is False;
     a layer-wise retrieve announces a group once its layers are turned.
     """

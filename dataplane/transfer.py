@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
-from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, LayersReady, RetrieveChunks, StoreChunks,
-                                TransferDone)
+from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
+                                RetrieveChunks, StoreChunks, TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
@@ -214,6 +214,9 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     C, T = sh.chunk_size, buf.bind(msg.block_table)
     if msg.offset < 0 or msg.offset + len(tokens) > T:
         raise OutOfRange(f"offset {msg.offset} + {len(tokens)} tokens exceeds the buffer's {T}")
+    if msg.first_position + len(tokens) > MAX_POSITION:
+        raise BadRequest(f"first_position {msg.first_position} + {len(tokens)} tokens passes "
+                         f"the largest position, {MAX_POSITION}")
     ns = _namespace(inst, msg.cache_salt)
     n = len(tokens) // C
     starts = msg.offset + C * np.arange(n, dtype=np.int64)
@@ -238,6 +241,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
             keys = _keys(ns.id, hashes, inst.rank)
             slots[:] = store.reserve_slots(inst.class_id, keys, rows)
             idx = np.flatnonzero(slots >= 0)  # the others exist already, or found no room
+            store.set_positions(slots[idx], msg.first_position + C * idx)
             _store_layer_groups(buf, msg, gate, starts[idx].tolist(),
                                 store.kv_offsets(slots[idx]).tolist(), C, inst.layout.num_layers)
             groups.append((0, n, buf.end(msg.done_event)))
@@ -246,6 +250,8 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
             hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
+            ours = lo + np.flatnonzero(slots[lo:hi] >= 0)
+            store.set_positions(slots[ours], msg.first_position + C * ours)
             for a in range(lo, hi, per):
                 b = min(a + per, hi)
                 idx = a + np.flatnonzero(slots[a:b] >= 0)
@@ -445,17 +451,17 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
 
 
 class _Turn:
-    """The re-rotation of a retrieve's chunks: each match's K turns from its stored positions
-    (``old_st``) to the prompt's (``first_position + cur_st``)."""
+    """The re-rotation of a retrieve's chunks: each chunk's K turns from the positions it was
+    computed at (its slot's ``POS0``, the store's ``first_position`` plus the chunk's place) to the
+    prompt's (``first_position + cur_st``)."""
 
     def __init__(self, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int) -> None:
         from dataplane import rotary
         self._rotary, self._inst, self._C = rotary, inst, C
         self.cfg = inst.request.rotary
-        self._old = np.fromiter((m.old_st for m in msg.matches), np.int64, len(cur))
         self._new = msg.first_position + cur
-        if len(cur) and max(self._old.max(), self._new.max()) + C > rotary.MAX_POSITION:
-            raise BadRequest(f"positions past {rotary.MAX_POSITION} cannot be turned")
+        if len(cur) and self._new.max() + C > MAX_POSITION:
+            raise BadRequest(f"positions past {MAX_POSITION} cannot be turned")
 
     @classmethod
     def of(cls, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int
@@ -466,10 +472,11 @@ class _Turn:
         return cls(inst, msg, cur, C)
 
     def apply(self, buf: "InstanceBuffer", idx: np.ndarray, starts: list[int], first: int,
-              last: int) -> None:
-        """Turn K of layers ``[first, last)`` of matches ``idx`` (at ``starts`` in the buffer)."""
+              last: int, stored: np.ndarray) -> None:
+        """Turn K of layers ``[first, last)`` of matches ``idx`` (at ``starts`` in the buffer,
+        stored from positions ``stored``)."""
         step = np.arange(self._C)
-        old = (self._old[idx, None] + step).ravel()
+        old = (stored[:, None] + step).ravel()
         new = (self._new[idx, None] + step).ravel()
         cos, sin = self._rotary.turn(self._inst.freqs, old, new)
         half = cos.shape[-1]
@@ -494,7 +501,7 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
             at = (msg.offset + cur[idx]).tolist()
             buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C, at)
             if turn is not None:
-                turn.apply(buf, idx, at, 0, inst.layout.num_layers)
+                turn.apply(buf, idx, at, 0, inst.layout.num_layers, store.positions(slots[idx]))
         held[-1] = (lo, hi, buf.mark())
         if len(held) > 1:  # the batch before this one: unpin once its copies completed
             _release(store, buf, slots, held.pop(0))
@@ -511,13 +518,15 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
     usable[:] = store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
     idx = np.flatnonzero(usable)
     offsets, starts = store.kv_offsets(slots[idx]).tolist(), (msg.offset + cur[idx]).tolist()
+    stored = store.positions(slots[idx]) if turn is not None else None
     failed = np.flatnonzero(~usable).tolist()
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
     for g in range(msg.layer_groups):
         if len(idx):
             buf.from_slab_layers(offsets, C, starts, bounds[g], bounds[g + 1])
             if turn is not None:
-                turn.apply(buf, idx, starts, bounds[g], bounds[g + 1])
+                assert stored is not None
+                turn.apply(buf, idx, starts, bounds[g], bounds[g + 1], stored)
         if msg.layer_events:
             buf.record(msg.layer_events[g])  # the engine's stream waits on it
         else:

@@ -40,6 +40,8 @@ follow as uint32 from byte ``SLOT_HDR_BYTES``, then the KV bytes at the class's 
     6     CLASS       layout class of the slot
     7     PID         the writer's pid
     8     NUM_TOKENS  token ids that follow
+    9     POS0        the model's position of the chunk's first token when it was computed
+                      (0 until the store sets it, before the commit)
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class SlotHdr(IntEnum):
     CLASS = 6
     PID = 7
     NUM_TOKENS = 8
+    POS0 = 9
 
 
 assert max(Hdr) < HEADER_WORDS and max(SlotHdr) < SLOT_HDR_BYTES // 8, "a word past its header"

@@ -80,8 +80,9 @@ CLASS_COLS = 16
 # header words the kernels use, and the slot header (both declared and drawn in shm.header)
 H_PAGE_BYTES, H_SPP, H_EVICTIONS, H_COMMITTED, H_RESERVED = (
     int(Hdr.PAGE_BYTES), int(Hdr.SPP), int(Hdr.EVICTIONS), int(Hdr.COMMITTED), int(Hdr.RESERVED))
-(S_MAGIC, S_STATE, S_K0, S_K1, S_NS, S_RANK, S_CLASS, S_PID,
- S_NUM_TOKENS) = (int(w) for w in SlotHdr)
+(S_MAGIC, S_STATE, S_K0, S_K1, S_NS, S_RANK, S_CLASS, S_PID, S_NUM_TOKENS) = (
+    int(SlotHdr[n]) for n in ("MAGIC", "STATE", "K0", "K1", "NS", "RANK", "CLASS", "PID",
+                              "NUM_TOKENS"))
 
 EXISTS, FULL = -1, -2
 # eviction log counters (see the module docstring)

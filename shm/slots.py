@@ -94,6 +94,22 @@ class SlotMap:
         return (page * self._page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]
                 + self._classes[cls, slab.C_HEADER_BYTES])
 
+    def _words(self, slots: np.ndarray, word: int) -> np.ndarray:
+        """Indexes into the slab as int64 of one header word of each slot (ids >= 0)."""
+        slots = np.asarray(slots, np.int64)
+        cls = self._obj[slots, index.CLASS]
+        page, i = np.divmod(slots, self._spp)
+        return (page * self._page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]) // 8 + word
+
+    def set_positions(self, slots: np.ndarray, first: np.ndarray) -> None:
+        """Record each reserved slot's first-token position (``SlotHdr.POS0``) before its
+        commit; the slots are the caller's until then."""
+        self._slab.view(np.int64)[self._words(slots, SlotHdr.POS0)] = first
+
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """Each pinned or committed slot's first-token position (``SlotHdr.POS0``)."""
+        return self._slab.view(np.int64)[self._words(slots, SlotHdr.POS0)]
+
     def verify(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
                token_rows: np.ndarray) -> np.ndarray:
         """Boolean per slot (-1: none): of class ``class_id``, holding ``keys[i]`` and exactly the

@@ -438,6 +438,14 @@ class Store:
         """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""
         return self._slots.kv_offsets(slots)
 
+    def set_positions(self, slots: np.ndarray, first: np.ndarray) -> None:
+        """Record the model's position of each reserved slot's first token (before the commit)."""
+        self._slots.set_positions(slots, first)
+
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """The model's position of each pinned slot's first token when it was stored."""
+        return self._slots.positions(slots)
+
     # -- maintenance ------------------------------------------------------------------------
 
     def reclaim(self) -> tuple[int, int]:

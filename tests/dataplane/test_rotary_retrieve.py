@@ -52,12 +52,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("first_position,doc_from", [(0, 0), (30_000, 0), (0, 2 * CHUNK), (7, 0)])
+@pytest.mark.parametrize("first_position,doc_from,stored_at", [
+    (0, 0, 0), (30_000, 0, 1), (0, 2 * CHUNK, 0), (7, 0, 1000)])
 def test_retrieved_k_is_at_the_prompts_positions(dataplane: DataPlaneProc, model: LlamaModel,
-                                                 first_position: int, doc_from: int) -> None:
+                                                 first_position: int, doc_from: int,
+                                                 stored_at: int) -> None:
     rng = np.random.default_rng(first_position + doc_from)
     doc = rng.integers(0, 1000, 4 * CHUNK)
-    k_doc, v_doc = prefill(model, doc, 0)
+    k_doc, v_doc = prefill(model, doc, stored_at)  # e.g. behind a BOS token: from 1
     # the prompt: 5 other tokens, then the document from token doc_from (the matched chunks'
     # positions move by 5 - doc_from + first_position: up, down by 27, or up by 30,005)
     prompt = np.concatenate([rng.integers(0, 1000, 5), doc[doc_from:]])
@@ -65,7 +67,10 @@ def test_retrieved_k_is_at_the_prompts_positions(dataplane: DataPlaneProc, model
         src = client.cpu_kv_buffer(L, T, D, torch.float32)
         src[0, :, :len(doc)], src[1, :, :len(doc)] = k_doc, v_doc
         a = client.register_kv_cache(src, model_name="rope", rotary=ROTARY)
-        assert client.store_pre_computed(a, doc).wait(timeout=60).ok
+        assert client.store_pre_computed(a, doc, first_position=stored_at).wait(timeout=60).ok
+        # stored again from other positions: the chunks exist, the first store's positions stay
+        assert client.store_pre_computed(a, doc, first_position=stored_at + 9).wait(
+            timeout=60).copied == 0
         matches = client.lookup(prompt, "rope").matches
         assert len(matches) == (len(doc) - doc_from) // CHUNK
         dst = client.cpu_kv_buffer(L, T, D, torch.float32)
@@ -130,3 +135,5 @@ def test_configs_that_do_not_fit_are_refused(dataplane: DataPlaneProc) -> None:
         far = MatchSpec(0, CHUNK, 0, CHUNK, b"\0" * 16)
         with pytest.raises(BadRequest, match="cannot be turned"):
             client.retrieve(b, np.arange(CHUNK), [far], first_position=(1 << 24) - 1).wait(60)
+        with pytest.raises(BadRequest, match="passes the largest position"):
+            client.store_pre_computed(b, np.arange(CHUNK), first_position=(1 << 24) - 1).wait(60)
