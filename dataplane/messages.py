@@ -302,9 +302,10 @@ class RetrieveChunks(_Msg):
     per group) was recorded after them on the instance's stream.
 
     On an instance registered with a rotary config, K of each copied chunk is turned from the
-    position it was stored at (the store's ``first_position`` plus the chunk's place) to the prompt's (``first_position + cur_st``, the
-    model's position of the prompt's token 0 plus the match's place) unless ``rotate`` is False;
-    a layer-wise retrieve announces a group once its layers are turned.
+    positions it was computed at (its store's ``first_position`` plus the chunk's place there) to
+    the prompt's (this call's ``first_position``, the model's position of the prompt's token 0,
+    plus ``cur_st``) unless ``rotate`` is False; a layer-wise retrieve announces a group once its
+    layers are turned.
     """
 
     instance_id: U63
