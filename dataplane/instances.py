@@ -114,7 +114,7 @@ class Instance:
     _flight: threading.Condition = field(default_factory=threading.Condition)
     _in_flight: int = 0
     _stores: int = 0
-    freqs: Any = None  # the rotary frequencies (``dataplane.rotary``) when it has a config
+    freqs: Any = None  # True once a rotary config is checked; its float32 frequencies once used
 
     @property
     def rank(self) -> int:
@@ -276,7 +276,7 @@ class Registry:
         return inst
 
     def _rotary_of(self, req: RegisterInstance) -> Any:
-        """The frequencies of a registration's rotary config, once it fits the buffer and passes
+        """True once a registration's rotary config fits the buffer and passes
         ``dataplane.rotary.check``; None without one.
 
         Raises:
@@ -292,11 +292,12 @@ class Registry:
         if cfg.head_dim != head or req.hidden_dim % cfg.head_dim:
             raise BadRequest(f"rotary head_dim {cfg.head_dim} does not fit the buffer "
                              f"(hidden_dim {req.hidden_dim}, head_dim {head})")
-        from dataplane import rotary  # torch: only where a rotary config is registered
+        from dataplane import rotary
         try:
-            return rotary.check(cfg)
+            rotary.check(cfg)  # float64 numpy: no torch import on this connection's thread
         except ValueError as exc:
             raise BadRequest(f"rotary: {exc}") from exc
+        return True
 
     def _register_class(self, cc: ChunkClass) -> int:
         """The id of ``cc``'s layout class. When every row of the class table is taken, first

@@ -2,9 +2,8 @@
 
 A chunk's K was computed at positions ``old .. old+C``; placed at ``new .. new+C`` it must be rotated
 by the angle between the two positions, per frequency (V carries no position). This module owns
-the config an engine registers (``RotaryConfig``), the check that refuses an inconsistent one, the
-frequencies of each scaling type, and the rotation itself on CPU tensors (the CUDA data plane's
-kernel follows the same math).
+the check that refuses an inconsistent config (``RotaryConfig``, declared in ``dataplane.messages``),
+the frequencies of each scaling type, and the rotation itself on CPU tensors.
 
 Frequencies, for ``d = rotary_dim`` and ``i = 0, 2, ..., d-2`` (float32, as the models compute
 them)::
@@ -27,26 +26,35 @@ have used, so positions of 128k tokens lose nothing to the subtraction), with fl
 ``sin`` rounded to float32; the pair's arithmetic is float32 and the result is written back in the
 buffer's dtype. Pairs: ``neox`` (half split) rotates dims ``(j, j + d/2)``, ``gptj`` (interleaved)
 ``(2j, 2j + 1)``; dims past ``rotary_dim`` (partial rotary) are left as they are.
+
+NOTE: the formulas are written once (``_formulas``) over numpy or torch arrays. ``check`` runs them
+in float64 numpy and imports no torch: a registration is answered on the data plane's connection
+thread, and a first torch import there (seconds) made a registration outlast the API's timeout.
+The turn uses ``frequencies``, the same formulas in float32 torch: numpy's float32 power differs
+from torch's by 1-2 ulps, which a position of 30,000 turns into 2e-3 rad.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
-import torch
 
 from dataplane.messages import MAX_POSITION, RotaryConfig
 
-def torch_dtype(name: str) -> torch.dtype:
+
+def torch_dtype(name: str) -> Any:
     """The torch dtype of a ``shm.layout.DType`` name."""
+    import torch
     return {"FLOAT16": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT32": torch.float32}[name]
 
 
-def check(cfg: RotaryConfig) -> np.ndarray:
-    """The config's frequencies, once the config is consistent and a probe passes.
-
-    The probe rotates a vector by +delta then -delta (it must come back) and compares one
-    rotation with the pair formula computed directly in float64.
+def check(cfg: RotaryConfig) -> None:
+    """Refuse a config that does not add up, or whose probe fails: the frequencies must be
+    finite and positive, and a probe vector turned by +30,000 positions and back must return.
+    Imports no torch (float64 numpy).
 
     Raises:
         ValueError: naming what is wrong (the API answers 422).
@@ -63,45 +71,61 @@ def check(cfg: RotaryConfig) -> np.ndarray:
         raise ValueError("llama3 scaling needs high_freq_factor > low_freq_factor")
     if cfg.scaling in ("linear", "llama3", "yarn") and cfg.factor < 1:
         raise ValueError(f"{cfg.scaling} scaling needs factor >= 1, got {cfg.factor}")
-    f = frequencies(cfg)
-    if not (np.isfinite(f).all() and (f > 0).all()):
-        raise ValueError("the config gives frequencies that are not finite and positive")
-    _probe(cfg, f)
-    return f
+    with np.errstate(all="ignore"):
+        f = (np.asarray(cfg.inv_freq, np.float64) if cfg.inv_freq is not None else
+             _formulas(cfg, np.arange(0, d, 2) / d, np.arange(d // 2, dtype=np.float64),
+                       np.where, lambda x: np.clip(x, 0, 1)))
+        if not (np.isfinite(f).all() and (f > 0).all()):
+            raise ValueError("the config gives frequencies that are not finite and positive")
+        probe = np.random.default_rng(0).standard_normal(d)
+        delta = 30_000 * f
+        there = _turn_pair(probe, np.cos(delta), np.sin(delta), cfg.style)
+        back = _turn_pair(there, np.cos(-delta), np.sin(-delta), cfg.style)
+    if not np.allclose(back, probe, rtol=1e-9, atol=1e-9):
+        raise ValueError("the rotary config failed its self-test (a probe vector turned by "
+                         "+30000 positions and back did not return)")
+
+
+def _turn_pair(x: np.ndarray, c: np.ndarray, s: np.ndarray, style: str) -> np.ndarray:
+    """``x`` (``d`` dims) turned pair by pair, float64."""
+    half = len(x) // 2
+    a, b = (x[:half], x[half:]) if style == "neox" else (x[0::2], x[1::2])
+    ra, rb = a * c - b * s, b * c + a * s
+    return np.concatenate((ra, rb)) if style == "neox" else np.stack((ra, rb), -1).ravel()
 
 
 def frequencies(cfg: RotaryConfig) -> np.ndarray:
-    """``f_i`` as float32, ``rotary_dim / 2`` of them."""
+    """``f_i`` as float32, ``rotary_dim / 2`` of them, computed as the models compute them."""
     d = cfg.dim
     if cfg.inv_freq is not None:
         return np.asarray(cfg.inv_freq, np.float32)
+    import torch
     exps = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
-    pos_freqs = cfg.theta ** exps
-    base = 1.0 / pos_freqs
-    if cfg.scaling == "none":
-        f = base
-    elif cfg.scaling == "linear":
-        f = base / cfg.factor
-    elif cfg.scaling == "llama3":
-        f = _llama3(cfg, base)
-    else:
-        f = _yarn(cfg, pos_freqs)
+    f = _formulas(cfg, exps, torch.arange(d // 2, dtype=torch.float32), torch.where,
+                  lambda x: torch.clamp(x, 0, 1))
     return f.to(torch.float32).numpy()
 
 
-def _llama3(cfg: RotaryConfig, base: torch.Tensor) -> torch.Tensor:
+def _formulas(cfg: RotaryConfig, exps: Any, dims: Any, where: Callable[..., Any],
+              clamp01: Callable[[Any], Any]) -> Any:
+    """The frequencies of ``cfg`` over an array type: ``exps`` = ``(0, 2, .., d-2) / d``,
+    ``dims`` = ``(0, 1, .., d/2 - 1)`` (float), ``where`` and ``clamp01`` of that type."""
+    pos_freqs = cfg.theta ** exps
+    base = 1.0 / pos_freqs
+    if cfg.scaling == "none":
+        return base
+    if cfg.scaling == "linear":
+        return base / cfg.factor
     old = cfg.original_max_position_embeddings
-    low_wavelen, high_wavelen = old / cfg.low_freq_factor, old / cfg.high_freq_factor
-    wavelen = 2 * math.pi / base
-    scaled = torch.where(wavelen > low_wavelen, base / cfg.factor, base)
-    s = (old / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
-    blended = (1 - s) * scaled / cfg.factor + s * scaled
-    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(between, blended, scaled)
-
-
-def _yarn(cfg: RotaryConfig, pos_freqs: torch.Tensor) -> torch.Tensor:
-    d, theta, old = cfg.dim, cfg.theta, cfg.original_max_position_embeddings
+    if cfg.scaling == "llama3":
+        low_wavelen, high_wavelen = old / cfg.low_freq_factor, old / cfg.high_freq_factor
+        wavelen = 2 * math.pi / base
+        scaled = where(wavelen > low_wavelen, base / cfg.factor, base)
+        s = (old / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+        blended = (1 - s) * scaled / cfg.factor + s * scaled
+        between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return where(between, blended, scaled)
+    d, theta = cfg.dim, cfg.theta  # yarn
 
     def correction_dim(rotations: float) -> float:  # the dim that turns ``rotations`` times
         return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -112,8 +136,7 @@ def _yarn(cfg: RotaryConfig, pos_freqs: torch.Tensor) -> torch.Tensor:
     lo, hi = max(lo, 0), min(hi, d - 1)
     if lo == hi:
         hi += 0.001
-    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
-    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    keep = 1 - clamp01((dims - lo) / (hi - lo))  # 1: extrapolate (high frequencies), 0: scale
     return (1.0 / (cfg.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
@@ -125,16 +148,19 @@ def angles(freqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return p.astype(np.float32)[:, None] * freqs[None, :]
 
 
-def turn(freqs: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos`` and ``sin`` of each token's turn from ``old`` to ``new``, ``[n, d/2]``."""
+def turn(freqs: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[Any, Any]:
+    """float32 torch ``cos`` and ``sin`` of each token's turn from ``old`` to ``new``,
+    ``[n, d/2]``."""
+    import torch
     delta = angles(freqs, new).astype(np.float64) - angles(freqs, old).astype(np.float64)
     return (torch.from_numpy(np.cos(delta).astype(np.float32)),
             torch.from_numpy(np.sin(delta).astype(np.float32)))
 
 
-def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryConfig) -> None:
-    """Turn ``k`` (``[tokens, heads, head_dim]``, any float dtype) in place by ``cos``/``sin``
-    (``[tokens, d/2]``, from ``turn``)."""
+def rotate(k: Any, cos: Any, sin: Any, cfg: RotaryConfig) -> None:
+    """Turn ``k`` (a torch tensor ``[..., tokens, heads, head_dim]``, any float dtype) in place by
+    ``cos``/``sin`` (``[tokens, d/2]``, from ``turn``)."""
+    import torch
     d, half = cfg.dim, cfg.dim // 2
     part = k[..., :d]
     x = part.to(torch.float32)
@@ -148,27 +174,5 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryCon
     part.copy_(out.to(k.dtype))
 
 
-def _probe(cfg: RotaryConfig, freqs: np.ndarray) -> None:
-    rng = np.random.default_rng(0)
-    v = torch.from_numpy(rng.standard_normal((1, 1, cfg.head_dim)).astype(np.float32))
-    w = v.clone()
-    old, new = np.array([3]), np.array([30_003])
-    rotate(w, *turn(freqs, old, new), cfg)
-    # the same turn from the pair formula in float64
-    half = cfg.dim // 2
-    idx = (np.arange(half), np.arange(half) + half) if cfg.style == "neox" else \
-        (np.arange(0, cfg.dim, 2), np.arange(1, cfg.dim, 2))
-    delta = (angles(freqs, new).astype(np.float64) - angles(freqs, old))[0]
-    x = v[0, 0].double().numpy()
-    want = x.copy()
-    want[idx[0]] = x[idx[0]] * np.cos(delta) - x[idx[1]] * np.sin(delta)
-    want[idx[1]] = x[idx[1]] * np.cos(delta) + x[idx[0]] * np.sin(delta)
-    back = w.clone()
-    rotate(back, *turn(freqs, new, old), cfg)
-    if not (np.allclose(w[0, 0].double().numpy(), want, rtol=1e-5, atol=1e-5) and
-            torch.allclose(back, v, rtol=1e-5, atol=1e-5)):
-        raise ValueError("the rotary config failed its self-test (a probe vector turned by +30000 "
-                         "and back did not return)")
-
-
-__all__ = ["RotaryConfig", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate", "MAX_POSITION"]
+__all__ = ["RotaryConfig", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate",
+           "MAX_POSITION"]

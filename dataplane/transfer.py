@@ -459,6 +459,8 @@ class _Turn:
         from dataplane import rotary
         self._rotary, self._inst, self._C = rotary, inst, C
         self.cfg = inst.request.rotary
+        if not isinstance(inst.freqs, np.ndarray):  # float32 torch, on the worker: once
+            inst.freqs = rotary.frequencies(self.cfg)
         self._new = msg.first_position + cur
         if len(cur) and self._new.max() + C > MAX_POSITION:
             raise BadRequest(f"positions past {MAX_POSITION} cannot be turned")
