@@ -40,6 +40,7 @@ working across a data-plane restart. The data plane never unlinks an engine's bu
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import queue
@@ -114,11 +115,18 @@ class Instance:
     _flight: threading.Condition = field(default_factory=threading.Condition)
     _in_flight: int = 0
     _stores: int = 0
-    freqs: Any = None  # True once a rotary config is checked; its float32 frequencies once used
 
     @property
     def rank(self) -> int:
         return self.request.worker_id or 0
+
+    @functools.cached_property
+    def rotary_freqs(self) -> Any:
+        """The float32 frequencies of its rotary config (``dataplane.rotary``; torch, computed
+        on its worker when a retrieve first turns K)."""
+        from dataplane import rotary
+        assert self.request.rotary is not None, "only instances with a rotary config turn K"
+        return rotary.frequencies(self.request.rotary)
 
     def info(self) -> InstanceInfo:
         r = self.request
@@ -257,7 +265,7 @@ class Registry:
             BackendError: the buffer cannot be mapped.
         """
         layout, cc = _layout_of(req, self._chunk)
-        freqs = self._rotary_of(req)
+        self._check_rotary(req)
         with self._reg_lock:
             self._check_limits(client)
             self._check_namespace_layout(cc)
@@ -268,23 +276,22 @@ class Registry:
                 buffer.close()
                 raise  # the server answers by dataplane.errors.FROM_SHM
             inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
-        inst.freqs = freqs
         inst.start()
         log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
                  req.request_id)
         return inst
 
-    def _rotary_of(self, req: RegisterInstance) -> Any:
-        """True once a registration's rotary config fits the buffer and passes
-        ``dataplane.rotary.check``; None without one.
+    def _check_rotary(self, req: RegisterInstance) -> None:
+        """Refuse a rotary config that does not fit the buffer or fails
+        ``dataplane.rotary.check`` (float64 numpy: no torch import on the connection's thread).
 
         Raises:
             BadRequest: naming what does not fit.
         """
         cfg = req.rotary
         if cfg is None:
-            return None
+            return
         if self._engine.backend is not Backend.CPU:
             raise BadRequest("re-rotation runs on CPU buffers only for now: register without "
                              "`rotary` and turn K in the engine")
@@ -294,10 +301,9 @@ class Registry:
                              f"(hidden_dim {req.hidden_dim}, head_dim {head})")
         from dataplane import rotary
         try:
-            rotary.check(cfg)  # float64 numpy: no torch import on this connection's thread
+            rotary.check(cfg)
         except ValueError as exc:
             raise BadRequest(f"rotary: {exc}") from exc
-        return True
 
     def _register_class(self, cc: ChunkClass) -> int:
         """The id of ``cc``'s layout class. When every row of the class table is taken, first

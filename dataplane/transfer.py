@@ -457,10 +457,8 @@ class _Turn:
 
     def __init__(self, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int) -> None:
         from dataplane import rotary
-        self._rotary, self._inst, self._C = rotary, inst, C
+        self._rotary, self._freqs, self._C = rotary, inst.rotary_freqs, C
         self.cfg = inst.request.rotary
-        if not isinstance(inst.freqs, np.ndarray):  # float32 torch, on the worker: once
-            inst.freqs = rotary.frequencies(self.cfg)
         self._new = msg.first_position + cur
         if len(cur) and self._new.max() + C > MAX_POSITION:
             raise BadRequest(f"positions past {MAX_POSITION} cannot be turned")
@@ -469,7 +467,7 @@ class _Turn:
     def of(cls, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int
            ) -> "_Turn | None":
         """None when the instance has no rotary config or the call opted out."""
-        if getattr(inst, "freqs", None) is None or not msg.rotate:
+        if inst.request.rotary is None or not msg.rotate:
             return None
         return cls(inst, msg, cur, C)
 
@@ -480,7 +478,7 @@ class _Turn:
         step = np.arange(self._C)
         old = (stored[:, None] + step).ravel()
         new = (self._new[idx, None] + step).ravel()
-        cos, sin = self._rotary.turn(self._inst.freqs, old, new)
+        cos, sin = self._rotary.turn(self._freqs, old, new)
         half = cos.shape[-1]
         buf.turn_k(starts, self._C, cos.view(len(idx), self._C, half),
                    sin.view(len(idx), self._C, half), self.cfg, first, last)

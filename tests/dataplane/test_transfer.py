@@ -62,7 +62,7 @@ class FakeInst:
     def __init__(self, model: str, class_id: int, layout: KVLayout, buffer: InstanceBuffer
                  ) -> None:
         self.id, self.class_id, self.layout, self.buffer, self.rank = 1, class_id, layout, buffer, 0
-        self.request = type("R", (), {"model_name": model, "world_size": 1})()
+        self.request = type("R", (), {"model_name": model, "world_size": 1, "rotary": None})()
 
 
 @pytest.fixture
