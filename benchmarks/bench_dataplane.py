@@ -76,6 +76,7 @@ class Case:
         self.T = chunks * CHUNK
         self.nbytes = 2 * L * self.T * D * 2
         self.rng = np.random.default_rng(0)
+        self.L, self.D = L, D
         self.kv = [self._buffer(L, D) for _ in range(2)]
         self.inst = [client.register_kv_cache(kv, model_name=model) for kv in self.kv]
         self.model = model
@@ -124,6 +125,24 @@ class Case:
         assert all(c.wait().ok for c in calls)
         for c in calls:
             c.release()
+
+    def turned(self, rotate: bool) -> Callable[[], None]:
+        """A retrieve into a buffer registered with Llama-3.1's rotary config (head dim 128),
+        turning K to positions 1000 further on, or not (CPU backend)."""
+        if not hasattr(self, "rot"):
+            from dataplane.messages import RotaryConfig
+            cfg = RotaryConfig(head_dim=128, theta=500000.0, scaling="llama3", factor=8.0,
+                               low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)
+            self.rot_kv = self._buffer(self.L, self.D)
+            self.rot = self.client.register_kv_cache(self.rot_kv, model_name=self.model,
+                                                     rotary=cfg)
+
+        def run() -> None:
+            with self.client.retrieve(self.rot, self.tokens, self.matches, first_position=1000,
+                                      rotate=rotate) as t:
+                assert t.wait().ok
+        return run
 
     def both(self) -> None:
         r = self.client.retrieve(self.inst[0], self.tokens, self.matches)
@@ -217,6 +236,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--storage-gib", type=float, default=7.0)
     p.add_argument("--page-mib", type=int, default=256)
+    p.add_argument("--rotary", action="store_true",
+                   help="CPU backend: also retrieve into a buffer that turns K (Llama-3.1 rotary, "
+                        "head dim 128) and print its time against the same retrieve unturned")
     args = p.parse_args()
     prefix = f"kvbench_{os.getpid()}"
     t0 = time.perf_counter()
@@ -252,6 +274,11 @@ def main() -> None:
                     got["retrieve " + x] = IN_FLIGHT * case.nbytes / median_time(
                         case.retrieves_in_flight, args.iters, case.refill)
                     limits["store " + x], limits["retrieve " + x] = limits["store"], limits["retrieve"]
+                if args.rotary and args.backend == "cpu" and D % 128 == 0:
+                    plain = median_time(case.turned(False), args.iters, case.refill)
+                    turned = median_time(case.turned(True), args.iters, case.refill)
+                    print(f"#   {name} retrieve turning K: {1e3 * turned:.1f} ms against "
+                          f"{1e3 * plain:.1f} ms unturned ({turned / plain - 1:+.1%})", flush=True)
                 chunk_mib = case.nbytes / args.chunks / (1 << 20)
                 for op in got:
                     print(f"{name:<9} {chunk_mib:>9.1f} {op:<11} {got[op] / 1e9:>12.2f} "
