@@ -433,9 +433,12 @@ class BlendClient:
                                                  name="kvblend-lease", daemon=True)
                 self._renewer.start()
 
-    def _token(self, instance_id: int) -> str:
+    def _registered(self, instance_id: int) -> "_Registered | None":
         with self._lock:
-            reg = self._instances.get(instance_id)
+            return self._instances.get(instance_id)
+
+    def _token(self, instance_id: int) -> str:
+        reg = self._registered(instance_id)
         return reg.token if reg is not None else ""
 
     def _renew(self, interval: float) -> None:
@@ -514,8 +517,7 @@ class BlendClient:
                     layer_wait_s: float, first_position: int,
                     request_id: str | None) -> Transfer:
         ev, done, used, pool = self._events(instance_id, event)
-        with self._lock:
-            reg = self._instances.get(instance_id)
+        reg = self._registered(instance_id)
         bounds, layer_events = self._layer_groups(reg, layer_groups)
         used = layer_events + used  # the done event stays last
         msg = StoreChunks(instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(),
@@ -525,9 +527,7 @@ class BlendClient:
                           cache_salt=cache_salt, event=ev, done_event=done,
                           token=self._token(instance_id), request_id=request_id)
         pending = self._channel.submit(msg)
-        t = Transfer(pending, used[-1].event if used else None, used, pool, bounds,
-                     layer_events, reg.kv.device if reg is not None else None,
-                     reg.num_layers if reg is not None else 0)
+        t = _transfer(pending, reg, used, pool, bounds, layer_events)
         if layer_groups:
             token, channel, call = msg.token, self._channel, pending.call_id
             t._announce = lambda layers: channel.send(LayersWritten(
@@ -561,8 +561,7 @@ class BlendClient:
         position it was stored at to ``first_position + cur_st`` (``first_position``: the model's
         position of the prompt's token 0), unless ``rotate`` is False."""
         ev, done, used, pool = self._events(instance_id, event)
-        with self._lock:
-            reg = self._instances.get(instance_id)
+        reg = self._registered(instance_id)
         bounds, layer_events = self._layer_groups(reg, layer_groups)
         used = layer_events + used  # the done event stays last
         specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
@@ -575,15 +574,12 @@ class BlendClient:
                              cache_salt=cache_salt, event=ev,
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)
-        return Transfer(self._channel.submit(msg), used[-1].event if used else None, used, pool,
-                        bounds, layer_events, reg.kv.device if reg is not None else None,
-                        reg.num_layers if reg is not None else 0)
+        return _transfer(self._channel.submit(msg), reg, used, pool, bounds, layer_events)
 
     def _events(self, instance_id: int, event: Any
                 ) -> tuple[bytes | None, bytes | None, list[_IpcEvent], list[_IpcEvent] | None]:
         """(engine event handle, done event handle, events this call holds, their pool)."""
-        with self._lock:
-            reg = self._instances.get(instance_id)
+        reg = self._registered(instance_id)
         if reg is None or not reg.kv.is_cuda:
             if event is not None:
                 raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
@@ -627,6 +623,15 @@ class BlendClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _transfer(pending: Pending, reg: _Registered | None, used: list[_IpcEvent],
+              pool: list[_IpcEvent] | None, bounds: list[int] | None,
+              layer_events: list[_IpcEvent]) -> Transfer:
+    """The ``Transfer`` of a store or retrieve just sent; ``used[-1]`` is its done event."""
+    return Transfer(pending, used[-1].event if used else None, used, pool, bounds, layer_events,
+                    reg.kv.device if reg is not None else None,
+                    reg.num_layers if reg is not None else 0)
 
 
 def _ipc_mem_handle(torch_handle: bytes, base_ptr: int) -> bytes:

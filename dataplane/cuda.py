@@ -103,29 +103,28 @@ class CudaBuffer(InstanceBuffer):
 
     def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
                          first: int, last: int) -> None:
+        self._layer_rows(token_starts, chunk_size, slab_offsets, first, last, H2D)
+
+    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                       first: int, last: int) -> None:
+        self._layer_rows(token_starts, chunk_size, slab_offsets, first, last, D2H)
+
+    def _layer_rows(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                    first: int, last: int, kind: int) -> None:
         # K rows of layers [first, last) are adjacent in the slab's [2, L, C, D] (C*D apart) and
         # in the buffer's [2, L, T, D] (T*D apart): one strided copy for K, one for V
         L, T = self.layout.num_layers, self.layout.num_tokens
         width, pitch, row = chunk_size * self._row, T * self._row, self._row
         buf, slab, stream = self._ptr, self._slab, self.stream.cuda_stream
         copy = cupy.cuda.runtime.memcpy2DAsync
-        for off, t in zip(slab_offsets, token_starts):
-            for kv in (0, 1):
-                src = slab + off + (kv * L + first) * width
-                dst = buf + ((kv * L + first) * T + t) * row
-                copy(dst, pitch, src, width, width, last - first, H2D, stream)
-
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
-        L, T = self.layout.num_layers, self.layout.num_tokens
-        width, pitch, row = chunk_size * self._row, T * self._row, self._row
-        buf, slab, stream = self._ptr, self._slab, self.stream.cuda_stream
-        copy = cupy.cuda.runtime.memcpy2DAsync
         for t, off in zip(token_starts, slab_offsets):
-            for kv in (0, 1):  # the rows of layers [first, last): as in from_slab_layers
-                dst = slab + off + (kv * L + first) * width
-                src = buf + ((kv * L + first) * T + t) * row
-                copy(dst, width, src, pitch, width, last - first, D2H, stream)
+            for kv in (0, 1):
+                slot = slab + off + (kv * L + first) * width
+                mine = buf + ((kv * L + first) * T + t) * row
+                if kind == D2H:
+                    copy(slot, width, mine, pitch, width, last - first, D2H, stream)
+                else:
+                    copy(mine, pitch, slot, width, width, last - first, H2D, stream)
 
     records_events = True
 

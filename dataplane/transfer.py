@@ -235,23 +235,21 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     done = 0  # chunks [0, done) are committed (or were lost to reclaim)
     try:
         buf.begin(msg.event)
-        if msg.layer_groups:
-            assert gate is not None, "checked by _check_layerwise_store"
-            hashes = chunk_hashes(ns, tokens[:n * C], C)
-            keys = _keys(ns.id, hashes, inst.rank)
-            slots[:] = store.reserve_slots(inst.class_id, keys, rows)
-            idx = np.flatnonzero(slots >= 0)  # the others exist already, or found no room
-            store.set_positions(slots[idx], msg.first_position + C * idx)
-            _store_layer_groups(buf, msg, gate, starts[idx].tolist(),
-                                store.kv_offsets(slots[idx]).tolist(), C, inst.layout.num_layers)
-            groups.append((0, n, buf.end(msg.done_event)))
-        for lo, hi in _batches(n if not msg.layer_groups else 0, chunk_bytes,
-                               sh.tuning.first_bytes):
+        # a layer-wise store reserves every chunk at once, then copies group by group
+        batches = [(0, n)] if msg.layer_groups else _batches(n, chunk_bytes, sh.tuning.first_bytes)
+        for lo, hi in batches:
             hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
-            ours = lo + np.flatnonzero(slots[lo:hi] >= 0)
+            ours = lo + np.flatnonzero(slots[lo:hi] >= 0)  # others exist already or found no room
             store.set_positions(slots[ours], msg.first_position + C * ours)
+            if msg.layer_groups:
+                assert gate is not None, "checked by _check_layerwise_store"
+                _store_layer_groups(buf, msg, gate, starts[ours].tolist(),
+                                    store.kv_offsets(slots[ours]).tolist(), C,
+                                    inst.layout.num_layers)
+                groups.append((0, n, buf.end(msg.done_event)))
+                continue
             for a in range(lo, hi, per):
                 b = min(a + per, hi)
                 idx = a + np.flatnonzero(slots[a:b] >= 0)
