@@ -128,7 +128,7 @@ class Case:
 
     def turned(self, rotate: bool) -> Callable[[], None]:
         """A retrieve into a buffer registered with Llama-3.1's rotary config (head dim 128),
-        turning K to positions 1000 further on, or not (CPU backend)."""
+        turning K to positions 1000 further on, or not."""
         if not hasattr(self, "rot"):
             from dataplane.messages import RotaryConfig
             cfg = RotaryConfig(head_dim=128, theta=500000.0, scaling="llama3", factor=8.0,
@@ -237,7 +237,7 @@ def main() -> None:
     p.add_argument("--storage-gib", type=float, default=7.0)
     p.add_argument("--page-mib", type=int, default=256)
     p.add_argument("--rotary", action="store_true",
-                   help="CPU backend: also retrieve into a buffer that turns K (Llama-3.1 rotary, "
+                   help="also retrieve into a buffer that turns K (Llama-3.1 rotary, "
                         "head dim 128) and print its time against the same retrieve unturned")
     args = p.parse_args()
     prefix = f"kvbench_{os.getpid()}"
@@ -274,7 +274,7 @@ def main() -> None:
                     got["retrieve " + x] = IN_FLIGHT * case.nbytes / median_time(
                         case.retrieves_in_flight, args.iters, case.refill)
                     limits["store " + x], limits["retrieve " + x] = limits["store"], limits["retrieve"]
-                if args.rotary and args.backend == "cpu" and D % 128 == 0:
+                if args.rotary and D % 128 == 0:
                     plain = median_time(case.turned(False), args.iters, case.refill)
                     turned = median_time(case.turned(True), args.iters, case.refill)
                     print(f"#   {name} retrieve turning K: {1e3 * turned:.1f} ms against "

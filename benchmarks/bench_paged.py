@@ -6,6 +6,8 @@ of documents placed by a shuffled block table. Side by side in the same run: a p
 of the same bytes each way (the PCIe limit) and the plain retrieve. Layer-wise: the time until
 layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed) and until
 the whole call completed. ``x4``: four calls sent back to back on one instance (calls in flight).
+``turned``: the retrieve into a cache registered with Llama-3.1's rotary config, K turned to positions
+1000 further on (``dataplane.rotary``).
 
 Usage::
 
@@ -32,6 +34,7 @@ from bench_dataplane import (CHUNK, IN_FLIGHT, limits_cpu, limits_cuda, median_t
                              start_dataplane)
 from dataplane import default_address  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
+from dataplane.messages import RotaryConfig  # noqa: E402
 from shm.fingerprint import FingerprintIndex  # noqa: E402
 from shm.names import destroy  # noqa: E402
 from shm.store import Store, StoreConfig  # noqa: E402
@@ -77,6 +80,12 @@ def main() -> None:
             src, dst = (layers_of(client, args.backend, L, B, H, Dh) for _ in range(2))
             reg = [client.register_paged_kv_cache(x, "flash_attn", S, H, Dh, model_name="bench")
                    for x in (src, dst)]
+            # the same cache registered with Llama-3.1's rotary config: its retrieves turn K
+            turned = client.register_paged_kv_cache(
+                layers_of(client, args.backend, L, B, H, Dh), "flash_attn", S, H, Dh,
+                model_name="bench", rotary=RotaryConfig(
+                    head_dim=Dh, theta=500000.0, scaling="llama3", factor=8.0,
+                    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
             tables = [rng.permutation(B)[:N // S] for _ in range(2)]
             tokens = rng.integers(0, 2**31, N)
             assert client.store_pre_computed(reg[0], tokens, block_table=tables[0]).wait().ok
@@ -95,6 +104,11 @@ def main() -> None:
 
             def retrieve() -> None:
                 with client.retrieve(reg[1], tokens, matches, block_table=tables[1]) as t:
+                    assert t.wait().ok
+
+            def retrieve_turned() -> None:  # K turned to positions 1000 further on
+                with client.retrieve(turned, tokens, matches, block_table=tables[1],
+                                     first_position=1000) as t:
                     assert t.wait().ok
 
             firsts: list[float] = []
@@ -124,15 +138,17 @@ def main() -> None:
                 for c in calls:
                     c.release()
 
-            store(), refill(), retrieve(), layerwise()  # warm
+            store(), refill(), retrieve(), layerwise(), retrieve_turned()  # warm
             firsts.clear()
             lim = (limits_cuda(nbytes, args.iters, L, H * Dh, N // CHUNK)
                    if args.backend == "cuda" else limits_cpu(nbytes, args.iters))
             lim_store, lim_retrieve = lim["store"], lim["retrieve"]
             got = {"store": nbytes / median_time(store, args.iters),
                    "retrieve": nbytes / median_time(retrieve, args.iters, refill),
-                   "layer-wise": nbytes / median_time(layerwise, args.iters, refill)}
-            limit = {"store": lim_store, "retrieve": lim_retrieve, "layer-wise": lim_retrieve}
+                   "layer-wise": nbytes / median_time(layerwise, args.iters, refill),
+                   "turned": nbytes / median_time(retrieve_turned, args.iters, refill)}
+            limit = {"store": lim_store, "retrieve": lim_retrieve, "layer-wise": lim_retrieve,
+                     "turned": lim_retrieve}
             if IN_FLIGHT * nbytes <= args.storage_gib * (1 << 30) * 3 / 4:
                 x = f"x{IN_FLIGHT}"
                 got["store " + x] = IN_FLIGHT * nbytes / median_time(stores_in_flight, args.iters)
@@ -145,6 +161,8 @@ def main() -> None:
             print(f"layer-wise: layer 0 readable after {1e3 * statistics.median(firsts):.2f} ms "
                   f"(median); whole call at {got['layer-wise'] / got['retrieve']:.3f} of the "
                   f"plain retrieve's speed")
+            print(f"turned: the retrieve turning K (Llama-3.1 rotary) takes "
+                  f"{got['retrieve'] / got['turned'] - 1:+.1%} over the plain retrieve's time")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -92,10 +92,10 @@ class InstanceBuffer(abc.ABC):
         """``to_slab_many`` of layers ``[first, last)`` only (a layer-wise store)."""
         raise BadRequest(f"{type(self).__name__} has no layer-wise store")
 
-    def turn_k(self, token_starts: list[int], chunk_size: int, cos: Any, sin: Any, cfg: Any,
+    def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
-        """Turn K of layers ``[first, last)`` of each chunk by its tokens' ``cos``/``sin``
-        (``[chunks, C, d/2]``, ``dataplane.rotary.turn``) in place (``cfg``: the rotary config)."""
+        """Turn K of layers ``[first, last)`` of each chunk in place, after the copies enqueued
+        so far (``turn``: a ``dataplane.rotary.Turn`` of the chunks; ``cfg``: the rotary config)."""
         raise BadRequest(f"{type(self).__name__} cannot re-rotate K")
 
     records_events: bool = False

@@ -73,10 +73,11 @@ class CpuBuffer(InstanceBuffer):
             np.copyto(self._slot(off, chunk_size)[:, first:last],
                       self._buf[:, first:last, t:t + chunk_size])
 
-    def turn_k(self, token_starts: list[int], chunk_size: int, cos: Any, sin: Any, cfg: Any,
+    def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
         from dataplane import rotary
         dtype = rotary.torch_dtype(self.layout.dtype.name)
+        cos, sin = turn.cos_sin()
         for j, t in enumerate(token_starts):
             rows = torch_view(self._buf[0, first:last, t:t + chunk_size], dtype)  # [l, C, D]
             rotary.rotate(rows.unflatten(-1, (-1, cfg.head_dim)), cos[j], sin[j], cfg)
@@ -148,11 +149,12 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
                 self._k[layer][at.block, at.slot] = chunk[0, layer]
                 self._v[layer][at.block, at.slot] = chunk[1, layer]
 
-    def turn_k(self, token_starts: list[int], chunk_size: int, cos: Any, sin: Any, cfg: Any,
+    def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
         from dataplane import rotary
         assert self._table is not None, "bind() comes first"
         dtype = rotary.torch_dtype(self.layout.dtype.name)
+        cos, sin = turn.cos_sin()
         for j, t in enumerate(token_starts):
             at = self._table.slots(t, chunk_size)
             for layer in range(first, last):

@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 import cupy
+import numpy as np
 import torch
 
 from dataplane.backend import CopyEngine, InstanceBuffer
@@ -61,6 +62,7 @@ class CudaBuffer(InstanceBuffer):
             self.stream = torch.cuda.Stream(device)
         self._events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         self._marks: list[Any] = []  # completed group events, re-recorded by later calls
+        self._turner: Any = None  # dataplane.cuda_rotary.KTurner, made by the first turn
 
     def _event(self, handle: bytes) -> Any:
         ev = self._events.get(handle)
@@ -125,6 +127,23 @@ class CudaBuffer(InstanceBuffer):
                     copy(slot, width, mine, pitch, width, last - first, D2H, stream)
                 else:
                     copy(mine, pitch, slot, width, width, last - first, H2D, stream)
+
+    def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
+               first: int, last: int) -> None:
+        # K of layer l is [T, D] at buffer + l*T*D*isz; a token's row t*D*isz into it
+        T = self.layout.num_tokens
+        tokens = np.asarray(token_starts, np.int64)[:, None] + np.arange(chunk_size)
+        layers = self._ptr + np.arange(first, last, dtype=np.int64) * (T * self._row)
+        self._turn(layers, tokens.ravel() * self._row, turn, cfg,
+                   self.layout.hidden_dim // cfg.head_dim)
+
+    def _turn(self, layers: np.ndarray, rows: np.ndarray, turn: Any, cfg: Any, heads: int) -> None:
+        """Turn the K rows ``layers[l] + rows[j]`` on the instance's stream."""
+        if self._turner is None:
+            from dataplane.cuda_rotary import KTurner
+            self._turner = KTurner(self.device, self.layout.dtype.name)
+        self._turner.turn(layers, rows, turn.old.ravel(), turn.new.ravel(), turn.freqs, heads,
+                          cfg.head_dim, cfg.style == "gptj", self.stream)
 
     records_events = True
 

@@ -192,6 +192,15 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
                               self.stream)
             freed[b % 2] = self._after(self.stream)
 
+    def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
+               first: int, last: int) -> None:
+        # K of layer l starts at its allocation's K offset; a token's row at block*block_bytes +
+        # slot*token_bytes into it (heads and dims contiguous: check_gatherable)
+        assert self._table is not None, "bind() comes first"
+        at = self._table.chunk_slots(np.asarray(token_starts, np.int64), chunk_size)
+        rows = at.block.ravel() * self._block_b[0] + at.slot.ravel() * self._token_b
+        self._turn(self._layers[first:last] + self._kv_at[0], rows, turn, cfg, self._spec.kv_heads)
+
     def close(self) -> None:
         if self._bases:
             self.stream.synchronize()

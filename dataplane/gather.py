@@ -160,15 +160,55 @@ def external_stream(handle: int, device: int) -> Any:
 
 
 class _Slot:
-    """One segment table in flight: pinned host rows, device rows, the event after its kernel."""
+    """One table in flight: pinned host words, device words, the event after its kernel."""
 
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self.pinned = cupy.cuda.alloc_pinned_memory(rows * 24)
-        self.host = np.frombuffer(self.pinned, np.int64, rows * 3).reshape(rows, 3)
-        self.dev = cupy.empty((rows, 3), dtype=np.int64)
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self.pinned = cupy.cuda.alloc_pinned_memory(words * 8)
+        self.host = np.frombuffer(self.pinned, np.int64, words)
+        self.dev = cupy.empty(words, dtype=np.int64)
         self.done = cupy.cuda.Event(disable_timing=True)
         self.busy = False
+
+    def launched(self, stream: Any) -> None:
+        """Mark the table read by the kernel just enqueued on ``stream``."""
+        self.done.record(stream)
+        self.busy = True
+
+
+class UploadRing:
+    """Tables (int64 words) uploaded to the device on the kernel's stream, ``RING`` in flight.
+
+    ``upload`` writes the words into a pinned buffer and enqueues their copy; the caller enqueues
+    the kernel that reads ``slot.dev`` and then calls ``slot.launched(stream)``. A slot is reused
+    only once the event after its kernel completed.
+    """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._ring: list[_Slot | None] = [None] * RING
+        self._next = 0
+
+    def upload(self, words: np.ndarray, stream: Any) -> _Slot:
+        """A slot holding ``words`` on the device once ``stream`` reaches this point."""
+        i, self._next = self._next, (self._next + 1) % RING
+        slot = self._ring[i]
+        if slot is not None and slot.busy:
+            slot.done.synchronize()  # the table RING calls ago may still be read by its kernel
+            slot.busy = False
+        if slot is None or slot.words < len(words):
+            slot = self._ring[i] = _Slot(max(len(words), 2 * slot.words if slot else 3072))
+        slot.host[:len(words)] = words
+        cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ctypes.data, words.nbytes, H2D,
+                                      stream.ptr)
+        return slot
+
+    def synchronize(self) -> None:
+        """Wait until every kernel that reads a table completed."""
+        for slot in self._ring:
+            if slot is not None and slot.busy:
+                slot.done.synchronize()
+                slot.busy = False
 
 
 class SegmentCopier:
@@ -187,8 +227,7 @@ class SegmentCopier:
             self._kernel = module.get_function("copy_segments")
             sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self._max_blocks = int(sms) * BLOCKS_PER_SM
-        self._ring: list[_Slot | None] = [None] * RING
-        self._next = 0
+        self._ring = UploadRing(device)
         self._streams: dict[int, Any] = {}
 
     def copy(self, segments: np.ndarray, stream: Any) -> None:
@@ -208,14 +247,10 @@ class SegmentCopier:
             return
         with cupy.cuda.Device(self.device):
             ext = self._stream(stream_handle(stream))
-            slot = self._slot(len(seg))
-            slot.host[:len(seg)] = seg
-            cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ctypes.data,
-                                          seg.nbytes, H2D, ext.ptr)
+            slot = self._ring.upload(seg.ravel(), ext)
             blocks = min(len(seg), self._max_blocks)
             self._kernel((blocks,), (THREADS,), (slot.dev, np.int64(len(seg))), stream=ext)
-            slot.done.record(ext)
-            slot.busy = True
+            slot.launched(ext)
 
     def _stream(self, handle: int) -> Any:
         ext = self._streams.get(handle)
@@ -223,22 +258,9 @@ class SegmentCopier:
             ext = self._streams[handle] = external_stream(handle, self.device)
         return ext
 
-    def _slot(self, rows: int) -> _Slot:
-        i, self._next = self._next, (self._next + 1) % RING
-        slot = self._ring[i]
-        if slot is not None and slot.busy:
-            slot.done.synchronize()  # the table RING calls ago may still be read by its kernel
-            slot.busy = False
-        if slot is None or slot.rows < rows:
-            slot = self._ring[i] = _Slot(max(rows, 2 * slot.rows if slot else 1024))
-        return slot
-
     def synchronize(self) -> None:
         """Wait until every copy enqueued so far completed."""
-        for slot in self._ring:
-            if slot is not None and slot.busy:
-                slot.done.synchronize()
-                slot.busy = False
+        self._ring.synchronize()
 
 
 class HostMapping:
@@ -297,5 +319,5 @@ def can_use_host_pointer(device: int = 0) -> bool:
     return bool(cupy.cuda.runtime.deviceGetAttribute(ATTR_CAN_USE_HOST_POINTER, device))
 
 
-__all__ = ["SegmentCopier", "HostMapping", "split_segments", "host_device_pointer",
+__all__ = ["SegmentCopier", "UploadRing", "HostMapping", "split_segments", "host_device_pointer",
            "can_use_host_pointer", "stream_handle"]

@@ -55,7 +55,7 @@ import msgspec
 
 from dataplane.backend import CopyEngine, InstanceBuffer
 from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from dataplane.messages import (TOKEN_HEX, Backend, BufferKind, CudaIpcBuffer, InstanceInfo,
+from dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo,
                                 PagedBuffer, RegisterInstance, ShmBuffer)
 from shm import errors as shm_errors
 from shm.layout import ChunkClass, DType, KVLayout
@@ -292,9 +292,6 @@ class Registry:
         cfg = req.rotary
         if cfg is None:
             return
-        if self._engine.backend is not Backend.CPU:
-            raise BadRequest("re-rotation runs on CPU buffers only for now: register without "
-                             "`rotary` and turn K in the engine")
         head = req.buffer.head_dim if isinstance(req.buffer, PagedBuffer) else cfg.head_dim
         if cfg.head_dim != head or req.hidden_dim % cfg.head_dim:
             raise BadRequest(f"rotary head_dim {cfg.head_dim} does not fit the buffer "

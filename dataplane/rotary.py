@@ -157,6 +157,24 @@ def turn(freqs: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[Any, Any]
             torch.from_numpy(np.sin(delta).astype(np.float32)))
 
 
+class Turn:
+    """The turn of a batch of chunks: token ``c`` of chunk ``j`` from position ``old[j, c]`` to
+    ``new[j, c]`` (int64 ``[chunks, C]``), by the model's float32 frequencies ``freqs``. A GPU
+    computes the angles in its kernel (``dataplane.cuda_rotary``); a CPU buffer takes
+    ``cos_sin``, computed once for every group of layers."""
+
+    def __init__(self, freqs: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+        self.freqs, self.old, self.new = freqs, old, new
+        self._cos_sin: tuple[Any, Any] | None = None
+
+    def cos_sin(self) -> tuple[Any, Any]:
+        """float32 torch ``cos`` and ``sin`` ``[chunks, C, d/2]``."""
+        if self._cos_sin is None:
+            cos, sin = turn(self.freqs, self.old.ravel(), self.new.ravel())
+            self._cos_sin = (cos.view(*self.old.shape, -1), sin.view(*self.old.shape, -1))
+        return self._cos_sin
+
+
 def rotate(k: Any, cos: Any, sin: Any, cfg: RotaryConfig) -> None:
     """Turn ``k`` (a torch tensor ``[..., tokens, heads, head_dim]``, any float dtype) in place by
     ``cos``/``sin`` (``[tokens, d/2]``, from ``turn``)."""
@@ -174,5 +192,5 @@ def rotate(k: Any, cos: Any, sin: Any, cfg: RotaryConfig) -> None:
     part.copy_(out.to(k.dtype))
 
 
-__all__ = ["RotaryConfig", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate",
+__all__ = ["RotaryConfig", "Turn", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate",
            "MAX_POSITION"]

@@ -469,17 +469,10 @@ class _Turn:
             return None
         return cls(inst, msg, cur, C)
 
-    def apply(self, buf: "InstanceBuffer", idx: np.ndarray, starts: list[int], first: int,
-              last: int, stored: np.ndarray) -> None:
-        """Turn K of layers ``[first, last)`` of matches ``idx`` (at ``starts`` in the buffer,
-        stored from positions ``stored``)."""
+    def of_batch(self, idx: np.ndarray, stored: np.ndarray) -> Any:
+        """The ``dataplane.rotary.Turn`` of matches ``idx``, stored from positions ``stored``."""
         step = np.arange(self._C)
-        old = (stored[:, None] + step).ravel()
-        new = (self._new[idx, None] + step).ravel()
-        cos, sin = self._rotary.turn(self._freqs, old, new)
-        half = cos.shape[-1]
-        buf.turn_k(starts, self._C, cos.view(len(idx), self._C, half),
-                   sin.view(len(idx), self._C, half), self.cfg, first, last)
+        return self._rotary.Turn(self._freqs, stored[:, None] + step, self._new[idx, None] + step)
 
 
 def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
@@ -499,7 +492,8 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
             at = (msg.offset + cur[idx]).tolist()
             buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C, at)
             if turn is not None:
-                turn.apply(buf, idx, at, 0, inst.layout.num_layers, store.positions(slots[idx]))
+                buf.turn_k(at, C, turn.of_batch(idx, store.positions(slots[idx])), turn.cfg, 0,
+                           inst.layout.num_layers)
         held[-1] = (lo, hi, buf.mark())
         if len(held) > 1:  # the batch before this one: unpin once its copies completed
             _release(store, buf, slots, held.pop(0))
@@ -516,15 +510,14 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
     usable[:] = store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
     idx = np.flatnonzero(usable)
     offsets, starts = store.kv_offsets(slots[idx]).tolist(), (msg.offset + cur[idx]).tolist()
-    stored = store.positions(slots[idx]) if turn is not None else None
+    batch = turn.of_batch(idx, store.positions(slots[idx])) if turn is not None else None
     failed = np.flatnonzero(~usable).tolist()
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
     for g in range(msg.layer_groups):
         if len(idx):
             buf.from_slab_layers(offsets, C, starts, bounds[g], bounds[g + 1])
             if turn is not None:
-                assert stored is not None
-                turn.apply(buf, idx, starts, bounds[g], bounds[g + 1], stored)
+                buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
         if msg.layer_events:
             buf.record(msg.layer_events[g])  # the engine's stream waits on it
         else:

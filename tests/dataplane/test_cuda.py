@@ -127,7 +127,8 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
                                         for i, h in enumerate(hashes)])
         assert r.wait(timeout=60).copied == len(docs)
         torch.cuda.current_stream().wait_event(r.cuda_event)
-        assert torch.equal(dst.view(torch.int16), want)
+        n = len(docs) * CHUNK
+        assert torch.equal(dst.view(torch.int16)[:, :, :n], want[:, :, :n])
 
         # wait_queued: the copies are held back ~0.1 s by the engine's event, so only the
         # stream's wait on cuda_event keeps the overwrite (and the read) behind them
