@@ -12,6 +12,9 @@ in the slab it is contiguous ``[2, L, C, D]``. One strided copy moves it::
     retrieve: dst = buf + t0*D*isz   dpitch = T*D*isz   src = slab + slot      spitch = C*D*isz
               width = C*D*isz bytes, height = 2*L rows
 
+A retrieve into an instance registered with a rotary config then turns K of its chunks with one
+kernel on the same stream (``dataplane.cuda_rotary``), before the call's events are recorded.
+
 cupy and torch are imported lazily by ``dataplane.backend.make_engine``: CPU machines have no cupy.
 NOTE: the slab is registered with ``cudaHostRegisterPortable`` so every device and context sees it
 as pinned (a copy from an unregistered page would fall back to staged, pageable speed), and
