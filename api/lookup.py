@@ -50,6 +50,7 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
     world_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)] = 1
     cache_salt: Annotated[str, msgspec.Meta(max_length=CACHE_SALT_BYTES)] = ""
+    standalone_only: bool = False
 
 
 _decode_body = msgspec.json.Decoder(LookupBody).decode
@@ -77,23 +78,26 @@ def namespace_of(model_name: str, world_size: int, cache_salt: str) -> Namespace
 
 
 class Query:
-    """A parsed lookup: the namespace and the prompt as uint32 token ids."""
+    """A parsed lookup: the namespace, the prompt as uint32 token ids, and whether only
+    standalone chunks count."""
 
-    __slots__ = ("namespace", "tokens")
+    __slots__ = ("namespace", "tokens", "standalone_only")
 
-    def __init__(self, namespace: Namespace, tokens: np.ndarray) -> None:
-        self.namespace, self.tokens = namespace, tokens
+    def __init__(self, namespace: Namespace, tokens: np.ndarray,
+                 standalone_only: bool = False) -> None:
+        self.namespace, self.tokens, self.standalone_only = namespace, tokens, standalone_only
 
 
 async def read_query(request: Request, model_name: str | None, world_size: int,
-                     cache_salt: str) -> Query:
+                     cache_salt: str, standalone_only: bool = False) -> Query:
     """The route's parse: ``parse_lookup`` of the request's content type and body."""
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    return parse_lookup(ctype, await request.body(), model_name, world_size, cache_salt)
+    return parse_lookup(ctype, await request.body(), model_name, world_size, cache_salt,
+                        standalone_only)
 
 
 def parse_lookup(ctype: str, body: bytes, model_name: str | None, world_size: int,
-                 cache_salt: str) -> Query:
+                 cache_salt: str, standalone_only: bool = False) -> Query:
     """A lookup body by its content type (lower case, no parameters): JSON, or little-endian
     uint32 ids with the other fields from the query string (already bounded by the caller).
     The route and the fast path both parse with this.
@@ -111,12 +115,12 @@ def parse_lookup(ctype: str, body: bytes, model_name: str | None, world_size: in
         if not model_name:
             raise InvalidInput("binary lookups need the model_name query parameter")
         return Query(namespace_of(model_name, world_size, cache_salt),
-                     np.frombuffer(body, dtype="<u4"))
+                     np.frombuffer(body, dtype="<u4"), standalone_only)
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise UnsupportedMediaType(f"send application/json or {OCTET_STREAM}, not {ctype!r}")
     req = _decode_body(body)
     return Query(namespace_of(req.model_name, req.world_size, req.cache_salt),
-                 _ids_array(req.token_ids))
+                 _ids_array(req.token_ids), req.standalone_only)
 
 
 def run_lookup(services: Services, query: Query, request_id: str, started: float) -> Response:
@@ -133,14 +137,16 @@ def answer(services: Services, query: Query, request_id: str, started: float) ->
     events = services.events
     events.record(LookupStart(request_id=request_id, model_name=query.namespace.model_name,
                               num_tokens=len(query.tokens)))
-    result = lookup(services.store, services.fingerprints, query.namespace, query.tokens)
+    result = lookup(services.store, services.fingerprints, query.namespace, query.tokens,
+                    query.standalone_only)
     elapsed = time.perf_counter() - started
     count_lookup(events, result.requested_tokens, result.hit_tokens, elapsed)
     events.record(LookupEnd(request_id=request_id, requested_tokens=result.requested_tokens,
                             hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
                             duration_ms=round(elapsed * 1e3, 3)))
     body = {"matches": [{"old_st": m.old_st, "old_ed": m.old_ed, "cur_st": m.cur_st,
-                         "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex()}
+                         "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex(),
+                         "origin": m.origin}
                         for m in result.matches],
             "hit_tokens": result.hit_tokens, "requested_tokens": result.requested_tokens}
     return _encode(body)
@@ -158,12 +164,12 @@ _WORLD_SIZE = re.compile(rf"[1-9][0-9]{{0,{len(str(MAX_WORLD_SIZE)) - 1}}}")
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def _query_fields(raw: bytes) -> tuple[str | None, int, str] | None:
-    """``(model_name, world_size, cache_salt)`` from a query string, as the route would read them;
-    None when any of them is repeated or not plainly within the route's bounds."""
-    model_name, world_size, cache_salt = None, 1, ""
+def _query_fields(raw: bytes) -> tuple[str | None, int, str, bool] | None:
+    """``(model_name, world_size, cache_salt, standalone_only)`` from a query string, as the route
+    would read them; None when any of them is repeated or not plainly within the route's bounds."""
+    model_name, world_size, cache_salt, standalone_only = None, 1, "", False
     if not raw:
-        return model_name, world_size, cache_salt
+        return model_name, world_size, cache_salt, standalone_only
     seen = set()
     for name, value in parse_qsl(raw.decode("latin-1"), keep_blank_values=True):
         if name in seen:
@@ -181,7 +187,11 @@ def _query_fields(raw: bytes) -> tuple[str | None, int, str] | None:
             if len(value) > CACHE_SALT_BYTES:
                 return None
             cache_salt = value
-    return model_name, world_size, cache_salt
+        elif name == "standalone_only":
+            if value not in ("true", "false"):
+                return None  # the route reads the other spellings, or names the error
+            standalone_only = value == "true"
+    return model_name, world_size, cache_salt, standalone_only
 
 
 class LookupFastPath:

@@ -248,14 +248,23 @@ class LookupRequest(BaseModel):
     token_ids: list[TokenId] = Field(description="The prompt, each id in [0, 2^32).")
     cache_salt: str = Field("", max_length=CACHE_SALT_BYTES,
                             description="Tenant salt; different salts share nothing.")
+    standalone_only: bool = Field(False, description=(
+        "Find only chunks whose KV was computed standalone (store_pre_computed); by default "
+        "chunks stored inside a longer prompt (store_final) count too."))
 
 
 class MatchOut(BaseModel):
-    old_st: int = Field(description="Start of the chunk where its KV was computed.", examples=[0])
-    old_ed: int = Field(examples=[256])
+    old_st: int = Field(description="The model's position of the chunk's first token when its "
+                                    "KV was computed (the store's first_position plus the "
+                                    "chunk's place).", examples=[1])
+    old_ed: int = Field(examples=[257])
     cur_st: int = Field(description="Start of the chunk in this prompt.", examples=[37])
     cur_ed: int = Field(examples=[293])
     chunk_hash: str = Field(description="The chunk's store key, hex.", examples=[HASH_EXAMPLE])
+    origin: Literal["pre_computed", "final", "unknown"] = Field(description=(
+        "How the chunk's KV was computed: standalone (pre_computed), inside a longer prompt with "
+        "attention to earlier context baked in (final), or not recorded (unknown: old_st is then "
+        "the chunk's place in its stored sequence)."), examples=["pre_computed"])
 
 
 class LookupResponse(BaseModel):

@@ -478,9 +478,12 @@ class BlendClient:
         return reply.instances
 
     def lookup(self, token_ids: Any, model_name: str, world_size: int = 1,
-               cache_salt: str = "") -> LookupResult:
-        """Stored chunks of the namespace found in ``token_ids`` (pins nothing)."""
-        return self._control.lookup(_tokens(token_ids), model_name, world_size, cache_salt)
+               cache_salt: str = "", *, standalone_only: bool = False) -> LookupResult:
+        """Stored chunks of the namespace found in ``token_ids`` (pins nothing). Each match
+        says where its chunk's KV was computed (``old_st``) and how (``origin``:
+        ``pre_computed``, ``final``); ``standalone_only`` finds ``pre_computed`` chunks only."""
+        return self._control.lookup(_tokens(token_ids), model_name, world_size, cache_salt,
+                                    standalone_only)
 
     # -- transfers --------------------------------------------------------------------------
 

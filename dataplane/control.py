@@ -33,7 +33,7 @@ class Control(Protocol):
     def unregister(self, instance_id: int, token: str) -> None: ...
 
     def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
-               cache_salt: str) -> LookupResult: ...
+               cache_salt: str, standalone_only: bool = False) -> LookupResult: ...
 
     def close(self) -> None: ...
 
@@ -74,15 +74,16 @@ class HttpControl:
                      headers={"X-Instance-Token": token})
 
     def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
-               cache_salt: str) -> LookupResult:
+               cache_salt: str, standalone_only: bool = False) -> LookupResult:
         # the binary body: little-endian uint32 ids, the other fields as query parameters (no
         # JSON encoding of tens of thousands of ids on either side)
-        params = {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt}
+        params = {"model_name": model_name, "world_size": world_size, "cache_salt": cache_salt,
+                  "standalone_only": "true" if standalone_only else "false"}
         data = self.request("POST", "/v1/lookup", params=params,
                             content=tokens.astype("<u4").tobytes(),
                             headers={"content-type": "application/octet-stream"}).json()
         matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
-                         bytes.fromhex(m["chunk_hash"])) for m in data["matches"]]
+                         bytes.fromhex(m["chunk_hash"]), m["origin"]) for m in data["matches"]]
         return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
 
     def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -126,11 +127,12 @@ class DirectControl:
                            self._timeout)
 
     def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
-               cache_salt: str) -> LookupResult:
+               cache_salt: str, standalone_only: bool = False) -> LookupResult:
         from shm.hashing import Namespace
         from shm.lookup import lookup
         store, fingerprints = self._attach()
-        return lookup(store, fingerprints, Namespace(model_name, world_size, cache_salt), tokens)
+        return lookup(store, fingerprints, Namespace(model_name, world_size, cache_salt), tokens,
+                      standalone_only)
 
     def _attach(self) -> tuple[Any, Any]:
         with self._lock:

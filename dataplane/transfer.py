@@ -50,11 +50,12 @@ import numpy as np
 
 from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
-                                RetrieveChunks, StoreChunks, TransferDone)
+                                RetrieveChunks, StoreChunks, StoreKind, TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
+from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.slab import EXISTS, FULL
 from shm.store import ChunkKey, Store
 from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
@@ -227,6 +228,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
                 tokens=len(tokens), chunks=n)
     sh.events.record(StoreStart(**base))
+    origin = ORIGIN_STANDALONE if msg.kind is StoreKind.PRE_COMPUTED else ORIGIN_FINAL
     rows = tokens[:n * C].reshape(n, C)
     slots = np.full(n, EXISTS, np.int64)
     keys: list[ChunkKey] = []
@@ -242,7 +244,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
             keys += _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
             ours = lo + np.flatnonzero(slots[lo:hi] >= 0)  # others exist already or found no room
-            store.set_positions(slots[ours], msg.first_position + C * ours)
+            store.set_positions(slots[ours], msg.first_position + C * ours, origin)
             if msg.layer_groups:
                 assert gate is not None, "checked by _check_layerwise_store"
                 _store_layer_groups(buf, msg, gate, starts[ours].tolist(),
@@ -284,7 +286,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     failed = np.flatnonzero(slots == FULL).tolist()
     skipped = n - copied - len(failed)
     forget_evicted(sh)
-    reg = _register_fingerprints(sh, inst, hashes, prepared)
+    reg = _register_fingerprints(sh, inst, hashes, prepared, origin == ORIGIN_FINAL)
     if reg.not_indexed:
         _warn_not_indexed()
     nbytes = copied * chunk_bytes
@@ -356,7 +358,7 @@ def _warn_not_indexed() -> None:
 
 
 def _register_fingerprints(sh: Shared, inst: "Instance", hashes: list[bytes],
-                           prepared: Registration) -> RegisterResult:
+                           prepared: Registration, final: bool) -> RegisterResult:
     """Rank 0 registers the chunks' fingerprints. Another rank registers only those the index
     lacks: a lookup that ran while rank 0's shard was stored but this rank's was not found the
     chunks not live and dropped their entries."""
@@ -364,7 +366,7 @@ def _register_fingerprints(sh: Shared, inst: "Instance", hashes: list[bytes],
         return RegisterResult(0, [])
     if inst.rank != 0 and all(sh.fingerprints.contains(h) for h in hashes):
         return RegisterResult(0, [])
-    return sh.fingerprints.register_prepared(prepared)
+    return sh.fingerprints.register_prepared(prepared, final)
 
 
 def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:

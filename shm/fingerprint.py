@@ -174,14 +174,17 @@ class FingerprintIndex:
     # -- mutations ----------------------------------------------------------------------------------
 
     def register(self, namespace: Namespace, token_ids: Any,
-                 chunk_hashes: Sequence[bytes]) -> RegisterResult:
+                 chunk_hashes: Sequence[bytes], final: bool = False) -> RegisterResult:
         """Index each full chunk of a stored sequence.
 
         Chunk i covers tokens ``[i*C, (i+1)*C)`` and is recorded with ``old_st = i*C``, its
         ``chunk_hashes[i]`` and this call's sequence id. Content already indexed in this namespace
         (equal digest) gets no second entry: the existing entry is re-pointed to this registration's
         chunk_hash, old_st and sequence id, the copy just stored and so the last one to be evicted.
-        A chunk repeated inside one call is indexed at its first position.
+        A chunk repeated inside one call is indexed at its first position. A ``final``
+        registration (chunks computed inside a longer prompt) re-points only entries of final
+        registrations, and a standalone one only standalone entries: a content keeps its latest
+        standalone copy findable beside its latest final one.
 
         A full index never fails a registration: new content takes the entries that removals
         freed; once every entry is live, the rest is left out and reported in ``not_indexed``
@@ -198,7 +201,7 @@ class FingerprintIndex:
         Raises:
             ValueError: ``chunk_hashes`` does not have one key per full chunk.
         """
-        return self.register_prepared(self.prepare(namespace, token_ids, chunk_hashes))
+        return self.register_prepared(self.prepare(namespace, token_ids, chunk_hashes), final)
 
     def prepare(self, namespace: Namespace, token_ids: Any,
                 chunk_hashes: Sequence[bytes]) -> Registration:
@@ -211,7 +214,7 @@ class FingerprintIndex:
         """
         return prepare(namespace, token_ids, chunk_hashes, self.chunk_size)
 
-    def register_prepared(self, reg: Registration) -> RegisterResult:
+    def register_prepared(self, reg: Registration, final: bool = False) -> RegisterResult:
         """The locked half of ``register``: insert what ``prepare`` computed (one critical
         section). Never fails for want of space: see ``register``.
 
@@ -226,7 +229,7 @@ class FingerprintIndex:
             seq = int(self._hdr[H_SEQ])
             self._hdr[H_SEQ] = seq + 1
             new = register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
-                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq, missed)
+                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq, missed, final)
         if not missed.any():
             return RegisterResult(int(new), [])
         left_out = np.flatnonzero(np.isin(reg.rows, np.flatnonzero(missed)))
@@ -335,7 +338,8 @@ class FingerprintIndex:
             return bool(find_hash(self._E, self._idt, h[0, 0], h[0, 1], out))
 
     def match(self, namespace: Namespace, query_token_ids: Any,
-              is_live: Callable[[list[bytes]], list[bool]] | None = None) -> list[Match]:
+              is_live: Callable[[list[bytes]], list[bool]] | None = None,
+              eligible: Callable[[list[bytes]], list[bool]] | None = None) -> list[Match]:
         """Stored chunks found in a query: a non-overlapping cover, sorted by ``cur_st``.
 
         Every occurrence of every stored chunk is a candidate; a candidate counts only when its
@@ -348,6 +352,8 @@ class FingerprintIndex:
             is_live: given the verified candidates' chunk hashes, says which the store still holds.
                 Entries it reports gone are never returned and are removed from the index (unless
                 re-registered meanwhile); entries it reports live are never removed.
+            eligible: given the live candidates' chunk hashes, says which the cover may use; the
+                others are left out of this answer and stay in the index.
 
         Returns:
             The chosen matches, ascending by ``cur_st``.
@@ -362,6 +368,8 @@ class FingerprintIndex:
         pos, rows = verified(namespace.root, tokens, k, pos, rows)
         if is_live is not None and len(pos):
             pos, rows = self._drop_stale(pos, rows, is_live)
+        if eligible is not None and len(pos):
+            pos, rows = self._keep(pos, rows, eligible)
         if len(pos) == 0:
             return []
         order = np.lexsort((rows[:, E_SEQ], pos))
@@ -389,15 +397,25 @@ class FingerprintIndex:
                     return out_pos[:n], rows
             size = n
 
+    @staticmethod
+    def _ask(rows: np.ndarray, ask: Callable[[list[bytes]], list[bool]], name: str) -> np.ndarray:
+        """``ask`` of each candidate's chunk hash (each distinct hash asked once), per row."""
+        hashes = [rows[c, E_HASH0:E_HASH1 + 1].tobytes() for c in range(len(rows))]
+        unique = list(dict.fromkeys(hashes))
+        answer = list(ask(unique))
+        if len(answer) != len(unique):
+            raise ValueError(f"{name} answered {len(answer)} values for {len(unique)} hashes")
+        yes = {h for h, ok in zip(unique, answer) if ok}
+        return np.array([h in yes for h in hashes], bool)
+
+    def _keep(self, pos: np.ndarray, rows: np.ndarray,
+              eligible: Callable[[list[bytes]], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
+        keep = self._ask(rows, eligible, "eligible")
+        return pos[keep], rows[keep]
+
     def _drop_stale(self, pos: np.ndarray, rows: np.ndarray,
                     is_live: Callable[[list[bytes]], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
-        hashes = [rows[c, E_HASH0:E_HASH1 + 1].tobytes() for c in range(len(pos))]
-        unique = list(dict.fromkeys(hashes))
-        answer = list(is_live(unique))
-        if len(answer) != len(unique):
-            raise ValueError(f"is_live answered {len(answer)} values for {len(unique)} hashes")
-        live = {h for h, ok in zip(unique, answer) if ok}
-        keep = np.array([h in live for h in hashes], bool)
+        keep = self._ask(rows, is_live, "is_live")
         if not keep.all():
             gone = rows[~keep]
             ents = np.unique(gone[:, ENTRY_WORDS].astype(np.int64), return_index=True)[1]

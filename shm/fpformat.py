@@ -40,7 +40,9 @@ Entry (``Entry``, 8 uint64 words)::
     word  name    meaning
     0     STATE   state (low 32 bits) | old_st (high 32 bits)
     1     KEY     rolling fingerprint ^ namespace id
-    2     SEQ     id of the registration that set chunk_hash and old_st
+    2     SEQ     id of the registration that set chunk_hash and old_st; top bit (SEQ_FINAL) set
+                  when it stored chunks computed inside a longer prompt (store_final): a content
+                  has at most one entry of each kind
     3     DIG0    digest, low word: blake2b-128(namespace root || chunk tokens as little-endian uint32)
     4     DIG1    digest, high word
     5     HASH0   chunk_hash (the store key), low word
@@ -118,6 +120,7 @@ E_STATE, E_KEY, E_SEQ, E_DIG0, E_DIG1, E_HASH0, E_HASH1, E_STAMP = (int(w) for w
 
 U32 = np.uint64(32)
 LO32 = np.uint64(0xFFFFFFFF)
+SEQ_FINAL = np.uint64(1 << 63)  # SEQ's top bit: a final registration's entry
 ONE = np.uint64(1)
 LIVE_WORD = np.uint64(LIVE)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -41,7 +41,7 @@ from numba import njit
 from shm import table
 from shm.fpformat import (E_DIG0, E_DIG1, E_HASH0, E_HASH1, E_KEY, E_SEQ, E_STAMP, E_STATE,
                           H_CAP, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ, H_STALE, LIVE_WORD, LO32,
-                          U32, filter_bits, mix)
+                          SEQ_FINAL, U32, filter_bits, mix)
 
 _FP_EMPTY = np.uint64(0)
 _ID_EMPTY = np.uint32(0)
@@ -116,17 +116,18 @@ def find_hash(E, idt, h0, h1, out):
 
 @njit(cache=True)
 def _is_content(E, word, query):
-    tag, key, d0, d1 = query
+    tag, key, d0, d1, final = query
     if (word >> U32) != tag:  # most other keys differ here, without reading their entry
         return False
     e = np.int64(word & LO32) - 1
-    return E[e, E_KEY] == key and E[e, E_DIG0] == d0 and E[e, E_DIG1] == d1
+    return (E[e, E_KEY] == key and E[e, E_DIG0] == d0 and E[e, E_DIG1] == d1
+            and (E[e, E_SEQ] & SEQ_FINAL) == final)
 
 
 @njit(cache=True)
-def _find_digest(E, fpt, key, d0, d1):
+def _find_digest(E, fpt, key, d0, d1, final):
     m = mix(key)
-    i = table.find(fpt, _FP_EMPTY, m, _is_content, E, (m >> U32, key, d0, d1))
+    i = table.find(fpt, _FP_EMPTY, m, _is_content, E, (m >> U32, key, d0, d1, final))
     return -1 if i < 0 else np.int64(fpt[i] & LO32) - 1
 
 
@@ -149,17 +150,21 @@ def _maybe_rebuild_filter(hdr, E, bloom):
 
 
 @njit(cache=True)
-def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, missed):
+def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, missed, final):
     """Insert or re-point one entry per row, in row order; returns the number of new entries.
+    ``final``: the registration stores chunks computed inside a longer prompt; it re-points only
+    entries of final registrations (a content keeps one entry of each kind).
 
     A row whose content is new when no entry is free (the free stack is empty and every id below
     capacity is in use, so every entry is LIVE) is left out and gets ``missed[row] = 1``.
     """
     n = keys.shape[0]
-    useq = np.uint64(seq)
+    kind = SEQ_FINAL if final else np.uint64(0)
+    useq = np.uint64(seq) | kind
+    stamp = np.uint64(seq)
     new = 0
     for c in range(n):
-        e = _find_digest(E, fpt, keys[c], digs[c, 0], digs[c, 1])
+        e = _find_digest(E, fpt, keys[c], digs[c, 0], digs[c, 1], kind)
         state = LIVE_WORD | (np.uint64(olds[c]) << U32)
         if e >= 0:
             if E[e, E_HASH0] != hashes[c, 0] or E[e, E_HASH1] != hashes[c, 1]:
@@ -168,11 +173,11 @@ def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, misse
                 E[e, E_SEQ] = useq
                 E[e, E_HASH0] = hashes[c, 0]
                 E[e, E_HASH1] = hashes[c, 1]
-                E[e, E_STAMP] = useq
+                E[e, E_STAMP] = stamp
                 E[e, E_STATE] = state
                 _id_insert(E, idt, e)
             else:
-                E[e, E_STAMP] = useq
+                E[e, E_STAMP] = stamp
             continue
         if hdr[H_FREE_TOP] > 0:
             hdr[H_FREE_TOP] -= 1
@@ -189,7 +194,7 @@ def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, misse
         E[e, E_DIG1] = digs[c, 1]
         E[e, E_HASH0] = hashes[c, 0]
         E[e, E_HASH1] = hashes[c, 1]
-        E[e, E_STAMP] = useq
+        E[e, E_STAMP] = stamp
         E[e, E_STATE] = state
         _fp_insert(E, fpt, e)
         _id_insert(E, idt, e)

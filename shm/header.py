@@ -42,6 +42,8 @@ follow as uint32 from byte ``SLOT_HDR_BYTES``, then the KV bytes at the class's 
     8     NUM_TOKENS  token ids that follow
     9     POS0        the model's position of the chunk's first token when it was computed
                       (0 until the store sets it, before the commit)
+    10    ORIGIN      how its KV was computed: 1 standalone (store_pre_computed), 2 inside a
+                      longer prompt (store_final), 0 not recorded (set with POS0)
 """
 
 from __future__ import annotations
@@ -93,8 +95,12 @@ class SlotHdr(IntEnum):
     PID = 7
     NUM_TOKENS = 8
     POS0 = 9
+    ORIGIN = 10
 
+
+ORIGIN_UNKNOWN, ORIGIN_STANDALONE, ORIGIN_FINAL = 0, 1, 2  # values of SlotHdr.ORIGIN
 
 assert max(Hdr) < HEADER_WORDS and max(SlotHdr) < SLOT_HDR_BYTES // 8, "a word past its header"
 
-__all__ = ["Hdr", "SlotHdr", "HEADER_WORDS", "STORE_MAGIC", "SLOT_MAGIC", "SLOT_HDR_BYTES"]
+__all__ = ["Hdr", "SlotHdr", "ORIGIN_UNKNOWN", "ORIGIN_STANDALONE", "ORIGIN_FINAL", "HEADER_WORDS",
+           "STORE_MAGIC", "SLOT_MAGIC", "SLOT_HDR_BYTES"]

@@ -12,11 +12,16 @@ class Match:
     """One stored chunk found in a query.
 
     Attributes:
-        old_st: start of the chunk in the sequence it was registered (and its KV computed) with.
+        old_st: the model's position of the chunk's first token when its KV was computed (the
+            store's ``first_position`` plus the chunk's place in the stored sequence).
         old_ed: ``old_st + chunk_size``.
         cur_st: start of the chunk in the query.
         cur_ed: ``cur_st + chunk_size``.
         chunk_hash: the chunk's store key.
+        origin: how the chunk's KV was computed: ``pre_computed`` (standalone, by
+            ``store_pre_computed``), ``final`` (inside a longer prompt, by ``store_final``: attention
+            to earlier context baked in), or ``unknown`` (its store recorded neither; ``old_st``
+            is then the chunk's place in the registered sequence).
     """
 
     old_st: int
@@ -24,6 +29,7 @@ class Match:
     cur_st: int
     cur_ed: int
     chunk_hash: bytes
+    origin: str = "unknown"
 
 
 @dataclass(frozen=True)
@@ -41,4 +47,6 @@ class LookupResult:
     requested_tokens: int
 
 
-__all__ = ["Match", "LookupResult"]
+ORIGINS = ("unknown", "pre_computed", "final")  # by ``shm.header`` ORIGIN value
+
+__all__ = ["Match", "LookupResult", "ORIGINS"]

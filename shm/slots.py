@@ -101,10 +101,19 @@ class SlotMap:
         page, i = np.divmod(slots, self._spp)
         return (page * self._page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]) // 8 + word
 
-    def set_positions(self, slots: np.ndarray, first: np.ndarray) -> None:
-        """Record each reserved slot's first-token position (``SlotHdr.POS0``) before its
-        commit; the slots are the caller's until then."""
-        self._slab.view(np.int64)[self._words(slots, SlotHdr.POS0)] = first
+    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int) -> None:
+        """Record each reserved slot's first-token position (``SlotHdr.POS0``) and origin
+        (``SlotHdr.ORIGIN``) before its commit; the slots are the caller's until then."""
+        words = self._slab.view(np.int64)
+        at = self._words(slots, SlotHdr.POS0)
+        words[at] = first
+        words[at + (SlotHdr.ORIGIN - SlotHdr.POS0)] = origin
+
+    def provenance(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each committed slot's ``(POS0, ORIGIN)`` words (ids >= 0)."""
+        at = self._words(slots, SlotHdr.POS0)
+        words = self._slab.view(np.int64)
+        return words[at], words[at + (SlotHdr.ORIGIN - SlotHdr.POS0)]
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
         """Each pinned or committed slot's first-token position (``SlotHdr.POS0``)."""

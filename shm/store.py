@@ -45,7 +45,7 @@ from shm.classes import ClassTable
 from shm.evicted import LIMIT as EVICTED_LIMIT
 from shm.evicted import EvictedKeys
 from shm.hashing import as_tokens
-from shm.header import HEADER_WORDS, Hdr
+from shm.header import HEADER_WORDS, ORIGIN_FINAL, ORIGIN_STANDALONE, Hdr
 from shm.keys import ChunkKey, hashes_among, key_words, shard_words
 from shm.layout import ChunkClass
 from shm.lock import FileLock, Guarded, pid_alive
@@ -438,9 +438,38 @@ class Store:
         """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""
         return self._slots.kv_offsets(slots)
 
-    def set_positions(self, slots: np.ndarray, first: np.ndarray) -> None:
-        """Record the model's position of each reserved slot's first token (before the commit)."""
-        self._slots.set_positions(slots, first)
+    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int) -> None:
+        """Record the model's position of each reserved slot's first token and how its KV was
+        computed (``ORIGIN_STANDALONE`` or ``ORIGIN_FINAL``), before the commit."""
+        if origin not in (ORIGIN_STANDALONE, ORIGIN_FINAL):
+            raise ValueError(f"origin must be {ORIGIN_STANDALONE} or {ORIGIN_FINAL}, got {origin}")
+        self._slots.set_positions(slots, first, origin)
+
+    def provenance(self, namespace_id: int, chunk_hashes: Sequence[bytes]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``(first position, origin)`` of rank 0's shard of each chunk, int64 each; origin -1
+        where that shard is not committed now, ``ORIGIN_UNKNOWN`` where its store recorded none.
+        Lock-free like ``contains_shards``: the slot is found and its header read between two
+        whole critical sections (a committed slot's header changes only once it is freed)."""
+        words = shard_words(namespace_id, chunk_hashes, 1)
+
+        def read() -> tuple[np.ndarray, np.ndarray] | None:
+            found = index.find_committed(self._table, self._obj, words)
+            pos, origin = np.zeros(len(found), np.int64), np.full(len(found), -1, np.int64)
+            live = found >= 0
+            try:
+                if live.any():
+                    pos[live], origin[live] = self._slots.provenance(found[live])
+            except IndexError:
+                return None  # a torn read (a slot freed meanwhile): read_stable retries
+            return pos, origin
+
+        got = self._guard.read_stable(read)
+        if got is None:
+            with self._guard():
+                got = read()
+        assert got is not None, "under the lock nothing is torn"
+        return got
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
         """The model's position of each pinned slot's first token when it was stored."""

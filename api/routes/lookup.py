@@ -26,8 +26,8 @@ BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}},
     lookups.OCTET_STREAM: {"schema": {
         "type": "string", "format": "binary",
-        "description": "Token ids as little-endian uint32; model_name, world_size and "
-                       "cache_salt go in the query string."}}}}}
+        "description": "Token ids as little-endian uint32; model_name, world_size, "
+                       "cache_salt and standalone_only go in the query string."}}}}}
 
 
 @router.post("/lookup", response_model=LookupResponse, operation_id="lookup",
@@ -35,7 +35,9 @@ BODY = {"requestBody": {"required": True, "content": {
              description="Every stored chunk of the namespace found in `token_ids`, as a "
                          "non-overlapping cover sorted by `cur_st`. Pins nothing. Send JSON, or "
                          "`application/octet-stream` (little-endian uint32 ids) with the other "
-                         "fields as query parameters.",
+                         "fields as query parameters. Each match says where its chunk's KV was "
+                         "computed (`old_st`) and how (`origin`); `standalone_only` finds chunks "
+                         "stored by store_pre_computed only.",
              responses=responses(401, 415, 422), openapi_extra=BODY)
 async def post_lookup(
         request: Request, services: ServicesDep,
@@ -45,7 +47,9 @@ async def post_lookup(
                                          description="Binary bodies only.")] = 1,
         cache_salt: Annotated[str, Query(max_length=CACHE_SALT_BYTES,
                                          description="Binary bodies only.")] = "",
+        standalone_only: Annotated[bool, Query(description="Binary bodies only.")] = False,
 ) -> Response:
     started = time.perf_counter()
-    query = await lookups.read_query(request, model_name, world_size, cache_salt)
+    query = await lookups.read_query(request, model_name, world_size, cache_salt,
+                                     standalone_only)
     return lookups.run_lookup(services, query, lookups.request_id_of(request), started)

@@ -17,6 +17,7 @@ from api.app import create_app
 from api.settings import Settings
 from shm.fingerprint import FingerprintIndex
 from shm.hashing import Namespace, chunk_hashes
+from shm.header import ORIGIN_STANDALONE
 from shm.layout import ChunkClass, KVLayout
 from shm.store import ChunkKey, Store, StoreConfig
 
@@ -35,11 +36,14 @@ class Cache:
     fingerprints: FingerprintIndex
 
     def put(self, ns: Namespace, tokens: np.ndarray,
-            missing: Collection[tuple[int, int]] = ()) -> list[bytes]:
+            missing: Collection[tuple[int, int]] = (), first_position: int | None = None,
+            origin: int = ORIGIN_STANDALONE) -> list[bytes]:
         """Store every full chunk of ``tokens`` (each rank's shard) and index it; returns the keys.
 
         Args:
             missing: ``(chunk, rank)`` shards left unstored, as when one rank's store failed.
+            first_position, origin: recorded in each slot as the data plane's store does; with
+                None, nothing is recorded (``unknown``).
         """
         cid = self.store.register_class(ChunkClass.of(ns.model_name, ns.world_size, LAYOUT, CHUNK))
         keys = chunk_hashes(ns, tokens, CHUNK)
@@ -51,6 +55,9 @@ class Cache:
                                          tokens[i * CHUNK:(i + 1) * CHUNK])
                 if res is not None:
                     res.kv[...] = i
+                    if first_position is not None:
+                        self.store.set_positions(np.array([res.slot]),
+                                                 np.array([first_position + i * CHUNK]), origin)
                     res.commit()
         self.fingerprints.register(ns, tokens, keys)
         return keys

@@ -14,6 +14,7 @@ from api.schemas import LookupRequest, LookupResponse
 from shm.errors import Busy
 from shm.matches import Match
 from shm.hashing import Namespace
+from shm.header import ORIGIN_FINAL
 from shm.lookup import covered_tokens
 from tests.api.conftest import CHUNK, TOKEN, Cache, problem
 
@@ -36,9 +37,11 @@ def stored(cache: Cache) -> tuple[np.ndarray, np.ndarray, list[bytes], list[byte
 
 def expected(a_at: int, b_at: int, ka: list[bytes], kb: list[bytes]) -> list[dict]:
     out = [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=a_at + i * CHUNK,
-                cur_ed=a_at + (i + 1) * CHUNK, chunk_hash=k.hex()) for i, k in enumerate(ka)]
+                cur_ed=a_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown")
+           for i, k in enumerate(ka)]
     out += [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=b_at + i * CHUNK,
-                 cur_ed=b_at + (i + 1) * CHUNK, chunk_hash=k.hex()) for i, k in enumerate(kb)]
+                 cur_ed=b_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown")
+            for i, k in enumerate(kb)]
     return out
 
 
@@ -308,3 +311,36 @@ def test_refused_names_and_salts_are_422_and_harm_nothing(auth_client: TestClien
         body = problem(bad_lookup(auth_client, field, value, binary_body), 422)
         assert body["code"] == "InvalidInput" and field in body["detail"]
     still_serves(auth_client, stored[0])
+
+
+def test_matches_say_where_and_how_their_kv_was_computed(client: TestClient,
+                                                         cache: Cache) -> None:
+    a, f = doc(5, 3), doc(6, 2)
+    ka = cache.put(NS, a, first_position=1)                      # behind a BOS token
+    kf = cache.put(NS, f, first_position=40, origin=ORIGIN_FINAL)  # inside a longer prompt
+    q = prompt_with(np.arange(3), f, a)
+
+    def ask(**extra: object) -> dict:
+        r = client.post("/v1/lookup", json={"model_name": "model-a", "token_ids": q.tolist(),
+                                            **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    got = ask()["matches"]
+    assert [(m["chunk_hash"], m["origin"], m["old_st"], m["old_ed"]) for m in got] == (
+        [(k.hex(), "final", 40 + i * CHUNK, 40 + (i + 1) * CHUNK) for i, k in enumerate(kf)]
+        + [(k.hex(), "pre_computed", 1 + i * CHUNK, 1 + (i + 1) * CHUNK)
+           for i, k in enumerate(ka)])
+    only = ask(standalone_only=True)
+    assert [m["chunk_hash"] for m in only["matches"]] == [k.hex() for k in ka]
+    assert only["hit_tokens"] == len(a)
+    for value in ("true", "1", "yes"):  # the fast path takes "true"; the route the others
+        r = client.post("/v1/lookup", content=q.astype("<u4").tobytes(),
+                        params={"model_name": "model-a", "standalone_only": value},
+                        headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 200 and r.json() == only, (value, r.text)
+    r = client.post("/v1/lookup", content=q.astype("<u4").tobytes(),
+                    params={"model_name": "model-a", "standalone_only": "maybe"},
+                    headers={"content-type": "application/octet-stream"})
+    assert problem(r, 422)["errors"][0]["loc"][-1] == "standalone_only"
+    assert ask()["matches"] == got  # leaving chunks out of one answer dropped nothing
