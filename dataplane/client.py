@@ -64,8 +64,8 @@ from dataplane import paged
 from dataplane.channel import Channel, Pending
 from dataplane.control import Control, DirectControl, HttpControl
 from dataplane.errors import BadRequest, DataPlaneError
-from dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, LayersWritten,
-                                ListInstances,
+from dataplane.messages import (ChunkFailure, CudaIpcBuffer, InstanceInfo, InstanceList,
+                                LayersWritten, ListInstances,
                                 MatchSpec, PagedBuffer, PagedLayer, Ping, Pong,
                                 RegisterInstance, RenewLease, RotaryConfig,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
@@ -93,6 +93,7 @@ class TransferResult:
         nbytes: bytes copied.
         not_indexed: chunk indexes of a store that were stored but that lookups will not find
             (the fingerprint index is full of live entries); ``ok`` does not count them.
+        reasons: why each index of ``failed`` was not done.
     """
 
     ok: bool
@@ -101,6 +102,7 @@ class TransferResult:
     copied: int = 0
     nbytes: int = 0
     not_indexed: list[int] = field(default_factory=list)
+    reasons: dict[int, ChunkFailure] = field(default_factory=dict)
 
 
 class Transfer:
@@ -201,7 +203,8 @@ class Transfer:
         if self._result is None:
             done: TransferDone = self._pending.result(timeout)
             self._result = TransferResult(not done.failed, done.num_chunks, list(done.failed),
-                                          done.copied, done.nbytes, list(done.not_indexed))
+                                          done.copied, done.nbytes, list(done.not_indexed),
+                                          dict(zip(done.failed, done.reasons)))
         return self._result
 
     def done(self) -> bool:

@@ -77,6 +77,18 @@ class StoreKind(str, enum.Enum):
     FINAL = "final"                # a whole blended request, for later reuse
 
 
+class ChunkFailure(enum.StrEnum):
+    """Why one chunk of a store or retrieve was not done."""
+
+    MISSING = "missing"                  # retrieve: not stored, or evicted since the lookup
+    PINS_FULL = "pins_full"              # retrieve: the pin table was full (too many readers)
+    LAYOUT_MISMATCH = "layout_mismatch"  # retrieve: stored by an instance of another layout
+    TOKENS_MISMATCH = "tokens_mismatch"  # retrieve: the chunk holds other tokens than the
+                                         # prompt at cur_st (a wrong match)
+    NO_ROOM = "no_room"                  # store: every slot the chunk fits was pinned or
+                                         # being written
+
+
 class ErrorKind(str, enum.Enum):
     UNKNOWN_INSTANCE = "unknown_instance"
     FORBIDDEN = "forbidden"
@@ -389,6 +401,7 @@ class TransferDone(_Msg):
         num_chunks: chunks the call covered (full chunks of a store; matches of a retrieve).
         copied: chunks actually copied (a store skips chunks already stored).
         failed: indexes (chunk index of a store; match index of a retrieve) that were not done.
+        reasons: why, one per index of ``failed``.
         nbytes: bytes copied.
         not_indexed: chunk indexes of a store that are stored but that lookups will not find
             (the fingerprint index is full of live entries).
@@ -401,6 +414,7 @@ class TransferDone(_Msg):
     nbytes: int
     duration_s: float
     not_indexed: list[int] = []
+    reasons: list[ChunkFailure] = []
 
 
 class ErrorReply(_Msg):

@@ -14,7 +14,9 @@ This module owns the order of operations that keeps the store consistent whateve
   batch once its copies completed; at most two batches are pinned at a time, so a retrieve of any
   length fits the pin table. A chunk evicted meanwhile, of another layout, whose tokens differ
   from the prompt's at ``cur_st``, or that found the pin table full (other retrieves hold it) is
-  reported failed by match index; nothing is written for it.
+  reported failed by match index with its reason (``ChunkFailure``); nothing is written for it.
+  A store's chunk that found no room (every slot it fits pinned or being written) is reported
+  failed with ``no_room``.
 - layer-wise retrieve (``layer_groups``): pin every match at once (at most
   ``MAX_LAYER_GROUP_MATCHES``), then copy the layers group by group, announcing each group
   through ``progress`` once its copies completed (CPU) or its event was recorded (CUDA).
@@ -50,13 +52,15 @@ import numpy as np
 
 from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
-                                RetrieveChunks, StoreChunks, StoreKind, TransferDone)
+                                ChunkFailure, RetrieveChunks, StoreChunks, StoreKind,
+                                TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.slab import EXISTS, FULL
+from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
 from shm.store import ChunkKey, Store
 from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
 
@@ -292,7 +296,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     nbytes = copied * chunk_bytes
     reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
                          nbytes=nbytes, duration_s=time.monotonic() - t0,
-                         not_indexed=reg.not_indexed)
+                         not_indexed=reg.not_indexed, reasons=[ChunkFailure.NO_ROOM] * len(failed))
     sh.events.record(StoreEnd(**base, copied=copied, storage_hits=skipped, failed=failed,
                               fingerprint_new=reg.new, not_indexed=len(reg.not_indexed),
                               bytes=nbytes, duration_s=reply.duration_s, ok=not failed))
@@ -417,19 +421,19 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     sh.events.record(RetrieveStart(**base))
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
     slots = np.full(n, -1, np.int64)
-    usable = np.zeros(n, bool)
+    why = np.full(n, NOT_PINNED, np.int8)  # per match: VERIFIED (copied) or why not
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
     try:
         buf.begin(msg.event)
         if msg.layer_groups:
-            _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, usable, held,
+            _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, why, held,
                             progress or (lambda _: None), turn)
         else:
-            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, usable, held, turn)
+            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, why, held, turn)
         marker = buf.end(msg.done_event)
         if progress is not None and not msg.layer_groups:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
-                                 failed=np.flatnonzero(~usable).tolist()))
+                                 failed=np.flatnonzero(why != VERIFIED).tolist()))
         yield
         buf.wait(marker)
     except BaseException:
@@ -438,11 +442,12 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     finally:
         for lo, hi, _ in held:
             store.unpin_slots(slots[lo:hi])
-    failed = np.flatnonzero(~usable).tolist()
+    failed = np.flatnonzero(why != VERIFIED).tolist()
     copied = n - len(failed)
     nbytes = copied * inst.layout.chunk_bytes(C)
     done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
-                        failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0)
+                        failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0,
+                        reasons=[_FAILURES[c] for c in why[failed].tolist()])
     sh.events.record(RetrieveEnd(**base, copied=copied, failed=failed, bytes=nbytes,
                                  duration_s=done.duration_s, ok=not failed))
     sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
@@ -479,17 +484,17 @@ class _Turn:
 
 def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
                   tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
-                  slots: np.ndarray, usable: np.ndarray,
+                  slots: np.ndarray, why: np.ndarray,
                   held: list[tuple[int, int, Any]], turn: _Turn | None = None) -> None:
     """Pin, check and copy batch by batch; a batch is unpinned once the next one is copying."""
     store = sh.store
     for lo, hi in _batches(len(keys), inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
                            PIN_BATCH):
-        slots[lo:hi] = _pin(store, buf, keys[lo:hi], slots, held)
+        slots[lo:hi], full = _pin(store, buf, keys[lo:hi], slots, held)
         held.append((lo, hi, None))
-        usable[lo:hi] = store.verify_pinned(inst.class_id, slots[lo:hi], keys[lo:hi],
-                                            tokens[cur[lo:hi, None] + np.arange(C)])
-        idx = lo + np.flatnonzero(usable[lo:hi])
+        why[lo:hi] = PINS_FULL if full else store.check_pinned(
+            inst.class_id, slots[lo:hi], keys[lo:hi], tokens[cur[lo:hi, None] + np.arange(C)])
+        idx = lo + np.flatnonzero(why[lo:hi] == VERIFIED)
         if len(idx):
             at = (msg.offset + cur[idx]).tolist()
             buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C, at)
@@ -503,17 +508,18 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
 
 def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
                     tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
-                    slots: np.ndarray, usable: np.ndarray, held: list[tuple[int, int, Any]],
+                    slots: np.ndarray, why: np.ndarray, held: list[tuple[int, int, Any]],
                     progress: Callable[[LayersReady], None], turn: _Turn | None = None) -> None:
     """Pin every match (one batch), then copy group by group of layers, announcing each."""
     n, L = len(keys), inst.layout.num_layers
-    slots[:] = _pin(store, buf, keys, slots, held)
+    slots[:], full = _pin(store, buf, keys, slots, held)
     held.append((0, n, None))
-    usable[:] = store.verify_pinned(inst.class_id, slots, keys, tokens[cur[:, None] + np.arange(C)])
-    idx = np.flatnonzero(usable)
+    why[:] = PINS_FULL if full else store.check_pinned(inst.class_id, slots, keys,
+                                                       tokens[cur[:, None] + np.arange(C)])
+    idx = np.flatnonzero(why == VERIFIED)
     offsets, starts = store.kv_offsets(slots[idx]).tolist(), (msg.offset + cur[idx]).tolist()
     batch = turn.of_batch(idx, store.positions(slots[idx])) if turn is not None else None
-    failed = np.flatnonzero(~usable).tolist()
+    failed = np.flatnonzero(why != VERIFIED).tolist()
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
     for g in range(msg.layer_groups):
         if len(idx):
@@ -528,19 +534,25 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
 
 
 def _pin(store: Store, buf: "InstanceBuffer", keys: list[ChunkKey], slots: np.ndarray,
-         held: list[tuple[int, int, Any]]) -> np.ndarray:
-    """Pin ``keys``; when the pin table is full, give back the batches this call still holds
-    and try once more; still full: nothing of this batch is pinned (its matches fail)."""
+         held: list[tuple[int, int, Any]]) -> tuple[np.ndarray, bool]:
+    """Pin ``keys`` (slot per key, -1 where not stored); when the pin table is full, give back
+    the batches this call still holds and try once more; still full: nothing of this batch is
+    pinned (its matches fail) and the flag says so."""
     try:
-        return store.pin_slots(keys)
+        return store.pin_slots(keys), False
     except CapacityError:
         pass
     while held:
         _release(store, buf, slots, held.pop(0))
     try:
-        return store.pin_slots(keys)
+        return store.pin_slots(keys), False
     except CapacityError:
-        return np.full(len(keys), -1, np.int64)
+        return np.full(len(keys), -1, np.int64), True
+
+
+PINS_FULL = 4  # beside shm.slots.check's answers: the pin table was full
+_FAILURES = {NOT_PINNED: ChunkFailure.MISSING, OTHER_LAYOUT: ChunkFailure.LAYOUT_MISMATCH,
+             OTHER_TOKENS: ChunkFailure.TOKENS_MISMATCH, PINS_FULL: ChunkFailure.PINS_FULL}
 
 
 def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,

@@ -31,6 +31,7 @@ from shm.keys import ChunkKey, key_words
 from shm.layout import ChunkClass
 
 SLOT_HDR_WORDS = SLOT_HDR_BYTES // 8
+VERIFIED, NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS = 0, 1, 2, 3  # SlotMap.check's answers
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,19 @@ class SlotMap:
         """Each pinned or committed slot's first-token position (``SlotHdr.POS0``)."""
         return self._slab.view(np.int64)[self._words(slots, SlotHdr.POS0)]
 
-    def verify(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
-               token_rows: np.ndarray) -> np.ndarray:
-        """Boolean per slot (-1: none): of class ``class_id``, holding ``keys[i]`` and exactly the
-        token ids ``token_rows[i]`` (uint32 ``[n, C]``), read from the slot headers in one gather.
-        """
-        ok = np.asarray(slots) >= 0
+    def check(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+              token_rows: np.ndarray) -> np.ndarray:
+        """int8 per slot (-1: none): ``VERIFIED`` when of class ``class_id``, holding ``keys[i]``
+        and exactly the token ids ``token_rows[i]`` (uint32 ``[n, C]``), read from the slot
+        headers in one gather; else ``NOT_PINNED``, ``OTHER_LAYOUT`` or ``OTHER_TOKENS``."""
+        slots = np.asarray(slots, np.int64)
+        out = np.full(len(slots), NOT_PINNED, np.int8)
+        ok = slots >= 0
         if not ok.any():
-            return ok
+            return out
+        out[ok & (self._obj[np.where(ok, slots, 0), index.CLASS] != class_id)] = OTHER_LAYOUT
+        ok &= out == NOT_PINNED
+        out[ok] = OTHER_TOKENS
         hb = self._chunk_class(class_id).header_bytes
         start = np.where(ok, self.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
         ok &= start >= 0
@@ -134,11 +140,13 @@ class SlotMap:
         words = self._slab.view(np.int64)[(start // 8)[:, None] + np.arange(len(SlotHdr))]
         ok &= (words[:, SlotHdr.MAGIC] == SLOT_MAGIC) & (words[:, SlotHdr.CLASS] == class_id)
         ok &= (words[:, SlotHdr.K0:SlotHdr.RANK + 1] == key_words(keys)).all(axis=1)
-        if not ok.any():
-            return ok
-        C = token_rows.shape[1]
-        have = self._slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None] + np.arange(C)]
-        return ok & (have == token_rows).all(axis=1)
+        if ok.any():
+            C = token_rows.shape[1]
+            have = self._slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None]
+                                              + np.arange(C)]
+            ok &= (have == token_rows).all(axis=1)
+        out[ok] = VERIFIED
+        return out
 
     def _locate(self, slot: int) -> tuple[_Geometry, int]:
         c = int(self._obj[slot, index.CLASS])

@@ -51,7 +51,7 @@ from shm.layout import ChunkClass
 from shm.lock import FileLock, Guarded, pid_alive
 from shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
 from shm.segment import Progress, Segment
-from shm.slots import SLOT_HDR_WORDS, SlotMap
+from shm.slots import SLOT_HDR_WORDS, VERIFIED, SlotMap
 from shm.storefile import (StoreConfig, attach_segments, create_segments, destroy,
                            destroy_segments, locked, tables)
 
@@ -432,7 +432,13 @@ class Store:
         ``class_id``, holds ``keys[i]`` and exactly the token ids ``token_rows[i]`` (uint32
         ``[n, C]``). Reads the slot headers in one gather: a pinned slot's header does not change.
         """
-        return self._slots.verify(class_id, slots, keys, token_rows)
+        return self.check_pinned(class_id, slots, keys, token_rows) == VERIFIED
+
+    def check_pinned(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+                     token_rows: np.ndarray) -> np.ndarray:
+        """``verify_pinned`` saying why, int8 per slot: ``shm.slots.VERIFIED``, ``NOT_PINNED``
+        (-1), ``OTHER_LAYOUT`` (a slot of another layout class) or ``OTHER_TOKENS``."""
+        return self._slots.check(class_id, slots, keys, token_rows)
 
     def kv_offsets(self, slots: np.ndarray) -> np.ndarray:
         """Byte offsets in the slab of the KV data of each slot (slot ids must be >= 0)."""

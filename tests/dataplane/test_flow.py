@@ -14,7 +14,7 @@ import torch
 from dataplane.channel import Channel, recv_frame
 from dataplane.client import BlendClient
 from dataplane.errors import BadRequest, LayoutMismatch, OutOfRange, Timeout, UnknownInstance
-from dataplane.messages import (Ping, Pong, RegisterInstance, RetrieveChunks,
+from dataplane.messages import (ChunkFailure, Ping, Pong, RegisterInstance, RetrieveChunks,
                                 ShmBuffer, StoreChunks)
 from shm.events import EventLog
 from shm.store import Store
@@ -95,6 +95,7 @@ def test_evicted_chunk_fails_by_index_and_is_not_written(dataplane: DataPlanePro
         before = words(kv).copy()
         done = client.retrieve(inst, doc, res.matches, offset=200).wait()
         assert not done.ok and done.failed == [0, 1, 2]
+        assert done.reasons == {i: ChunkFailure.MISSING for i in range(3)}
         np.testing.assert_array_equal(words(kv), before)
 
 

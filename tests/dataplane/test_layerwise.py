@@ -12,7 +12,7 @@ import torch
 from dataplane.channel import Channel, recv_frame
 from dataplane.client import BlendClient
 from dataplane.errors import BadRequest
-from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, LayersReady, MatchSpec, RetrieveChunks,
+from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, ChunkFailure, LayersReady, MatchSpec, RetrieveChunks,
                                 TransferDone, frame, reply_decoder)
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
@@ -52,6 +52,7 @@ def test_groups_arrive_in_order_and_each_is_readable_when_announced(
                                src[:, layer, :4 * CHUNK].view(torch.int16))
         result = t.wait(timeout=60)
         assert result.copied == 4 and result.failed == [4]
+        assert result.reasons == {4: ChunkFailure.TOKENS_MISMATCH}
         with pytest.raises(BadRequest, match="not layer-wise"):
             client.retrieve(inst2, doc, matches).wait_layer(0)
 

@@ -13,7 +13,7 @@ import pytest
 
 import dataplane.transfer as tr
 from dataplane.backend import InstanceBuffer
-from dataplane.messages import MatchSpec, RetrieveChunks, StoreChunks, StoreKind
+from dataplane.messages import ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks, StoreKind
 from shm.events import EventLog
 from shm.hashing import Namespace, chunk_hashes
 from shm.layout import ChunkClass, DType, KVLayout
@@ -180,8 +180,42 @@ def test_retrieve_checks_tokens_and_layout_of_each_pinned_chunk(grouped: tr.Shar
     buf.log.clear()
     done = _retrieve(shared, inst, bad_tokens, hashes + [fh, absent], at)
     assert done.failed == [3, 6, 7] and done.copied == 5
+    assert done.reasons == [ChunkFailure.TOKENS_MISMATCH, ChunkFailure.LAYOUT_MISMATCH,
+                            ChunkFailure.MISSING]
     assert [e[1] for e in buf.log if e[0] == "copy"] == [0, 1, 2, 4, 5]  # nothing for the rest
     assert shared.store.stats().num_pinned == 0
     ok = _retrieve(shared, inst, prompt, hashes, at[:6])
     assert ok.failed == [] and ok.copied == 6
     assert shared.store.stats().num_pinned == 0
+
+
+def test_failed_chunks_say_why(grouped: tr.Shared) -> None:
+    shared = grouped
+    # a store larger than the whole store: its tail finds every slot reserved by its own head
+    big = KVLayout(L, 49 * CHUNK, 15 * 1024, DType.parse("bfloat16"))  # ~1.9 MiB chunks
+    cid = shared.store.register_class(ChunkClass.of("big", 1, big, CHUNK))
+    inst = FakeInst("big", cid, big, Recorder(big, shared.store))
+    done = tr.run_store(shared, inst, store_msg(np.arange(48 * CHUNK) + 5))  # type: ignore[arg-type]
+    assert done.failed and done.failed == list(range(48 - len(done.failed), 48))
+    assert done.copied == 48 - len(done.failed)
+    assert done.reasons == [ChunkFailure.NO_ROOM] * len(done.failed)
+    shared.store.clear()
+    # a retrieve that finds the pin table full: this process holds every pin it can
+    small = make_inst(shared)
+    keys: list[ChunkKey] = []
+    ns = Namespace("m", 1, "")
+    for d in range(2048 // N + 1):
+        tokens = np.arange(N * CHUNK) + 10**6 * (d + 1)
+        assert tr.run_store(shared, small, store_msg(tokens)).copied == N  # type: ignore[arg-type]
+        keys += [ChunkKey(ns.id, h) for h in chunk_hashes(ns, tokens, CHUNK)]
+    *held, last = keys
+    pinned = shared.store.pin_slots(held[:2048])
+    assert (pinned >= 0).all()
+    try:
+        tokens = np.arange(N * CHUNK) + 10**6 * (2048 // N + 1)
+        done = _retrieve(shared, small, tokens, [last.chunk_hash], [(N - 1) * CHUNK])
+        assert done.failed == [0] and done.reasons == [ChunkFailure.PINS_FULL]
+    finally:
+        shared.store.unpin_slots(pinned)
+    done = _retrieve(shared, small, tokens, [last.chunk_hash], [(N - 1) * CHUNK])
+    assert done.failed == [] and done.reasons == []
