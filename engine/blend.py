@@ -1,0 +1,363 @@
+"""Blended prefill of a transformers causal LM (the Llama family) through kvblend: the reference engine.
+
+This module runs inside an engine's process, on top of ``dataplane.client.BlendClient``. It owns
+the layer loop over the model's own modules (embedding, rotary embedding, decoder layers, final
+norm, LM head), the cache that loop reads and writes, and the choice of which tokens each layer
+computes. It does not own where KV lives between requests (kvblend) nor how K is re-rotated (the
+data plane turns it on retrieve, ``dataplane.rotary``).
+
+The engine's KV buffer is one registered ``[2, L, T, kv_heads * head_dim]`` buffer: row ``p`` holds
+the K (after the rotary embedding) and V of prompt position ``p``. A prefill::
+
+    lookup(prompt)                      matches: stored chunks, where they sit (cur_st)
+    retrieve(matches, first_position=0) each chunk's KV into rows cur_st.., K turned to those
+                                        positions; layer-wise, so layer i can start once loaded
+    layer loop                          per layer, the rows the mode computes attend to every row
+                                        at or before them (loaded or computed); the others keep
+                                        the loaded KV
+
+What each mode computes (``Mode``), over the prompt's N positions, "hit" = rows a chunk filled:
+
+    full            every row in every layer (no lookup, no retrieve)
+    naive           the rows no chunk filled, in every layer
+    cacheblend(r)   every row up to the check layer (1 by default); there, the hit rows whose fresh
+                    KV deviates most from the loaded KV (the top r of them, by the L2 norm of the K
+                    and V differences) join the non-hit rows, which are computed in every later layer
+    epic(k)         the non-hit rows and the first k rows of every chunk, in every layer
+
+The last row (the prompt's last token) is always computed: its logits start the decode. A layer
+whose rows are all of them runs with transformers' own causal mask, so ``full`` and a 100 %
+``cacheblend`` equal ``model(input_ids)`` bit for bit in the model's dtype; a subset of rows
+attends through an explicit mask (row at position p sees keys at positions <= p).
+
+NOTE: the layer loop calls the model's decoder layers with this module's cache object in place of
+transformers' cache (the attention calls ``cache.update(k, v, layer_idx)``, which writes the
+computed rows and returns every row's K and V), so attention, MLP and norms are transformers' own
+code: the engine blends whatever model shares the Llama module names (Llama, Mistral, Qwen2/3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataplane.client import BlendClient, Transfer, TransferResult
+from dataplane.messages import MAX_LAYER_GROUP_MATCHES, RotaryConfig
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Which rows a prefill computes (module docstring). Build with ``FULL``, ``NAIVE``,
+    ``cacheblend(r)`` or ``epic(k)``."""
+
+    kind: str
+    ratio: float = 0.0
+    check_layer: int = 1
+    first: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "naive", "cacheblend", "epic"):
+            raise ValueError(f"unknown mode {self.kind!r}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"a recompute ratio lies in [0, 1], got {self.ratio}")
+        if self.check_layer < 0 or self.first < 0:
+            raise ValueError("check_layer and first must be >= 0")
+
+
+FULL = Mode("full")
+NAIVE = Mode("naive")
+
+
+def cacheblend(ratio: float, check_layer: int = 1) -> Mode:
+    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``."""
+    return Mode("cacheblend", ratio=ratio, check_layer=check_layer)
+
+
+def epic(first: int) -> Mode:
+    """Recompute the first ``first`` tokens of every chunk."""
+    return Mode("epic", first=first)
+
+
+def rotary_config(config: Any) -> RotaryConfig:
+    """The kvblend rotary config of a transformers model config (``rope_parameters``).
+
+    Raises:
+        ValueError: a rotary type kvblend does not turn (dynamic NTK, longrope, ...).
+    """
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = int(getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
+    partial = float(rope.get("partial_rotary_factor",
+                             getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+    kind = rope.get("rope_type", "default")
+    scaling = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}.get(kind)
+    if scaling is None:
+        raise ValueError(f"rope_type {kind!r} is not one kvblend re-rotates")
+    extra: dict[str, Any] = {}
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "truncate"):
+        if rope.get(name) is not None:
+            extra[name] = rope[name]
+    if rope.get("original_max_position_embeddings") is not None:
+        extra["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    return RotaryConfig(head_dim=head_dim, rotary_dim=int(head_dim * partial) % (head_dim + 1),
+                        theta=float(rope.get("rope_theta", 10000.0)), scaling=scaling, **extra)
+
+
+class _Cache:
+    """Every layer's K and V ``[1, kv_heads, capacity, head_dim]``; ``update`` (called by the
+    attention) writes the rows being computed and returns rows ``[0, length)``."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (1, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer_idx][:, :, self.rows] = k
+        self.v[layer_idx][:, :, self.rows] = v
+        return self.k[layer_idx][:, :, :self.length], self.v[layer_idx][:, :, :self.length]
+
+
+@dataclass
+class Prefill:
+    """One prefill's result.
+
+    Attributes:
+        logits: float32 logits of the computed rows' positions in the last layer, ``[rows, vocab]``
+            (every position for ``full``; the last is the prompt's last token).
+        hit: prompt positions whose KV a chunk filled (``[N]`` bool).
+        computed: rows computed per layer.
+        failed: match indexes the retrieve did not copy (computed instead).
+    """
+
+    logits: torch.Tensor
+    hit: np.ndarray
+    computed: list[int]
+    failed: list[int] = field(default_factory=list)
+    cache: Any = None
+    length: int = 0
+
+
+class BlendEngine:
+    """A transformers causal LM whose prefills reuse chunks stored in kvblend.
+
+    Args:
+        model: a ``*ForCausalLM`` of the Llama family (``model.model.layers``, ``model.lm_head``).
+        client: a connected ``BlendClient``.
+        model_name: the kvblend namespace's model name.
+        num_tokens: the engine buffer's rows: the longest prompt plus its decode.
+        cache_salt: the tenant salt of every call.
+    """
+
+    def __init__(self, model: Any, client: BlendClient, model_name: str, num_tokens: int,
+                 cache_salt: str = "") -> None:
+        cfg = model.config
+        self.model, self.client, self.model_name, self.salt = model, client, model_name, cache_salt
+        self.layers = int(cfg.num_hidden_layers)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None)
+                            or cfg.hidden_size // cfg.num_attention_heads)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        D = self.kv_heads * self.head_dim
+        if self.device.type == "cuda":
+            self.kv = torch.zeros((2, self.layers, num_tokens, D), dtype=self.dtype,
+                                  device=self.device)
+        else:
+            self.kv = client.cpu_kv_buffer(self.layers, num_tokens, D, self.dtype)
+        self.inst = client.register_kv_cache(self.kv, model_name=model_name,
+                                             rotary=rotary_config(cfg))
+
+    # -- storing ----------------------------------------------------------------------------
+
+    def precompute(self, doc: Any, first_position: int = 0) -> TransferResult:
+        """Prefill ``doc`` alone at positions ``first_position..`` and store its chunks
+        (``store_pre_computed``)."""
+        ids = _ids(doc)
+        p = self._run(ids, FULL, positions=first_position)
+        self._to_buffer(p.cache, len(ids))
+        return self.client.store_pre_computed(self.inst, ids.numpy(), first_position=first_position,
+                                              cache_salt=self.salt).wait(timeout=120)
+
+    def store_final(self, prompt: Any, prefill: Prefill) -> TransferResult:
+        """Store a prefill's whole prompt (``store_final``): its KV attended to all of it."""
+        ids = _ids(prompt)
+        self._to_buffer(prefill.cache, len(ids))
+        return self.client.store_final(self.inst, ids.numpy(), cache_salt=self.salt).wait(
+            timeout=120)
+
+    def _to_buffer(self, cache: _Cache, n: int) -> None:
+        for layer in range(self.layers):
+            self.kv[0, layer, :n] = cache.k[layer][0, :, :n].transpose(0, 1).reshape(n, -1)
+            self.kv[1, layer, :n] = cache.v[layer][0, :, :n].transpose(0, 1).reshape(n, -1)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    # -- prefill and decode -----------------------------------------------------------------
+
+    def prefill(self, prompt: Any, mode: Mode = NAIVE, extra: int = 0,
+                standalone_only: bool = False) -> Prefill:
+        """Prefill ``prompt`` in ``mode``; ``extra`` rows of cache are kept for the decode."""
+        return self._run(_ids(prompt), mode, extra=extra, standalone_only=standalone_only)
+
+    def generate(self, prompt: Any, mode: Mode = NAIVE, max_new_tokens: int = 16) -> list[int]:
+        """Greedy decode from the blended cache: the new token ids."""
+        ids = _ids(prompt)
+        p = self.prefill(ids, mode, extra=max_new_tokens)
+        out = [int(p.logits[-1].argmax())]
+        cache, n = p.cache, len(ids)
+        for i in range(max_new_tokens - 1):
+            logits = self._step(cache, out[-1], n + i)
+            out.append(int(logits.argmax()))
+        return out
+
+    def _step(self, cache: _Cache, token: int, position: int) -> torch.Tensor:
+        inner = self.model.model
+        ids = torch.tensor([[token]], device=self.device)
+        pos = torch.tensor([[position]], device=self.device)
+        h = inner.embed_tokens(ids)
+        pe = inner.rotary_emb(h, position_ids=pos)
+        cache.rows, cache.length = pos[0], position + 1
+        with torch.no_grad():
+            for layer in inner.layers[:self.layers]:
+                h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos,
+                          cache=cache)
+            return self.model.lm_head(inner.norm(h))[0, -1].float()
+
+    def _run(self, ids: torch.Tensor, mode: Mode, positions: int = 0, extra: int = 0,
+             standalone_only: bool = False) -> Prefill:
+        n = len(ids)
+        cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
+                       self.device)
+        cache.length = n
+        hit = np.zeros(n, bool)
+        failed: list[int] = []
+        transfer: Transfer | None = None
+        layerwise = False
+        starts: list[int] = []
+        chunk: list[int] = []
+        if mode.kind != "full":
+            matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
+                                         standalone_only=standalone_only).matches
+            if matches:
+                layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
+                transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
+                                                cache_salt=self.salt,
+                                                layer_groups=self.layers if layerwise else 0,
+                                                first_position=positions)
+                if not layerwise:
+                    failed = transfer.wait(timeout=120).failed
+            starts = [m.cur_st for m in matches]
+            chunk = [m.cur_ed - m.cur_st for m in matches]
+        pos = torch.arange(positions, positions + n, device=self.device)[None]
+        inner = self.model.model
+        with torch.no_grad():
+            everything = inner.embed_tokens(ids.to(self.device)[None])
+            cos, sin = inner.rotary_emb(everything, position_ids=pos)
+            causal = _causal_mask(inner, everything, pos)
+            rows: torch.Tensor | None = None  # None: every row
+            computed = []
+            h = everything
+            for layer_idx, layer in enumerate(inner.layers[:self.layers]):
+                if transfer is not None and (layer_idx == 0 or layerwise):
+                    failed = self._load(transfer, layerwise, layer_idx, cache, starts, chunk,
+                                        hit, failed)
+                if rows is None and layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
+                    rows = self._rows(hit, mode, starts, chunk)
+                    h = everything[:, rows]
+                r = torch.arange(n, device=self.device) if rows is None else rows
+                cache.rows = r
+                mask = causal if rows is None else (pos[0, None, :] <= pos[0, r][:, None])[None, None]
+                pe = (cos[:, r], sin[:, r])
+                h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
+                          cache=cache)
+                computed.append(len(r))
+                if mode.kind == "cacheblend" and layer_idx == mode.check_layer and hit.any():
+                    chosen = self._select(cache, layer_idx, hit, mode.ratio)
+                    if len(chosen) < n:  # every row: keep transformers' own mask
+                        rows, h = chosen, h[:, chosen]
+            logits = self.model.lm_head(inner.norm(h))[0].float()
+        if transfer is not None:
+            done = transfer.wait(timeout=120)
+            failed = done.failed
+        return Prefill(logits, hit, computed, failed, cache, n)
+
+    def _load(self, transfer: Transfer, layerwise: bool, layer_idx: int, cache: _Cache,
+              starts: list[int], chunk: list[int], hit: np.ndarray, failed: list[int]
+              ) -> list[int]:
+        """Copy layer ``layer_idx``'s loaded K and V (every layer at once for a retrieve that is
+        not layer-wise) into the cache and mark the rows the chunks filled."""
+        if layerwise:
+            failed = transfer.wait_layer(layer_idx, timeout=120)
+            layers = [layer_idx]
+        else:
+            layers = list(range(self.layers))
+        if layer_idx == 0:
+            bad = set(failed)
+            for j, (s, c) in enumerate(zip(starts, chunk)):
+                if j not in bad:
+                    hit[s:s + c] = True
+        n = len(hit)
+        for layer in layers:
+            k = self.kv[0, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            v = self.kv[1, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            cache.k[layer][0, :, :n] = k
+            cache.v[layer][0, :, :n] = v
+        return failed
+
+    def _rows(self, hit: np.ndarray, mode: Mode, starts: list[int], chunk: list[int]
+              ) -> torch.Tensor:
+        """The rows naive and epic compute in every layer."""
+        want = ~hit
+        want[-1] = True
+        if mode.kind == "epic":
+            for s, c in zip(starts, chunk):
+                if hit[s]:
+                    want[s:s + min(mode.first, c)] = True
+        return torch.from_numpy(np.flatnonzero(want)).to(self.device)
+
+    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, ratio: float) -> torch.Tensor:
+        """CacheBlend's selection at the check layer: the non-hit rows, the last row, and the top
+        ``ratio`` of hit rows by the L2 norm of their fresh KV minus the loaded KV."""
+        n = len(hit)
+        loaded_k = self.kv[0, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        loaded_v = self.kv[1, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        dev = ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
+            (cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+        hits = np.flatnonzero(hit)
+        take = math.ceil(ratio * len(hits))
+        want = ~hit
+        want[-1] = True
+        if take:
+            order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
+                                  stable=True)
+            want[hits[order[:take].cpu().numpy()]] = True
+        return torch.from_numpy(np.flatnonzero(want)).to(self.device)
+
+    def close(self) -> None:
+        """Unregister the engine's buffer."""
+        self.client.unregister(self.inst)
+
+
+def _ids(tokens: Any) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+
+
+def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
+    """transformers' own mask of a whole prefill (None where the attention uses is_causal)."""
+    from transformers.masking_utils import create_causal_mask
+    return create_causal_mask(config=inner.config, inputs_embeds=embeds, attention_mask=None,
+                              cache=None, position_ids=pos)
+
+
+__all__ = ["BlendEngine", "Mode", "Prefill", "FULL", "NAIVE", "cacheblend", "epic",
+           "rotary_config"]

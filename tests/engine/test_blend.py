@@ -1,0 +1,142 @@
+"""The reference engine's exactness gates, on a tiny random Llama built here and a real data plane:
+the layer loop equals the model, a 100 % recompute equals full prefill bit for bit, naive reuse
+equals the model run over a cache re-rotated by hand with transformers' own rotary code."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from dataplane.client import BlendClient
+from engine.blend import FULL, NAIVE, BlendEngine, cacheblend, epic, rotary_config
+from tests.conftest import remove_prefix
+from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
+
+L, HKV, DH, V = 3, 2, 16, 1000
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.fixture(scope="module")
+def dataplane() -> Iterator[DataPlaneProc]:
+    prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
+    create_store(prefix)
+    try:
+        dp = start_dataplane(prefix)
+        yield dp
+        assert dp.stop() == 0
+    finally:
+        remove_prefix(prefix)
+
+
+def tiny_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=HKV, head_dim=DH,
+                      rope_parameters=ROPE, max_position_embeddings=1 << 16)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def engine(request: pytest.FixtureRequest, dataplane: DataPlaneProc) -> Iterator[BlendEngine]:
+    model = tiny_llama(request.param)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        eng = BlendEngine(model, client, f"tiny-{uuid.uuid4().hex[:6]}", num_tokens=512)
+        yield eng
+        eng.close()
+
+
+def docs_and_prompt(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, V, 2 * CHUNK), rng.integers(0, V, 3 * CHUNK)
+    prompt = np.concatenate([rng.integers(0, V, 5), a, rng.integers(0, V, 7), b,
+                             rng.integers(0, V, 9)])
+    return a, b, prompt
+
+
+def model_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids)[None]).logits[0].float()
+
+
+def test_the_rotary_config_follows_the_model() -> None:
+    cfg = rotary_config(tiny_llama(torch.float32).config)
+    assert (cfg.head_dim, cfg.dim, cfg.scaling, cfg.theta, cfg.factor) == (DH, DH, "llama3",
+                                                                           500000.0, 8.0)
+
+
+def test_the_layer_loop_equals_the_model(engine: BlendEngine) -> None:
+    ids = np.random.default_rng(1).integers(0, V, 70)
+    got = engine.prefill(ids, FULL).logits
+    want = model_logits(engine.model, ids)
+    if engine.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def test_recomputing_every_token_equals_full_prefill(engine: BlendEngine) -> None:
+    a, b, prompt = docs_and_prompt(2)
+    assert engine.precompute(a).ok and engine.precompute(b).ok
+    full = engine.prefill(prompt, FULL)
+    blended = engine.prefill(prompt, cacheblend(1.0))
+    assert blended.hit.sum() == len(a) + len(b)  # the chunks were found and loaded
+    assert blended.computed == [len(prompt)] * L
+    assert torch.equal(blended.logits[-1], full.logits[-1])  # bit for bit, in the model's dtype
+    assert engine.generate(prompt, cacheblend(1.0), 6) == engine.generate(prompt, FULL, 6)
+
+
+def test_naive_reuse_equals_a_cache_turned_by_hand(dataplane: DataPlaneProc) -> None:
+    model = tiny_llama(torch.float32)
+    rng = np.random.default_rng(3)
+    a, b, q = rng.integers(0, V, 2 * CHUNK), rng.integers(0, V, 3 * CHUNK), rng.integers(0, V, 9)
+    prompt = np.concatenate([a, b, q])
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        eng = BlendEngine(model, client, "tiny-naive", num_tokens=256)
+        assert eng.precompute(a).ok and eng.precompute(b, first_position=1).ok
+        got = eng.prefill(prompt, NAIVE)
+        eng.close()
+    assert got.computed == [len(q)] * L and got.hit.sum() == len(a) + len(b)
+    # by hand: each document prefilled alone where it was stored, K turned with transformers'
+    # rotary embedding by the distance to where it sits in the prompt (rotations compose)
+    cache = DynamicCache(config=model.config)
+    parts = []
+    for doc, stored_at, at in ((a, 0, 0), (b, 1, len(a))):
+        with torch.no_grad():
+            out = model(input_ids=torch.from_numpy(doc)[None],
+                        position_ids=torch.arange(stored_at, stored_at + len(doc))[None],
+                        use_cache=True)
+        shift = torch.full((1, len(doc)), at - stored_at)
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), shift)
+        parts.append([(apply_rotary_pos_emb(layer.keys, layer.keys, cos, sin)[0], layer.values)
+                      for layer in out.past_key_values.layers])
+    for i in range(L):
+        cache.update(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2),
+                     i)
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(q)[None], cache=cache,
+                     position_ids=torch.arange(len(a) + len(b), len(prompt))[None]).logits[0, -1]
+    assert float((got.logits[-1] - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    unturned = model_logits(model, prompt)[-1]  # and it is not the full prefill's answer
+    assert float((got.logits[-1] - unturned).abs().max()) > 1e-3
+
+
+def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
+    a, b, prompt = docs_and_prompt(4)
+    assert engine.precompute(a).ok and engine.precompute(b).ok
+    hits = len(a) + len(b)
+    n = len(prompt)
+    naive = engine.prefill(prompt, NAIVE)
+    assert naive.computed == [n - hits] * L
+    blend = engine.prefill(prompt, cacheblend(0.25))
+    assert blend.computed == [n, n] + [n - hits + int(np.ceil(0.25 * hits))] * (L - 2)
+    first = engine.prefill(prompt, epic(3))
+    assert first.computed == [n - hits + 3 * (hits // CHUNK)] * L
+    for p in (naive, blend, first):
+        assert bool(torch.isfinite(p.logits).all())
