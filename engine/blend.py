@@ -24,6 +24,7 @@ What each mode computes (``Mode``), over the prompt's N positions, "hit" = rows 
                     KV deviates most from the loaded KV (the top r of them, by the L2 norm of the K
                     and V differences) join the non-hit rows, which are computed in every later layer
     epic(k)         the non-hit rows and the first k rows of every chunk, in every layer
+    random(r)       as cacheblend(r), the hit rows drawn at random (a baseline)
 
 The last row (the prompt's last token) is always computed: its logits start the decode. A layer
 whose rows are all of them runs with transformers' own causal mask, so ``full`` and a 100 %
@@ -39,6 +40,7 @@ code: the engine blends whatever model shares the Llama module names (Llama, Mis
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +62,7 @@ class Mode:
     first: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "naive", "cacheblend", "epic"):
+        if self.kind not in ("full", "naive", "cacheblend", "epic", "random"):
             raise ValueError(f"unknown mode {self.kind!r}")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"a recompute ratio lies in [0, 1], got {self.ratio}")
@@ -75,6 +77,11 @@ NAIVE = Mode("naive")
 def cacheblend(ratio: float, check_layer: int = 1) -> Mode:
     """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``."""
     return Mode("cacheblend", ratio=ratio, check_layer=check_layer)
+
+
+def random_blend(ratio: float, seed: int = 0, check_layer: int = 1) -> Mode:
+    """A baseline for ``cacheblend``: recompute ``ratio`` of the chunk tokens drawn at random."""
+    return Mode("random", ratio=ratio, check_layer=check_layer, first=seed)
 
 
 def epic(first: int) -> Mode:
@@ -137,6 +144,11 @@ class Prefill:
         hit: prompt positions whose KV a chunk filled (``[N]`` bool).
         computed: rows computed per layer.
         failed: match indexes the retrieve did not copy (computed instead).
+        cache: every layer's K and V (the decode continues from it).
+        length: the prompt's tokens.
+        positions: the positions of ``logits``' rows.
+        times: seconds spent in ``lookup``, blocked waiting for loaded layers (``load_wait``), in
+            the selection (``select``), and in all (``total``, after the device finished).
     """
 
     logits: torch.Tensor
@@ -145,6 +157,8 @@ class Prefill:
     failed: list[int] = field(default_factory=list)
     cache: Any = None
     length: int = 0
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class BlendEngine:
@@ -205,9 +219,13 @@ class BlendEngine:
     # -- prefill and decode -----------------------------------------------------------------
 
     def prefill(self, prompt: Any, mode: Mode = NAIVE, extra: int = 0,
-                standalone_only: bool = False) -> Prefill:
-        """Prefill ``prompt`` in ``mode``; ``extra`` rows of cache are kept for the decode."""
-        return self._run(_ids(prompt), mode, extra=extra, standalone_only=standalone_only)
+                standalone_only: bool = False,
+                loaded: list[tuple[int, int]] | None = None) -> Prefill:
+        """Prefill ``prompt`` in ``mode``; ``extra`` rows of cache are kept for the decode.
+        ``loaded``: ``(start, tokens)`` spans whose KV the buffer already holds at the prompt's
+        positions (no lookup, no retrieve: KV the engine loaded itself, or a timing floor)."""
+        return self._run(_ids(prompt), mode, extra=extra, standalone_only=standalone_only,
+                         spans=loaded)
 
     def generate(self, prompt: Any, mode: Mode = NAIVE, max_new_tokens: int = 16) -> list[int]:
         """Greedy decode from the blended cache: the new token ids."""
@@ -234,8 +252,11 @@ class BlendEngine:
             return self.model.lm_head(inner.norm(h))[0, -1].float()
 
     def _run(self, ids: torch.Tensor, mode: Mode, positions: int = 0, extra: int = 0,
-             standalone_only: bool = False) -> Prefill:
+             standalone_only: bool = False, spans: list[tuple[int, int]] | None = None
+             ) -> Prefill:
         n = len(ids)
+        t0 = time.perf_counter()
+        times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
         cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
                        self.device)
         cache.length = n
@@ -243,11 +264,11 @@ class BlendEngine:
         failed: list[int] = []
         transfer: Transfer | None = None
         layerwise = False
-        starts: list[int] = []
-        chunk: list[int] = []
-        if mode.kind != "full":
+        starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
+        if mode.kind != "full" and spans is None:
             matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
                                          standalone_only=standalone_only).matches
+            times["lookup"] = time.perf_counter() - t0
             if matches:
                 layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
                 transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
@@ -268,10 +289,12 @@ class BlendEngine:
             computed = []
             h = everything
             for layer_idx, layer in enumerate(inner.layers[:self.layers]):
-                if transfer is not None and (layer_idx == 0 or layerwise):
+                if mode.kind != "full" and (layer_idx == 0 or layerwise):
+                    w = time.perf_counter()
                     failed = self._load(transfer, layerwise, layer_idx, cache, starts, chunk,
                                         hit, failed)
-                if rows is None and layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
+                    times["load_wait"] += time.perf_counter() - w
+                if layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
                     rows = self._rows(hit, mode, starts, chunk)
                     h = everything[:, rows]
                 r = torch.arange(n, device=self.device) if rows is None else rows
@@ -281,22 +304,30 @@ class BlendEngine:
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
                           cache=cache)
                 computed.append(len(r))
-                if mode.kind == "cacheblend" and layer_idx == mode.check_layer and hit.any():
-                    chosen = self._select(cache, layer_idx, hit, mode.ratio)
+                if (mode.kind in ("cacheblend", "random") and layer_idx == mode.check_layer
+                        and hit.any()):
+                    w = time.perf_counter()
+                    chosen = self._select(cache, layer_idx, hit, mode)
+                    times["select"] = time.perf_counter() - w
                     if len(chosen) < n:  # every row: keep transformers' own mask
                         rows, h = chosen, h[:, chosen]
             logits = self.model.lm_head(inner.norm(h))[0].float()
+            last = torch.arange(n, device=self.device) if rows is None else rows
         if transfer is not None:
-            done = transfer.wait(timeout=120)
-            failed = done.failed
-        return Prefill(logits, hit, computed, failed, cache, n)
+            failed = transfer.wait(timeout=120).failed
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        times["total"] = time.perf_counter() - t0
+        return Prefill(logits, hit, computed, failed, cache, n, last.cpu().numpy() + positions,
+                       times)
 
-    def _load(self, transfer: Transfer, layerwise: bool, layer_idx: int, cache: _Cache,
+    def _load(self, transfer: Transfer | None, layerwise: bool, layer_idx: int, cache: _Cache,
               starts: list[int], chunk: list[int], hit: np.ndarray, failed: list[int]
               ) -> list[int]:
         """Copy layer ``layer_idx``'s loaded K and V (every layer at once for a retrieve that is
         not layer-wise) into the cache and mark the rows the chunks filled."""
         if layerwise:
+            assert transfer is not None
             failed = transfer.wait_layer(layer_idx, timeout=120)
             layers = [layer_idx]
         else:
@@ -325,10 +356,11 @@ class BlendEngine:
                     want[s:s + min(mode.first, c)] = True
         return torch.from_numpy(np.flatnonzero(want)).to(self.device)
 
-    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, ratio: float) -> torch.Tensor:
+    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, mode: Mode) -> torch.Tensor:
         """CacheBlend's selection at the check layer: the non-hit rows, the last row, and the top
-        ``ratio`` of hit rows by the L2 norm of their fresh KV minus the loaded KV."""
-        n = len(hit)
+        ``ratio`` of hit rows by the L2 norm of their fresh KV minus the loaded KV (``random``:
+        that many hit rows drawn at random, seeded, as a baseline)."""
+        n, ratio = len(hit), mode.ratio
         loaded_k = self.kv[0, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
         loaded_v = self.kv[1, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
         dev = ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
@@ -337,7 +369,9 @@ class BlendEngine:
         take = math.ceil(ratio * len(hits))
         want = ~hit
         want[-1] = True
-        if take:
+        if take and mode.kind == "random":
+            want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
+        elif take:
             order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
                                   stable=True)
             want[hits[order[:take].cpu().numpy()]] = True
@@ -359,5 +393,5 @@ def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
                               cache=None, position_ids=pos)
 
 
-__all__ = ["BlendEngine", "Mode", "Prefill", "FULL", "NAIVE", "cacheblend", "epic",
+__all__ = ["BlendEngine", "Mode", "Prefill", "FULL", "NAIVE", "cacheblend", "epic", "random_blend",
            "rotary_config"]

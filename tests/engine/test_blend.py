@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from dataplane.client import BlendClient
-from engine.blend import FULL, NAIVE, BlendEngine, cacheblend, epic, rotary_config
+from engine.blend import FULL, NAIVE, BlendEngine, cacheblend, epic, random_blend, rotary_config
 from tests.conftest import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
@@ -138,5 +138,14 @@ def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
     assert blend.computed == [n, n] + [n - hits + int(np.ceil(0.25 * hits))] * (L - 2)
     first = engine.prefill(prompt, epic(3))
     assert first.computed == [n - hits + 3 * (hits // CHUNK)] * L
-    for p in (naive, blend, first):
+    drawn = engine.prefill(prompt, random_blend(0.25, seed=1))
+    assert drawn.computed == blend.computed
+    assert not np.array_equal(drawn.positions, blend.positions)  # other rows than cacheblend's
+    assert naive.positions.tolist() == np.flatnonzero(~naive.hit).tolist()
+    for p in (naive, blend, first, drawn):
         assert bool(torch.isfinite(p.logits).all())
+    # the buffer holds the chunks from the last retrieve: the same blend without kvblend's calls
+    spans = [(5, len(a)), (5 + len(a) + 7, len(b))]
+    again = engine.prefill(prompt, NAIVE, loaded=spans)
+    assert again.hit.tolist() == naive.hit.tolist() and torch.equal(again.logits, naive.logits)
+    assert again.times["lookup"] == 0 and naive.times["lookup"] > 0
