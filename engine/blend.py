@@ -111,7 +111,7 @@ def rotary_config(config: Any) -> RotaryConfig:
             extra[name] = rope[name]
     if rope.get("original_max_position_embeddings") is not None:
         extra["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
-    return RotaryConfig(head_dim=head_dim, rotary_dim=int(head_dim * partial) % (head_dim + 1),
+    return RotaryConfig(head_dim=head_dim, rotary_dim=int(head_dim * partial),
                         theta=float(rope.get("rope_theta", 10000.0)), scaling=scaling, **extra)
 
 
@@ -289,7 +289,7 @@ class BlendEngine:
             computed = []
             h = everything
             for layer_idx, layer in enumerate(inner.layers[:self.layers]):
-                if mode.kind != "full" and (layer_idx == 0 or layerwise):
+                if starts and (layer_idx == 0 or layerwise):
                     w = time.perf_counter()
                     failed = self._load(transfer, layerwise, layer_idx, cache, starts, chunk,
                                         hit, failed)
