@@ -138,6 +138,15 @@ def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
     assert blend.computed == [n, n] + [n - hits + int(np.ceil(0.25 * hits))] * (L - 2)
     first = engine.prefill(prompt, epic(3))
     assert first.computed == [n - hits + 3 * (hits // CHUNK)] * L
+    # cacheblend's rows: the non-hit ones and the hit ones whose layer-1 KV (as full prefill
+    # computes it) is farthest from the loaded (turned) KV the buffer now holds
+    fresh = engine.prefill(prompt, FULL).cache
+    hit_rows = np.flatnonzero(blend.hit)
+    dist = [float(sum(((c[1][0, :, r].float() - engine.kv[kv, 1, r].view(HKV, DH).float()) ** 2)
+                      .sum() for kv, c in enumerate((fresh.k, fresh.v)))) for r in hit_rows]
+    top = hit_rows[np.argsort(dist, kind="stable")[::-1][:int(np.ceil(0.25 * hits))]]
+    assert sorted(blend.positions.tolist()) == sorted(
+        np.flatnonzero(~blend.hit).tolist() + top.tolist())
     drawn = engine.prefill(prompt, random_blend(0.25, seed=1))
     assert drawn.computed == blend.computed
     assert not np.array_equal(drawn.positions, blend.positions)  # other rows than cacheblend's
