@@ -255,6 +255,9 @@ class BlendEngine:
              standalone_only: bool = False, spans: list[tuple[int, int]] | None = None
              ) -> Prefill:
         n = len(ids)
+        if not 0 < n <= self.kv.shape[2] - extra:
+            raise ValueError(f"a prompt of {n} tokens (+{extra} to decode) does not fit the "
+                             f"engine's buffer of {self.kv.shape[2]} rows")
         t0 = time.perf_counter()
         times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
         cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,

@@ -158,3 +158,5 @@ def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
     again = engine.prefill(prompt, NAIVE, loaded=spans)
     assert again.hit.tolist() == naive.hit.tolist() and torch.equal(again.logits, naive.logits)
     assert again.times["lookup"] == 0 and naive.times["lookup"] > 0
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.prefill(np.zeros(513, np.int64), FULL)
