@@ -358,26 +358,36 @@ class FingerprintIndex:
         Returns:
             The chosen matches, ascending by ``cur_st``.
         """
+        old, cur, hashes = self.cover(namespace, query_token_ids, is_live, eligible)
+        k = self.chunk_size
+        return [Match(o, o + k, c, c + k, h) for o, c, h in zip(old, cur, hashes)]
+
+    def cover(self, namespace: Namespace, query_token_ids: Any,
+              is_live: Callable[[list[bytes]], list[bool]] | None = None,
+              eligible: Callable[[list[bytes]], list[bool]] | None = None
+              ) -> tuple[list[int], list[int], list[bytes]]:
+        """``match`` as three lists, ``(old_st, cur_st, chunk_hash)`` per chosen match (no
+        ``Match`` objects: ``shm.lookup`` builds its own, once)."""
         tokens = as_tokens(query_token_ids)
         k = self.chunk_size
         if len(tokens) < k or (self._guard.lock_free_reads and self._hdr[H_LIVE] == 0):
-            return []
+            return [], [], []
         pos, rows = self._candidates(tokens, np.uint64(namespace.id))
         if len(pos) == 0:
-            return []
+            return [], [], []
         pos, rows = verified(namespace.root, tokens, k, pos, rows)
         if is_live is not None and len(pos):
             pos, rows = self._drop_stale(pos, rows, is_live)
         if eligible is not None and len(pos):
             pos, rows = self._keep(pos, rows, eligible)
         if len(pos) == 0:
-            return []
+            return [], [], []
         order = np.lexsort((rows[:, E_SEQ], pos))
         pos, rows = pos[order], rows[order]
         old = (rows[:, E_STATE] >> np.uint64(32)).astype(np.int64)
-        chosen = best_cover(pos, rows[:, E_SEQ].astype(np.int64), old, k)
-        return [Match(int(old[c]), int(old[c]) + k, int(pos[c]), int(pos[c]) + k,
-                      rows[c, E_HASH0:E_HASH1 + 1].tobytes()) for c in chosen]
+        chosen = np.asarray(best_cover(pos, rows[:, E_SEQ].astype(np.int64), old, k), np.int64)
+        return (old[chosen].tolist(), pos[chosen].tolist(),
+                [rows[c, E_HASH0:E_HASH1 + 1].tobytes() for c in chosen.tolist()])
 
     def _candidates(self, tokens: np.ndarray, nsid: np.uint64) -> tuple[np.ndarray, np.ndarray]:
         size = 256

@@ -39,22 +39,22 @@ def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
     """
     tokens = as_tokens(token_ids)
     chunk = fingerprints.chunk_size
-    seen: dict[bytes, tuple[int, int]] = {}
 
-    def eligible(hashes: Sequence[bytes]) -> list[bool]:
-        pos, origin = store.provenance(namespace.id, hashes)
-        seen.update(zip(hashes, zip(pos.tolist(), origin.tolist())))
-        if standalone_only:
-            return (origin == ORIGIN_STANDALONE).tolist()
-        return (origin >= 0).tolist()
+    def standalone(hashes: Sequence[bytes]) -> list[bool]:
+        return (store.provenance(namespace.id, hashes)[1] == ORIGIN_STANDALONE).tolist()
 
-    found = fingerprints.match(namespace, tokens, is_live=live_checker(store, namespace),
-                               eligible=eligible)
+    olds, curs, hashes = fingerprints.cover(namespace, tokens,
+                                            is_live=live_checker(store, namespace),
+                                            eligible=standalone if standalone_only else None)
+    # where and how the chosen chunks were computed, read once for them only; a chunk evicted
+    # since the liveness check is left out (its retrieve would fail)
+    pos, origin = store.provenance(namespace.id, hashes)
     matches = []
-    for m in found:
-        pos, origin = seen[m.chunk_hash]
-        old = m.old_st if origin == ORIGIN_UNKNOWN else pos
-        matches.append(Match(old, old + chunk, m.cur_st, m.cur_ed, m.chunk_hash, ORIGINS[origin]))
+    for registered, cur, h, p, o in zip(olds, curs, hashes, pos.tolist(), origin.tolist()):
+        if o < 0 or (standalone_only and o != ORIGIN_STANDALONE):
+            continue
+        old = registered if o == ORIGIN_UNKNOWN else p
+        matches.append(Match(old, old + chunk, cur, cur + chunk, h, ORIGINS[o]))
     return LookupResult(matches, covered_tokens(matches), len(tokens) // chunk * chunk)
 
 
