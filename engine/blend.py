@@ -124,7 +124,7 @@ class _Cache:
         shape = (1, kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.rows: Any = slice(0, 0)  # the rows being computed: a slice, or a tensor of indexes
         self.length = 0
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
@@ -300,13 +300,13 @@ class BlendEngine:
                 if layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
                     rows = self._rows(hit, mode, starts, chunk)
                     h = everything[:, rows]
-                r = torch.arange(n, device=self.device) if rows is None else rows
+                r: Any = slice(0, n) if rows is None else rows  # a slice writes without a scatter
                 cache.rows = r
                 mask = causal if rows is None else (pos[0, None, :] <= pos[0, r][:, None])[None, None]
                 pe = (cos[:, r], sin[:, r])
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
                           cache=cache)
-                computed.append(len(r))
+                computed.append(n if rows is None else len(rows))
                 if (mode.kind in ("cacheblend", "random") and layer_idx == mode.check_layer
                         and hit.any()):
                     w = time.perf_counter()
