@@ -54,7 +54,7 @@ from dataplane.messages import MAX_LAYER_GROUP_MATCHES, RotaryConfig
 @dataclass(frozen=True)
 class Mode:
     """Which rows a prefill computes (module docstring). Build with ``FULL``, ``NAIVE``,
-    ``cacheblend(r)`` or ``epic(k)``."""
+    ``cacheblend(r)``, ``epic(k)`` or ``random_blend(r)``."""
 
     kind: str
     ratio: float = 0.0
