@@ -75,9 +75,20 @@ class CpuBuffer(InstanceBuffer):
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
-        from dataplane import rotary
-        dtype = rotary.torch_dtype(self.layout.dtype.name)
+        from dataplane import cpu_rotary, rotary
         cos, sin = turn.cos_sin()
+        name = self.layout.dtype.name
+        if cpu_rotary.supports(name):  # one pass per layer over every chunk's K rows
+            rows = (np.asarray(token_starts, np.int64)[:, None] + np.arange(chunk_size)).ravel()
+            half = cos.shape[-1]
+            raw = np.dtype(f"u{self.layout.dtype.itemsize}")
+            for layer in range(first, last):
+                k = self._buf[0, layer].view(raw).reshape(self.layout.num_tokens, 1, -1,
+                                                          cfg.head_dim)
+                cpu_rotary.turn(k, rows, np.zeros_like(rows), cos.reshape(-1, half).numpy(),
+                                sin.reshape(-1, half).numpy(), cfg.dim, cfg.style == "gptj", name)
+            return
+        dtype = rotary.torch_dtype(name)
         for j, t in enumerate(token_starts):
             rows = torch_view(self._buf[0, first:last, t:t + chunk_size], dtype)  # [l, C, D]
             rotary.rotate(rows.unflatten(-1, (-1, cfg.head_dim)), cos[j], sin[j], cfg)
@@ -151,10 +162,19 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
-        from dataplane import rotary
+        from dataplane import cpu_rotary, rotary
         assert self._table is not None, "bind() comes first"
-        dtype = rotary.torch_dtype(self.layout.dtype.name)
         cos, sin = turn.cos_sin()
+        name = self.layout.dtype.name
+        if cpu_rotary.supports(name):  # one pass per layer over every chunk's K rows, in place
+            at = self._table.chunk_slots(np.asarray(token_starts, np.int64), chunk_size)
+            half = cos.shape[-1]
+            for layer in range(first, last):
+                cpu_rotary.turn(self._k[layer], at.block.ravel(), at.slot.ravel(),
+                                cos.reshape(-1, half).numpy(), sin.reshape(-1, half).numpy(),
+                                cfg.dim, cfg.style == "gptj", name)
+            return
+        dtype = rotary.torch_dtype(name)
         for j, t in enumerate(token_starts):
             at = self._table.slots(t, chunk_size)
             for layer in range(first, last):

@@ -1,0 +1,94 @@
+"""Re-rotating K on CPU buffers in one pass: a numba kernel over the engine's raw K elements.
+
+This module owns the kernel; ``dataplane.cpu`` says where each token's K sits and passes the
+turn's float32 ``cos``/``sin`` (``dataplane.rotary.Turn``). The arithmetic is that of
+``dataplane.rotary.rotate`` step for step, so the bits are the same (a test checks it): each
+element widened to float32, ``a*c - b*s`` and ``b*c + a*s`` as float32 products and sums rounded one
+by one (numba without fastmath emits no fused multiply-add), written back in the buffer's dtype
+(bf16 rounded to nearest even; a NaN stays a NaN, its bits may differ from torch's).
+
+K is addressed as a 4-D array ``k[i0, i1, head, dim]`` of raw integers (uint16 for bf16, uint32 for
+float32; any strides) and token ``t``'s row is ``k[i0[t], i1[t]]``: a contiguous buffer's layer is
+``[T, 1, H, Dh]`` with ``i0`` the token, a paged layer ``[blocks, slots, H, Dh]`` with the token's
+block and slot. fp16 buffers keep the torch path of ``dataplane.rotary``.
+
+Work is split in blocks of ``ROWS`` tokens over the cores (``prange``); each block allocates its
+float32 scratch once and reads the raw elements through integer views of it.
+"""
+
+from __future__ import annotations
+
+import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
+import numpy as np
+from numba import njit, prange
+
+ROWS = 64
+
+
+@njit(parallel=True, cache=True)
+def turn_raw(k, i0, i1, cos, sin, d, gptj, bf16):  # pragma: no cover (compiled)
+    """Turn the first ``d`` dims of every head of token ``t``'s K row ``k[i0[t], i1[t]]`` by
+    ``cos[t]``/``sin[t]`` (float32 ``[n, d/2]``), in place. ``bf16``: the raw elements are bf16
+    (else float32)."""
+    n, heads, half = i0.shape[0], k.shape[2], d // 2
+    for blk in prange((n + ROWS - 1) // ROWS):
+        a_u = np.empty(half, np.uint32)
+        b_u = np.empty(half, np.uint32)
+        ra = np.empty(half, np.float32)
+        rb = np.empty(half, np.float32)
+        a = a_u.view(np.float32)
+        b = b_u.view(np.float32)
+        ra_u = ra.view(np.uint32)
+        rb_u = rb.view(np.uint32)
+        for t in range(blk * ROWS, min(n, (blk + 1) * ROWS)):
+            row = k[i0[t], i1[t]]
+            for h in range(heads):
+                for i in range(half):
+                    ia = 2 * i if gptj else i
+                    ib = 2 * i + 1 if gptj else i + half
+                    if bf16:
+                        a_u[i] = np.uint32(row[h, ia]) << np.uint32(16)
+                        b_u[i] = np.uint32(row[h, ib]) << np.uint32(16)
+                    else:
+                        a_u[i] = np.uint32(row[h, ia])
+                        b_u[i] = np.uint32(row[h, ib])
+                for i in range(half):
+                    c = cos[t, i]
+                    s = sin[t, i]
+                    ra[i] = a[i] * c - b[i] * s
+                    rb[i] = b[i] * c + a[i] * s
+                for i in range(half):
+                    ia = 2 * i if gptj else i
+                    ib = 2 * i + 1 if gptj else i + half
+                    if bf16:
+                        row[h, ia] = _to_bf16(ra_u[i])
+                        row[h, ib] = _to_bf16(rb_u[i])
+                    else:
+                        row[h, ia] = ra_u[i]
+                        row[h, ib] = rb_u[i]
+
+
+@njit(cache=True, inline="always")
+def _to_bf16(u):  # pragma: no cover (compiled)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                     >> np.uint32(16))
+
+
+def supports(dtype_name: str) -> bool:
+    """Whether the kernel turns buffers of this ``shm.layout.DType`` name."""
+    return dtype_name in ("BFLOAT16", "FLOAT32")
+
+
+def turn(k: np.ndarray, i0: np.ndarray, i1: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+         d: int, gptj: bool, dtype_name: str) -> None:
+    """``turn_raw`` with its arguments checked and typed."""
+    assert k.ndim == 4 and k.dtype in (np.uint16, np.uint32), (k.shape, k.dtype)
+    turn_raw(k, np.ascontiguousarray(i0, np.int64), np.ascontiguousarray(i1, np.int64),
+             np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
+             int(d), bool(gptj), dtype_name == "BFLOAT16")
+
+
+__all__ = ["turn", "supports", "ROWS"]
