@@ -12,8 +12,11 @@ float32; any strides) and token ``t``'s row is ``k[i0[t], i1[t]]``: a contiguous
 ``[T, 1, H, Dh]`` with ``i0`` the token, a paged layer ``[blocks, slots, H, Dh]`` with the token's
 block and slot. fp16 buffers keep the torch path of ``dataplane.rotary``.
 
-Work is split in blocks of ``ROWS`` tokens over the cores (``prange``); each block allocates its
-float32 scratch once and reads the raw elements through integer views of it.
+NOTE: one thread, without the GIL (``nogil``), not numba's parallel loops: the data plane turns on
+each instance's worker thread, so several turns run at once, and numba's default threading layer
+(workqueue, where OpenMP or TBB is missing) aborts the process when parallel kernels are launched
+from two threads at a time. The rows are taken in blocks of ``ROWS`` tokens, each with its float32
+scratch, read and written through integer views of it.
 """
 
 from __future__ import annotations
@@ -21,18 +24,18 @@ from __future__ import annotations
 import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 ROWS = 64
 
 
-@njit(parallel=True, cache=True)
+@njit(nogil=True, cache=True)
 def turn_raw(k, i0, i1, cos, sin, d, gptj, bf16):  # pragma: no cover (compiled)
     """Turn the first ``d`` dims of every head of token ``t``'s K row ``k[i0[t], i1[t]]`` by
     ``cos[t]``/``sin[t]`` (float32 ``[n, d/2]``), in place. ``bf16``: the raw elements are bf16
     (else float32)."""
     n, heads, half = i0.shape[0], k.shape[2], d // 2
-    for blk in prange((n + ROWS - 1) // ROWS):
+    for blk in range((n + ROWS - 1) // ROWS):
         a_u = np.empty(half, np.uint32)
         b_u = np.empty(half, np.uint32)
         ra = np.empty(half, np.float32)
