@@ -78,15 +78,13 @@ class CpuBuffer(InstanceBuffer):
         from dataplane import cpu_rotary, rotary
         cos, sin = turn.cos_sin()
         name = self.layout.dtype.name
-        if cpu_rotary.supports(name):  # one pass per layer over every chunk's K rows
+        if cpu_rotary.supports(name):  # a layer's K as [T, 1, heads, dims]: row t is token t
             rows = (np.asarray(token_starts, np.int64)[:, None] + np.arange(chunk_size)).ravel()
-            half = cos.shape[-1]
             raw = np.dtype(f"u{self.layout.dtype.itemsize}")
-            for layer in range(first, last):
-                k = self._buf[0, layer].view(raw).reshape(self.layout.num_tokens, 1, -1,
-                                                          cfg.head_dim)
-                cpu_rotary.turn(k, rows, np.zeros_like(rows), cos.reshape(-1, half).numpy(),
-                                sin.reshape(-1, half).numpy(), cfg.dim, cfg.style == "gptj", name)
+            _kernel_turn([self._buf[0, layer].view(raw).reshape(self.layout.num_tokens, 1, -1,
+                                                                cfg.head_dim)
+                          for layer in range(first, last)], rows, np.zeros_like(rows), cos, sin,
+                         cfg, name)
             return
         dtype = rotary.torch_dtype(name)
         for j, t in enumerate(token_starts):
@@ -166,13 +164,10 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
         assert self._table is not None, "bind() comes first"
         cos, sin = turn.cos_sin()
         name = self.layout.dtype.name
-        if cpu_rotary.supports(name):  # one pass per layer over every chunk's K rows, in place
+        if cpu_rotary.supports(name):  # the layers' strided K views, rows by block and slot
             at = self._table.chunk_slots(np.asarray(token_starts, np.int64), chunk_size)
-            half = cos.shape[-1]
-            for layer in range(first, last):
-                cpu_rotary.turn(self._k[layer], at.block.ravel(), at.slot.ravel(),
-                                cos.reshape(-1, half).numpy(), sin.reshape(-1, half).numpy(),
-                                cfg.dim, cfg.style == "gptj", name)
+            _kernel_turn(self._k[first:last], at.block.ravel(), at.slot.ravel(), cos, sin, cfg,
+                         name)
             return
         dtype = rotary.torch_dtype(name)
         for j, t in enumerate(token_starts):
@@ -236,6 +231,17 @@ class CpuEngine(CopyEngine):
             raise BackendError(f"cannot map shm buffer {spec.name!r}: {exc}") from exc
         finally:
             os.close(fd)
+
+
+def _kernel_turn(layers: list[np.ndarray], i0: np.ndarray, i1: np.ndarray, cos: Any, sin: Any,
+                 cfg: Any, dtype_name: str) -> None:
+    """Turn token rows ``k[i0, i1]`` of each layer's raw K view with ``dataplane.cpu_rotary``
+    (``cos``/``sin``: torch ``[chunks, C, d/2]``, converted once for every layer)."""
+    from dataplane import cpu_rotary
+    half = cos.shape[-1]
+    c, s = cos.reshape(-1, half).numpy(), sin.reshape(-1, half).numpy()
+    for k in layers:
+        cpu_rotary.turn(k, i0, i1, c, s, cfg.dim, cfg.style == "gptj", dtype_name)
 
 
 def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:

@@ -340,19 +340,28 @@ class BlendEngine:
             for j, (s, c) in enumerate(zip(starts, chunk)):
                 if j not in bad:
                     hit[s:s + c] = True
-        n = len(hit)
         for layer in layers:
-            k = self.kv[0, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            v = self.kv[1, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
-            cache.k[layer][0, :, :n] = k
-            cache.v[layer][0, :, :n] = v
+            cache.k[layer][0, :, :len(hit)], cache.v[layer][0, :, :len(hit)] = self._loaded(
+                layer, len(hit))
         return failed
+
+    def _loaded(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the buffer's K and V of ``layer``, rows ``[0, n)``, as ``[kv_heads, n,
+        head_dim]`` (the cache's order)."""
+        return tuple(self.kv[kv, layer, :n].reshape(n, self.kv_heads, self.head_dim)
+                     .transpose(0, 1) for kv in (0, 1))  # type: ignore[return-value]
+
+    @staticmethod
+    def _always(hit: np.ndarray) -> np.ndarray:
+        """The rows every mode computes: those no chunk filled, and the last."""
+        want = ~hit
+        want[-1] = True
+        return want
 
     def _rows(self, hit: np.ndarray, mode: Mode, starts: list[int], chunk: list[int]
               ) -> torch.Tensor:
         """The rows naive and epic compute in every layer."""
-        want = ~hit
-        want[-1] = True
+        want = self._always(hit)
         if mode.kind == "epic":
             for s, c in zip(starts, chunk):
                 if hit[s]:
@@ -363,18 +372,16 @@ class BlendEngine:
         """CacheBlend's selection at the check layer: the non-hit rows, the last row, and the top
         ``ratio`` of hit rows by the L2 norm of their fresh KV minus the loaded KV (``random``:
         that many hit rows drawn at random, seeded, as a baseline)."""
-        n, ratio = len(hit), mode.ratio
-        loaded_k = self.kv[0, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        loaded_v = self.kv[1, layer, :n].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        dev = ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
-            (cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+        n = len(hit)
         hits = np.flatnonzero(hit)
-        take = math.ceil(ratio * len(hits))
-        want = ~hit
-        want[-1] = True
+        take = math.ceil(mode.ratio * len(hits))
+        want = self._always(hit)
         if take and mode.kind == "random":
             want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
         elif take:
+            loaded_k, loaded_v = self._loaded(layer, n)
+            dev = ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
+                (cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
             order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
                                   stable=True)
             want[hits[order[:take].cpu().numpy()]] = True
