@@ -7,7 +7,8 @@ depends on content only, so it is the same on every run and machine with the sam
 
 Training: a Llama of ``--hidden`` / ``--layers`` / GQA ``--heads`` over ``--kv-heads`` on bytes
 (vocab 256), random windows of the training files, AdamW with a cosine schedule, for
-``--minutes`` of wall time; the weights stay in this process.
+``--minutes`` of wall time; the weights stay on this machine (``--save`` writes them to a local
+file, ``--load`` scores from such a file without training again, for runs split in parts).
 
 Scoring, through a ``kvblend serve`` started here and the reference engine (``engine.blend``): a
 prompt is the first ``L`` bytes of a held-out file cut into documents of ``--doc-bytes``, each
@@ -22,6 +23,8 @@ closes, with a bootstrap interval over prompts.
 Usage::
 
     python benchmarks/blend_quality.py                          # CUDA: ~10 min of training
+    python benchmarks/blend_quality.py --save /tmp/q.pt --train-only   # the same in two parts
+    python benchmarks/blend_quality.py --load /tmp/q.pt
     python benchmarks/blend_quality.py --device cpu --minutes 0.3 --hidden 64 --layers 2 \\
         --heads 4 --kv-heads 2 --seq 256 --batch 8 --lengths 1024 --prompts 6   # a smoke run
 """
@@ -163,6 +166,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--ratios", default="0.05,0.15,0.30")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", help="write the trained weights to this local file")
+    p.add_argument("--load", help="score the weights of this file (from --save) instead of training")
+    p.add_argument("--train-only", action="store_true", help="stop after training (with --save)")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [float(x) for x in args.ratios.split(",")]
@@ -170,7 +176,16 @@ def main() -> None:
     print(f"# corpus: {len(train_files)} training files ({sum(map(len, train_files)) / 1e6:.0f} MB), "
           f"{len(held)} held out ({sum(map(len, held)) / 1e6:.0f} MB)", flush=True)
     model = build_model(args)
-    train(model, train_files, args)
+    if args.load:
+        model.load_state_dict(torch.load(args.load, map_location=args.device))
+        model.eval()
+        print(f"# weights from {args.load}", flush=True)
+    else:
+        train(model, train_files, args)
+        if args.save:
+            torch.save(model.state_dict(), args.save)
+    if args.train_only:
+        return
     if args.device == "cuda":
         model = model.to(torch.bfloat16)
     prefix = f"kvquality_{os.getpid()}"
@@ -193,7 +208,10 @@ def main() -> None:
                 nll: dict[str, list[float]] = {k: [] for k in modes}
                 agree: dict[str, list[float]] = {k: [] for k in modes}
                 t0 = time.monotonic()
-                for i in picks:
+                for done, i in enumerate(picks):
+                    if done and done % 20 == 0:
+                        print(f"# {n_ctx} bytes: {done} prompts in {time.monotonic() - t0:.0f} s",
+                              flush=True)
                     text = np.frombuffer(usable[i][:n_ctx + args.continuation], np.uint8).astype(
                         np.int64)
                     engine.salt = f"{n_ctx}-{i}"  # each prompt finds its own documents only
