@@ -85,7 +85,17 @@ def build_model(args: argparse.Namespace) -> Any:
     return LlamaForCausalLM(cfg).to(args.device)
 
 
-def train(model: Any, files: list[bytes], args: argparse.Namespace) -> None:
+def batches(data: np.ndarray, rng: np.random.Generator, seq: int, batch: int,
+            device: str) -> torch.Tensor:
+    """``batch`` random windows of ``seq`` bytes of ``data``."""
+    starts = rng.integers(0, len(data) - seq, batch)
+    return torch.from_numpy(np.stack([data[s:s + seq] for s in starts]).astype(
+        np.int64)).to(device)
+
+
+def train(model: Any, files: list[bytes], args: argparse.Namespace, long_seq: int) -> None:
+    """AdamW for ``--minutes``; the last ``--long-share`` of the time on windows of ``long_seq``
+    bytes (the same bytes a step), so that the scored prompts' positions were seen in training."""
     data = np.frombuffer(b"".join(files), np.uint8)
     rng = np.random.default_rng(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -98,22 +108,33 @@ def train(model: Any, files: list[bytes], args: argparse.Namespace) -> None:
         lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = rng.integers(0, len(data) - args.seq - 1, args.batch)
-        batch = torch.from_numpy(np.stack([data[s:s + args.seq + 1] for s in starts]).astype(
-            np.int64)).to(args.device)
-        with autocast:
-            loss = model(input_ids=batch[:, :-1], labels=batch[:, 1:].clone()).loss
+        seq, size = args.seq, args.batch
+        if elapsed >= (1 - args.long_share) * budget:
+            seq, size = long_seq, max(1, args.batch * args.seq // long_seq)
+        batch = batches(data, rng, seq, size, args.device)
+        with autocast:  # the model shifts the labels by one itself
+            loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step, seen = step + 1, seen + batch.numel()
-        if step % 200 == 0 or step == 1:
-            print(f"# step {step}, {elapsed:.0f} s, {seen / 1e6:.0f} M bytes, train loss "
-                  f"{float(loss):.3f} nats/byte", flush=True)
+        if step % 500 == 0 or step == 1:
+            print(f"# step {step}, {elapsed:.0f} s, {seen / 1e6:.0f} M bytes, windows of {seq}, "
+                  f"train loss {loss.item():.3f} nats/byte", flush=True)
     model.eval()
     print(f"# trained {step} steps, {seen / 1e6:.0f} M bytes in {time.monotonic() - t0:.0f} s",
           flush=True)
+
+
+@torch.inference_mode()
+def held_out_loss(model: Any, files: list[bytes], seq: int, args: argparse.Namespace) -> float:
+    """Mean next-byte NLL (nats) of the model over 16 random held-out windows of ``seq`` bytes."""
+    rng = np.random.default_rng(args.seed + 1)
+    data = np.frombuffer(b"".join(files), np.uint8)
+    losses = [float(model(input_ids=b, labels=b).loss)
+              for b in (batches(data, rng, seq, 1, args.device) for _ in range(16))]
+    return float(np.mean(losses))
 
 
 def score(engine: BlendEngine, prompt: np.ndarray, at: np.ndarray, mode: Mode,
@@ -159,6 +180,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--long-share", type=float, default=0.3,
+                   help="share of the training time on windows as long as the longest prompt")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lengths", default="2048,8192")
     p.add_argument("--doc-bytes", type=int, default=512)
@@ -175,19 +198,23 @@ def main() -> None:
     train_files, held = corpus()
     print(f"# corpus: {len(train_files)} training files ({sum(map(len, train_files)) / 1e6:.0f} MB), "
           f"{len(held)} held out ({sum(map(len, held)) / 1e6:.0f} MB)", flush=True)
+    long_seq = max(lengths) + args.continuation
     model = build_model(args)
     if args.load:
         model.load_state_dict(torch.load(args.load, map_location=args.device))
         model.eval()
         print(f"# weights from {args.load}", flush=True)
     else:
-        train(model, train_files, args)
+        train(model, train_files, args, long_seq)
         if args.save:
             torch.save(model.state_dict(), args.save)
-    if args.train_only:
-        return
     if args.device == "cuda":
         model = model.to(torch.bfloat16)
+    for seq in sorted({args.seq, long_seq}):
+        print(f"# held-out NLL, full prefill of {seq}-byte windows: "
+              f"{held_out_loss(model, held, seq, args):.3f} nats/byte", flush=True)
+    if args.train_only:
+        return
     prefix = f"kvquality_{os.getpid()}"
     kv_bytes = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 2
     storage = int(2 * max(lengths) * kv_bytes * 8 / (1 << 20)) + 256
