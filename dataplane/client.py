@@ -319,6 +319,29 @@ class BlendClient:
         whole = self.cpu_kv_buffer(1, 1, num_layers * per // 2, dtype).view(num_layers, per)
         return [whole[layer].view(shapes[layout]) for layer in range(num_layers)]
 
+    def share_cpu_tensor(self, t: torch.Tensor) -> None:
+        """Move CPU tensor ``t``'s memory (its whole storage) into a new POSIX shm segment of
+        this service, in place (``shm.segment.Segment.adopt``): same address, same bytes, and
+        every view of it, the engine's own included, now reads and writes the segment. Then
+        ``register_paged_kv_cache`` takes tensors over it without a staging copy: how an engine
+        that allocates its own CPU KV cache (vLLM) shares it. The segment is unlinked when
+        unregistered or when the client closes; the memory stays the engine's until it frees it.
+
+        Raises:
+            BadRequest: a CUDA tensor, or memory already shared by this client.
+        """
+        if t.is_cuda:
+            raise BadRequest("share_cpu_tensor takes CPU tensors; CUDA memory is shared by IPC")
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            if any(b <= ptr < b + s.size for b, s in self._buffers.items()):
+                raise BadRequest("this memory is shared already")
+        name = Names(self.prefix).kvbuf(secrets.token_hex(KVBUF_HEX // 2))
+        seg = Segment.adopt(name, ptr, nbytes)
+        with self._lock:
+            self._buffers[seg.base] = seg
+
     def _buffer_spec(self, kv: torch.Tensor) -> ShmBuffer | CudaIpcBuffer:
         if kv.is_cuda:
             storage = kv.untyped_storage()
@@ -472,7 +495,11 @@ class BlendClient:
         with self._lock:
             self._leaving.discard(instance_id)
             reg = self._instances.pop(instance_id, None)
-            seg = self._buffers.pop(reg.kv.data_ptr(), None) if reg is not None else None
+            seg = None
+            if reg is not None:  # the segment holding the registered memory, if ours
+                ptr = reg.kv.data_ptr()
+                base = next((b for b, s in self._buffers.items() if b <= ptr < b + s.size), None)
+                seg = self._buffers.pop(base) if base is not None else None
         if seg is not None:
             seg.unlink()
 

@@ -16,10 +16,18 @@ NOTE: only names of ours are attached or removed (``shm.private``). Creation is 
 open descriptor (regular file, our uid, no group/other bits) before mapping anything, and glibc's
 ``shm_open`` opens with ``O_NOFOLLOW``, so a symlink at the name fails there. ``unlink`` checks the
 name first and leaves a foreign one in place.
+
+NOTE: ``adopt`` moves memory a process already uses into a new segment without moving it: the
+pages' bytes are copied into the segment, which is then mapped over them at the same address
+(``MAP_FIXED | MAP_SHARED``). Every pointer into that memory stays valid and now reads and writes
+the segment, so another process can share memory an engine allocated itself (vLLM's KV cache).
+Bytes written to those pages by another thread between the copy and the mapping would be lost:
+adopt memory nobody else is writing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from collections.abc import Callable
@@ -33,6 +41,11 @@ from shm.private import check_name, check_private, raise_if_foreign, shm_path, u
 
 _PIECE = 256 << 20
 Progress = Callable[[int, int], None]
+_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
 
 
 class Segment:
@@ -67,6 +80,7 @@ class Segment:
             if not create and size and actual != size:
                 raise ValueError(f"segment {name!r} holds {actual} bytes, expected {size}")
             self.size = actual
+            self.base = 0  # where ``adopt`` mapped it in this process, besides ``buf``
             self._mmap: mmap.mmap | None = mmap.mmap(
                 shm.fd, actual, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except BaseException:
@@ -94,6 +108,43 @@ class Segment:
     def unlink(self) -> None:
         """Remove the name; other mappings stay valid until they close."""
         unlink(self.name)
+
+    @classmethod
+    def adopt(cls, name: str, address: int, nbytes: int) -> "Segment":
+        """A new segment holding the memory ``[address, address + nbytes)`` of this process, in
+        place: its pages' bytes are copied in and the segment mapped over them (module NOTE).
+        The segment covers whole pages: ``base`` is the first page's address.
+
+        Raises:
+            ValueError: an empty range.
+            OSError: the mapping failed (the memory is then unchanged).
+        """
+        if nbytes <= 0 or address <= 0:
+            raise ValueError(f"cannot adopt {nbytes} bytes at {address:#x}")
+        page = mmap.PAGESIZE
+        base = address - address % page
+        size = -(-(address + nbytes - base) // page) * page
+        seg = cls(name, size, create=True)
+        try:
+            view = np.frombuffer(seg.buf, np.uint8)
+            ctypes.memmove(view.ctypes.data, base, size)
+            del view
+            shm = _open(name, False)
+            try:
+                got = _libc.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_SHARED | _MAP_FIXED, shm.fd, 0)
+            finally:
+                shm.close_fd()
+            if got != base:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mapping segment {name!r} over {size} bytes at {base:#x}: "
+                              f"{os.strerror(err)}")
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+        seg.base = base
+        return seg
 
     def __enter__(self) -> "Segment":
         return self

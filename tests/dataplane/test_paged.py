@@ -27,9 +27,10 @@ def logical(layer: torch.Tensor, layout: str, block: torch.Tensor,
     if layout == "flashinfer":
         return layer[block, :, slot].transpose(0, 1)
     assert layout == "cpu_kt"
-    flat = layer.reshape(B, H, 2 * S * DH)
-    k = flat[:, :, :S * DH].reshape(B, H, DH, S)[block, :, :, slot]  # K stored [Dh, S]
-    v = flat[:, :, S * DH:].reshape(B, H, S, DH)[block, :, slot]
+    nb = layer.shape[0]
+    flat = layer.reshape(nb, H, 2 * S * DH)
+    k = flat[:, :, :S * DH].reshape(nb, H, DH, S)[block, :, :, slot]  # K stored [Dh, S]
+    v = flat[:, :, S * DH:].reshape(nb, H, S, DH)[block, :, slot]
     return torch.stack([k, v])
 
 
@@ -135,9 +136,10 @@ def _write(layer: torch.Tensor, layout: str, block: torch.Tensor, slot: torch.Te
     elif layout == "flashinfer":
         layer[block, :, slot] = value.transpose(0, 1)
     else:
-        flat = layer.view(B, H, 2 * S * DH)
-        k = flat[:, :, :S * DH].view(B, H, DH, S)
-        v = flat[:, :, S * DH:].view(B, H, S, DH)
+        nb = layer.shape[0]
+        flat = layer.view(nb, H, 2 * S * DH)
+        k = flat[:, :, :S * DH].view(nb, H, DH, S)
+        v = flat[:, :, S * DH:].view(nb, H, S, DH)
         k[block, :, :, slot] = value[0]
         v[block, :, slot] = value[1]
 
@@ -226,3 +228,38 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     assert np.array_equal(space[:staging][~written], scrambled[~written])
     assert np.array_equal(space[:staging][written], engine_before[written])
     assert written.sum() == 3 * 2 * L * C * H * DH * isz  # every chunk byte, once
+
+
+@pytest.mark.parametrize("blocks", [B, 20_000])  # a heap allocation; one mmap-ed on its own
+def test_an_engines_own_cpu_cache_is_shared_in_place(dataplane: DataPlaneProc,
+                                                     blocks: int) -> None:
+    """A cache the engine allocated itself (plain torch memory, as vLLM's) is moved into shared
+    memory in place: views taken before still hold their bytes and see what a retrieve writes."""
+    doc = np.random.default_rng(4).integers(0, 50_000, 2 * CHUNK)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        src = client.cpu_paged_kv_cache(L, B, S, H, DH, torch.bfloat16, layout="cpu_kt")
+        for i, layer in enumerate(src):
+            fill(layer, 20 + i)
+        inst = client.register_paged_kv_cache(src, "cpu_kt", S, H, DH, model_name="m")
+        assert client.store_pre_computed(inst, doc, block_table=list(range(B))).wait().ok
+        matches = client.lookup(doc, model_name="m").matches
+        want = [logical(layer, "cpu_kt", *slots_of(list(range(B)), 0, 2 * CHUNK)) for layer in src]
+
+        own = torch.empty((L, blocks, H, S, 2 * DH), dtype=torch.bfloat16)
+        fill(own, 30)
+        views = [own[i] for i in range(L)]  # the engine's own views, taken before sharing
+        before = own.clone()
+        client.share_cpu_tensor(own)
+        assert torch.equal(own.view(torch.int16), before.view(torch.int16))
+        with pytest.raises(BadRequest, match="shared already"):
+            client.share_cpu_tensor(views[1])
+        got = client.register_paged_kv_cache(views, "cpu_kt", S, H, DH, model_name="m")
+        table = [blocks - 1, 3, 0, 5, 9, 2, 7, 1]
+        assert client.retrieve(got, doc, matches, block_table=table).wait().copied == 2
+        block, slot = slots_of(table, 0, 2 * CHUNK)
+        for i, layer in enumerate(views):
+            assert torch.equal(logical(layer, "cpu_kt", block, slot).view(torch.int16),
+                               want[i].view(torch.int16)), i
+        assert _untouched([before[i] for i in range(L)], views, "cpu_kt", block, slot)
+        client.unregister(got)
+    del views, own  # the allocator frees memory that is now a shared mapping
