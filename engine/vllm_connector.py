@@ -1,0 +1,428 @@
+"""kvblend as the KV cache of a vLLM engine: a KV connector (vLLM's ``KVConnectorBase_V1``).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVBlendConnector",
+                           "kv_connector_module_path": "engine.vllm_connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"url": "http://127.0.0.1:8000",
+                                                         "api_token_env": "KVBLEND_API_TOKEN",
+                                                         "mode": "prefix"}}'
+
+This module runs inside vLLM's processes, on top of ``dataplane.client.BlendClient``. It owns the
+claim (how many prompt tokens kvblend provides), the per-step plan handed from vLLM's scheduler to
+its workers, and the mapping of those tokens to vLLM's cache blocks. It does not own the copies
+(the data plane moves whole chunks between the slab and vLLM's blocks, turning K to new positions)
+nor any attention (vLLM computes every token it is not given).
+
+vLLM asks a connector one question per new request: how many tokens from the start of the prompt
+it provides. vLLM then computes the rest and never checks what the connector wrote, so whatever is
+claimed must be complete: every position ``[0, claim)`` filled in every layer.
+
+    mode     claim                                              what is loaded
+    prefix   the longest run of chunks from position 0 whose    those chunks, looked up by the
+             keys equal the prompt's own prefix-chained keys    prompt's own keys: exactly the KV
+                                                                a full prefill computes
+    blend    the run of stored chunks from position 0 without   each chunk wherever it was stored,
+             a gap, whatever context or position they were      K turned to its new position
+             computed at (``shm.lookup``'s cover)               (naive reuse: no recompute)
+
+Both claims stop one token short of the prompt (vLLM computes at least its last token) and at the
+first position no chunk covers: this connector cannot reach vLLM's model (vLLM gives connectors its
+attention layers only), so it can neither compute a gap nor do CacheBlend's selective recompute of
+the reference engine (``engine.blend``); blend mode is the naive reuse of that engine, and the
+tokens after the claim (the question) attend to the reused KV. Blend mode loads approximate KV, so
+vLLM's own prefix caching, which would index those blocks under exact token hashes, must be off.
+
+After a prefill completes, the worker stores the prompt's full chunks with ``store_final`` (the
+copies run in the data plane while vLLM goes on; the request's blocks are held until they finished,
+through ``request_finished`` and ``get_finished``). A blend-mode prompt is stored only when every
+chunk it loaded was prefix-exact, so stored KV is always what a full prefill computes.
+
+Per step (one scheduler and one worker instance per engine; the plan is ``KVBlendMetadata``)::
+
+    scheduler                                       worker
+    get_num_new_matched_tokens: lookup, claim
+    update_state_after_alloc: the request's blocks
+    build_connector_meta: loads, saves  ------->    start_load_kv: retrieve into the blocks,
+                                                        layer-wise (layer i usable once copied)
+                                                    wait_for_layer_load(i): wait for layer i
+                                                    (vLLM's forward)
+                                                    wait_for_save: store finished prefills
+                                                    get_block_ids_with_load_errors: the blocks of
+                                                        chunks not loaded (evicted meanwhile);
+                                                        vLLM recomputes them ("recompute" policy)
+    request_finished: hold blocks while storing <-- get_finished: stores done
+
+vLLM's caches are registered with the data plane as they are, no staging copy: on CPU each layer
+is ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K of a block and head transposed, then V:
+``dataplane.paged``'s ``cpu_kt``), and the memory vLLM allocated is moved into a kvblend shm
+segment in place (``BlendClient.share_cpu_tensor``); on CUDA the FlashAttention (``[2, blocks,
+block_size, kv_heads, head_dim]``) and FlashInfer layouts are shared by CUDA IPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from dataplane.client import BlendClient, Transfer
+from dataplane.errors import DataPlaneError
+from dataplane.messages import MAX_LAYER_GROUP_MATCHES
+from engine.blend import rotary_config
+from shm.hashing import Namespace, chunk_hashes
+from shm.matches import Match
+
+log = logging.getLogger("kvblend.vllm")
+
+MODES = ("prefix", "blend")
+WAIT_S = 120.0  # a layer or a whole load not copied by then fails the step
+
+
+@dataclass
+class Load:
+    """Copy ``matches`` of request ``req_id`` into its blocks (positions ``[0, claim)``)."""
+
+    req_id: str
+    token_ids: np.ndarray
+    matches: list[Match]
+    block_ids: list[int]
+    cache_salt: str
+
+
+@dataclass
+class Save:
+    """Store the full chunks of request ``req_id``'s prompt from its blocks."""
+
+    req_id: str
+    token_ids: np.ndarray
+    block_ids: list[int]
+    cache_salt: str
+
+
+@dataclass
+class KVBlendMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler's connector to the workers'."""
+
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """What the scheduler's connector knows of a live request."""
+
+    token_ids: np.ndarray
+    cache_salt: str
+    claim: int = 0
+    matches: list[Match] = field(default_factory=list)
+    exact: bool = True  # every chunk loaded was prefix-exact
+    block_ids: list[int] = field(default_factory=list)
+    local: int = 0  # tokens vLLM's own prefix cache had when it asked
+    load: tuple[int, int] | None = None  # positions to load in the next step (blocks allocated)
+    save: bool = False  # a store of its prompt was planned
+
+
+def _client(extra: dict[str, Any]) -> BlendClient:
+    url = extra.get("url")
+    if not url:
+        raise ValueError("kv_connector_extra_config needs the kvblend service's 'url'")
+    token_env = extra.get("api_token_env")
+    token = os.environ.get(token_env) if token_env else None
+    if token_env and not token:
+        raise ValueError(f"api_token_env names {token_env!r}, which is not set")
+    return BlendClient(str(url), token, timeout=float(extra.get("timeout_s", 30.0)))
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    found = re.search(r"\.(\d+)\.", name)
+    return int(found.group(1)) if found else fallback
+
+
+class KVBlendConnector(KVConnectorBase_V1):
+    """vLLM's connector to a ``kvblend serve`` (module docstring).
+
+    ``kv_connector_extra_config``: ``url`` (required), ``api_token_env`` (the variable holding
+    the API token), ``mode`` (``prefix`` or ``blend``, default ``prefix``), ``model_name``
+    (default: vLLM's served model name), ``timeout_s``. A request's ``cache_salt`` is its kvblend
+    namespace salt too.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.mode = str(extra.get("mode", "prefix"))
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        model = vllm_config.model_config
+        self.model_name = str(extra.get("model_name") or model.served_model_name or model.model)
+        self.world_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        if (role == KVConnectorRole.SCHEDULER and self.mode == "blend"
+                and vllm_config.cache_config.enable_prefix_caching):
+            raise ValueError("blend mode loads approximate KV, which vLLM's prefix caching would "
+                             "index as exact: turn it off (--no-enable-prefix-caching)")
+        self.client = _client(extra)
+        self.chunk = self.client.chunk_size
+        # scheduler side
+        self._reqs: dict[str, _Request] = {}
+        # worker side
+        self._inst: int | None = None
+        self._layers: dict[str, int] = {}
+        self._block_size = 0
+        self._loading: list[tuple[Load, Transfer, list[int] | None]] = []
+        self._load_errors: set[int] = set()
+        self._saving: dict[str, Transfer | None] = {}
+        self._finished: set[str] = set()
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        """Tokens after vLLM's own ``num_computed_tokens`` that kvblend provides (synchronous
+        loads: one lookup, sub-millisecond on the data plane's store, per request)."""
+        req = self._reqs.get(request.request_id)
+        if req is None:
+            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            req = _Request(tokens, getattr(request, "cache_salt", None) or "")
+            try:
+                req.claim, req.matches, req.exact = self._claim(req)
+            except DataPlaneError as exc:  # kvblend down: vLLM computes everything
+                log.warning("kvblend lookup failed, computing request %s: %s",
+                            request.request_id, exc)
+            self._reqs[request.request_id] = req
+        req.local = num_computed_tokens
+        # the blocks vLLM's own cache filled stay untouched: load whole chunks after them only
+        usable = [m for m in req.matches if m.cur_st >= num_computed_tokens]
+        if not usable or usable[0].cur_st != num_computed_tokens:
+            return 0, False
+        return max(0, req.claim - num_computed_tokens), False
+
+    def _claim(self, req: _Request) -> tuple[int, list[Match], bool]:
+        """(claim, the chunks that fill it, whether all are prefix-exact) for a prompt."""
+        tokens, C = req.token_ids, self.chunk
+        keys = chunk_hashes(Namespace(self.model_name, self.world_size, req.cache_salt), tokens, C)
+        found = self.client.lookup(tokens, self.model_name, self.world_size, req.cache_salt).matches
+        at = {m.cur_st: m for m in found}
+        chosen: list[Match] = []
+        exact = True
+        for i, key in enumerate(keys):
+            m = at.get(i * C)
+            if m is None:
+                break
+            if self.mode == "prefix":  # the prompt's own key: retrieve verifies it holds these
+                m = Match(i * C, (i + 1) * C, i * C, (i + 1) * C, key, m.origin)
+            elif bytes(m.chunk_hash) != key or m.old_st != m.cur_st:
+                exact = False
+            chosen.append(m)
+        claim = min(len(chosen) * C, len(tokens) - 1)
+        return (claim, chosen, exact) if claim > 0 else (0, [], True)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        req = self._reqs.get(request.request_id)
+        if req is None:
+            return
+        if num_external_tokens == 0:  # nothing claimed now (a resumed request may have been)
+            req.load = None
+            return
+        req.block_ids = list(blocks.get_block_ids()[0])
+        req.load = (req.local, req.local + num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBlendMetadata:
+        meta = KVBlendMetadata()
+        done_after = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._reqs.get(new.req_id)
+            if req is None:
+                continue
+            req.block_ids = list(new.block_ids[0])
+            self._plan_load(meta, new.req_id, req)
+            self._plan_save(meta, new.req_id, req, new.num_computed_tokens
+                            + done_after.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            added = cached.new_block_ids[i]
+            if added is not None:
+                if req_id in cached.resumed_req_ids:
+                    req.block_ids = list(added[0])
+                else:
+                    req.block_ids.extend(added[0])
+            if req_id in cached.resumed_req_ids:  # preempted, then claimed again
+                self._plan_load(meta, req_id, req)
+            self._plan_save(meta, req_id, req, cached.num_computed_tokens[i]
+                            + done_after.get(req_id, 0))
+        return meta
+
+    def _plan_load(self, meta: KVBlendMetadata, req_id: str, req: _Request) -> None:
+        """Load the claim in the request's first step after vLLM allocated its blocks."""
+        if req.load is None:
+            return
+        start, end = req.load
+        req.load = None
+        matches = [m for m in req.matches if start <= m.cur_st < end]
+        if matches:
+            meta.loads.append(Load(req_id, req.token_ids, matches, req.block_ids, req.cache_salt))
+
+    def _plan_save(self, meta: KVBlendMetadata, req_id: str, req: _Request, computed: int) -> None:
+        """Store the prompt in the step that completes its prefill."""
+        n = len(req.token_ids) // self.chunk * self.chunk
+        if req.save or computed < len(req.token_ids) or n == 0 or not req.exact:
+            return
+        req.save = True
+        meta.saves.append(Save(req_id, req.token_ids[:n], req.block_ids[:-(-n // self._blocks())],
+                               req.cache_salt))
+
+    def _blocks(self) -> int:
+        return int(self._vllm_config.cache_config.block_size)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks while the prompt's store runs; report what kvblend provided."""
+        req = self._reqs.pop(request.request_id, None)
+        if req is None:
+            return False, None
+        return req.save, {"kvblend": {"mode": self.mode, "loaded_tokens": req.claim,
+                                      "stored": req.save}}
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda n: _layer_index(n, list(kv_caches).index(n)))
+        self._layers = {name: i for i, name in enumerate(names)}
+        layers = [kv_caches[n] for n in names]
+        first = layers[0]
+        if first.is_cuda:
+            if first.dim() == 5 and first.shape[0] == 2:
+                layout, (_, _, S, H, D) = "flash_attn", first.shape
+            elif first.dim() == 5 and first.shape[1] == 2:
+                layout, (_, _, S, H, D) = "flashinfer", first.shape
+            else:
+                raise NotImplementedError(f"vLLM's CUDA KV cache of shape {tuple(first.shape)} "
+                                          "is not a layout kvblend copies")
+        else:
+            if first.dim() != 4:
+                raise NotImplementedError(f"vLLM's CPU KV cache of shape {tuple(first.shape)} "
+                                          "is not a layout kvblend copies")
+            if first.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+                raise NotImplementedError("vLLM packs a bfloat16 CPU cache for AMX, a layout "
+                                          "kvblend does not copy: use float16 or float32")
+            layout, (_, H, S, D2) = "cpu_kt", first.shape
+            D = D2 // 2
+            self.client.share_cpu_tensor(first)  # every layer: one allocation
+        rank = 0
+        if self.world_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            rank = get_tensor_model_parallel_rank()
+        hf = self._vllm_config.model_config.hf_text_config
+        self._block_size = int(S)
+        self._inst = self.client.register_paged_kv_cache(
+            layers, layout, int(S), int(H), int(D), model_name=self.model_name,
+            world_size=self.world_size, worker_id=rank, rotary=rotary_config(hf))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBlendMetadata)
+        for load in meta.loads:
+            layerwise = len(load.matches) <= MAX_LAYER_GROUP_MATCHES
+            try:
+                t = self.client.retrieve(
+                    self._inst, load.token_ids, load.matches, block_table=load.block_ids,
+                    cache_salt=load.cache_salt, layer_groups=len(self._layers) if layerwise else 0)
+            except DataPlaneError as exc:
+                log.warning("kvblend retrieve of request %s failed: %s", load.req_id, exc)
+                self._load_errors.update(self._blocks_of(load, range(len(load.matches))))
+                continue
+            self._loading.append((load, t, [] if layerwise else None))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loading:
+            return
+        i = self._layers.get(layer_name, 0)
+        for _, t, layerwise in self._loading:
+            if layerwise is not None:
+                t.wait_layer(i, timeout=WAIT_S)
+            elif i == 0:
+                t.wait(timeout=WAIT_S)
+        if i == len(self._layers) - 1:
+            self._end_loads()
+
+    def _end_loads(self) -> None:
+        for load, t, _ in self._loading:
+            failed = t.wait(timeout=WAIT_S).failed
+            if failed:
+                log.info("request %s: %d of %d chunks not loaded, recomputed", load.req_id,
+                         len(failed), len(load.matches))
+                self._load_errors.update(self._blocks_of(load, failed))
+        self._loading = []
+
+    def _blocks_of(self, load: Load, failed: Any) -> set[int]:
+        S = self._block_size
+        out: set[int] = set()
+        for j in failed:
+            m = load.matches[j]
+            out.update(load.block_ids[b] for b in range(m.cur_st // S, (m.cur_ed - 1) // S + 1))
+        return out
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # whole prompts are stored after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._loading:  # a forward that ran no attention layer
+            self._end_loads()
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBlendMetadata)
+        for save in meta.saves:
+            try:
+                self._saving[save.req_id] = self.client.store_final(
+                    self._inst, save.token_ids, block_table=save.block_ids,
+                    cache_salt=save.cache_salt)
+            except DataPlaneError as exc:
+                log.warning("kvblend store of request %s failed: %s", save.req_id, exc)
+                self._saving[save.req_id] = None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Requests finished by vLLM whose prompt store has completed (their blocks are freed)."""
+        self._finished.update(finished_req_ids)
+        done = set()
+        for req_id in self._finished & set(self._saving):
+            t = self._saving[req_id]
+            if t is None or t.done():
+                if t is not None:
+                    result = t.wait(timeout=WAIT_S)
+                    if not result.ok:
+                        log.info("request %s: %d chunks not stored", req_id, len(result.failed))
+                done.add(req_id)
+        for req_id in done:
+            del self._saving[req_id]
+        self._finished -= done
+        self._finished &= set(self._saving)  # finished requests that stored nothing
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for t in self._saving.values():
+            if t is not None:
+                try:
+                    t.wait(timeout=WAIT_S)
+                except DataPlaneError:
+                    pass
+        self.client.close()
+
+
+__all__ = ["KVBlendConnector", "KVBlendMetadata", "MODES"]

@@ -1,0 +1,64 @@
+"""A tiny random-weight Llama saved with safetensors, and vLLM engines over it."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+VOCAB = 512
+BLOCK = 128
+
+
+def save_model(path: Path) -> Path:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the default init: tokens that depend on context
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, VOCAB, n)]
+
+
+def engine(model: Path, url: str | None = None, mode: str = "prefix",
+           prefix_caching: bool = False, **extra: Any) -> Any:
+    from vllm import LLM
+    kw: dict[str, Any] = {}
+    if url is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ProbedConnector", "kv_connector_module_path": "tests.vllm.probe",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": url, "mode": mode, **extra}}
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=4096,
+               enforce_eager=True, kv_cache_memory_bytes=64 << 20, block_size=BLOCK,
+               enable_prefix_caching=prefix_caching, **kw)
+
+
+def generate(llm: Any, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], dict]:
+    from vllm import SamplingParams
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), dict((out.kv_transfer_params or {}).get("kvblend", {}))
+
+
+def close(llm: Any) -> None:
+    """Shut the engine down (the connector unregisters from kvblend) and free it."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
