@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dataplane.client import BlendClient
+from shm.hashing import Namespace, chunk_hashes
 from tests.test_e2e import Service, poll
 from tests.vllm import probe
 from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens
@@ -83,19 +84,28 @@ def test_a_repeated_prompt_loads_from_kvblend_and_generates_the_same(
 
 def test_prefix_mode_loads_only_chunks_computed_after_the_same_prefix(
         model: Path, service: Service, reference: dict) -> None:
-    """B stored first after C, then after A: the lookup of A+B finds B's first entry (after C);
-    prefix mode loads B by A+B's own key, the KV a full prefill of A+B computes."""
+    """B stored after A, then after C: the lookup of A+B finds B's newest entry (after C); prefix
+    mode loads B by A+B's own key, the KV a full prefill of A+B computes."""
     llm = engine(model, service.url, "prefix")
     try:
-        assert generate(llm, PROMPTS["CB"]) == (reference["CB"], {
-            "mode": "prefix", "loaded_tokens": 0, "stored": True})
-        wait_stored(service, model, PROMPTS["CB"], 2)
-        generate(llm, PROMPTS["AB"])  # A new: B cannot be claimed after it
-        wait_stored(service, model, PROMPTS["AB"], 2)
+        for name in ("AB", "CB"):
+            assert generate(llm, PROMPTS[name]) == (reference[name], {
+                "mode": "prefix", "loaded_tokens": 0, "stored": True})
+            wait_stored(service, model, PROMPTS[name], 2)
+        ab_keys = chunk_hashes(Namespace(str(model)), PROMPTS["AB"], CHUNK)
+        with BlendClient(service.url) as client:  # the case this test is about
+            found = client.lookup(PROMPTS["AB"], str(model)).matches
+        assert [bytes(m.chunk_hash) == k for m, k in zip(found, ab_keys)] == [True, False]
         scramble_cache()
         out, params = generate(llm, PROMPTS["AB"])
         assert params["loaded_tokens"] == 2 * CHUNK and not probe.SEEN["errors"]
         assert out == reference["AB"]
+        (_, blocks, starts), = probe.SEEN["loads"]
+        assert starts == [0, CHUNK]
+        for layer in (0, 1):  # layer 1's K of B depends on what came before B
+            torch.testing.assert_close(_cache_k(probe.SEEN["caches"][layer], blocks, 0, 2 * CHUNK),
+                                       _full_k(model, PROMPTS["AB"], layer)[:, :2 * CHUNK],
+                                       rtol=1e-4, atol=1e-4)
     finally:
         close(llm)
 
@@ -118,19 +128,13 @@ def test_b_a_second_engine_process_reuses_what_the_first_stored(
     assert one["tokens"] == two["tokens"] == reference[2]
 
 
-def _layer0_k(model: Path, ids: list[int]) -> torch.Tensor:
-    """Layer 0's K (after the rotary embedding) of a full prefill: ``[kv_heads, n, head_dim]``."""
+def _full_k(model: Path, ids: list[int], layer: int) -> torch.Tensor:
+    """K (after the rotary embedding) of a full prefill in transformers: ``[kv_heads, n, dim]``."""
     from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32)
-    inner, attn = hf.model, hf.model.layers[0].self_attn
     with torch.no_grad():
-        x = inner.layers[0].input_layernorm(inner.embed_tokens(torch.tensor([ids])))
-        pos = torch.arange(len(ids))[None]
-        cos, sin = inner.rotary_emb(x, position_ids=pos)
-        k = attn.k_proj(x).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-    return k[0]
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    return cache.layers[layer].keys[0]
 
 
 def _cache_k(layer: torch.Tensor, blocks: list[int], start: int, n: int) -> torch.Tensor:
@@ -157,10 +161,10 @@ def test_c_blend_mode_loads_documents_at_new_positions_with_k_turned(
         (_, blocks, starts), = probe.SEEN["loads"]
         assert starts == [0, CHUNK]
         got = _cache_k(probe.SEEN["caches"][0], blocks, 0, 2 * CHUNK)
-        want = _layer0_k(model, prompt)[:, :2 * CHUNK]
+        want = _full_k(model, prompt, 0)[:, :2 * CHUNK]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # d1's KV as stored (positions 0..) is not what position 256.. needs: the turn mattered
-        assert (_layer0_k(model, d1) - want[:, CHUNK:]).abs().max() > 0.1
+        assert (_full_k(model, d1, 0) - want[:, CHUNK:]).abs().max() > 0.1
     finally:
         close(llm)
 
