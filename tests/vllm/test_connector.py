@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from shm.hashing import Namespace, chunk_hashes
-from tests.test_e2e import Service, poll
-from tests.vllm import probe
-from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests")
+
+from dataplane.client import BlendClient  # noqa: E402
+from shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from tests.test_e2e import Service, poll  # noqa: E402
+from tests.vllm import probe  # noqa: E402
+from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens  # noqa: E402
 
 CHUNK = 256  # kvblend serve's default chunk size
 
