@@ -24,6 +24,9 @@ EXCEPTIONS = {
                    "import, before any of our settings exist",
     "api/supervisor.py": "builds its children's environment: the parent's, plus the KVBLEND_* "
                          "variables of its settings (Settings.to_env)",
+    "engine/vllm_connector.py": "vLLM builds the connector from kv_connector_extra_config, which "
+                                "names the variable holding the API token (api_token_env) so that "
+                                "the token stays off vLLM's command line",
 }
 
 
