@@ -350,17 +350,27 @@ class KVBlendConnector(KVConnectorBase_V1):
         if not self._loading:
             return
         i = self._layers.get(layer_name, 0)
-        for _, t, layerwise in self._loading:
-            if layerwise is not None:
-                t.wait_layer(i, timeout=WAIT_S)
-            elif i == 0:
-                t.wait(timeout=WAIT_S)
+        for entry in list(self._loading):
+            load, t, layerwise = entry
+            try:
+                if layerwise is not None:
+                    t.wait_layer(i, timeout=WAIT_S)
+                elif i == 0:
+                    t.wait(timeout=WAIT_S)
+            except DataPlaneError as exc:  # the data plane gone or stuck: vLLM recomputes
+                log.warning("kvblend load of request %s failed: %s", load.req_id, exc)
+                self._load_errors.update(self._blocks_of(load, range(len(load.matches))))
+                self._loading.remove(entry)
         if i == len(self._layers) - 1:
             self._end_loads()
 
     def _end_loads(self) -> None:
         for load, t, _ in self._loading:
-            failed = t.wait(timeout=WAIT_S).failed
+            try:
+                failed = t.wait(timeout=WAIT_S).failed
+            except DataPlaneError as exc:
+                log.warning("kvblend load of request %s failed: %s", load.req_id, exc)
+                failed = list(range(len(load.matches)))
             if failed:
                 log.info("request %s: %d of %d chunks not loaded, recomputed", load.req_id,
                          len(failed), len(load.matches))
