@@ -166,6 +166,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         self.model_name = str(extra.get("model_name") or model.served_model_name or model.model)
         self.world_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        Namespace(self.model_name, self.world_size)  # refuse a name kvblend refuses, now
+        self.block_size = int(vllm_config.cache_config.block_size)
         if (role == KVConnectorRole.SCHEDULER and self.mode == "blend"
                 and vllm_config.cache_config.enable_prefix_caching):
             raise ValueError("blend mode loads approximate KV, which vLLM's prefix caching would "
@@ -177,8 +179,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         # worker side
         self._inst: int | None = None
         self._layers: dict[str, int] = {}
-        self._block_size = 0
-        self._loading: list[tuple[Load, Transfer, list[int] | None]] = []
+        self._loading: list[tuple[Load, Transfer, bool]] = []  # (load, retrieve, layer-wise)
         self._load_errors: set[int] = set()
         self._saving: dict[str, Transfer | None] = {}
         self._finished: set[str] = set()
@@ -188,14 +189,14 @@ class KVBlendConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         """Tokens after vLLM's own ``num_computed_tokens`` that kvblend provides (synchronous
-        loads: one lookup, sub-millisecond on the data plane's store, per request)."""
+        loads; one lookup through the API per request, about a millisecond on one host)."""
         req = self._reqs.get(request.request_id)
         if req is None:
             tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
             req = _Request(tokens, getattr(request, "cache_salt", None) or "")
             try:
                 req.claim, req.matches, req.exact = self._claim(req)
-            except DataPlaneError as exc:  # kvblend down: vLLM computes everything
+            except (DataPlaneError, ValueError) as exc:  # kvblend down, a salt it refuses
                 log.warning("kvblend lookup failed, computing request %s: %s",
                             request.request_id, exc)
             self._reqs[request.request_id] = req
@@ -281,11 +282,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         if req.save or computed < len(req.token_ids) or n == 0 or not req.exact:
             return
         req.save = True
-        meta.saves.append(Save(req_id, req.token_ids[:n], req.block_ids[:-(-n // self._blocks())],
+        meta.saves.append(Save(req_id, req.token_ids[:n], req.block_ids[:-(-n // self.block_size)],
                                req.cache_salt))
-
-    def _blocks(self) -> int:
-        return int(self._vllm_config.cache_config.block_size)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -325,8 +323,10 @@ class KVBlendConnector(KVConnectorBase_V1):
         if self.world_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             rank = get_tensor_model_parallel_rank()
+        if S != self.block_size:
+            raise NotImplementedError(f"cache blocks of {S} tokens, but vLLM's block size is "
+                                      f"{self.block_size}")
         hf = self._vllm_config.model_config.hf_text_config
-        self._block_size = int(S)
         self._inst = self.client.register_paged_kv_cache(
             layers, layout, int(S), int(H), int(D), model_name=self.model_name,
             world_size=self.world_size, worker_id=rank, rotary=rotary_config(hf))
@@ -344,7 +344,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 log.warning("kvblend retrieve of request %s failed: %s", load.req_id, exc)
                 self._load_errors.update(self._blocks_of(load, range(len(load.matches))))
                 continue
-            self._loading.append((load, t, [] if layerwise else None))
+            self._loading.append((load, t, layerwise))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:
@@ -353,7 +353,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         for entry in list(self._loading):
             load, t, layerwise = entry
             try:
-                if layerwise is not None:
+                if layerwise:
                     t.wait_layer(i, timeout=WAIT_S)
                 elif i == 0:
                     t.wait(timeout=WAIT_S)
@@ -378,7 +378,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._loading = []
 
     def _blocks_of(self, load: Load, failed: Any) -> set[int]:
-        S = self._block_size
+        S = self.block_size
         out: set[int] = set()
         for j in failed:
             m = load.matches[j]
@@ -410,10 +410,13 @@ class KVBlendConnector(KVConnectorBase_V1):
         for req_id in self._finished & set(self._saving):
             t = self._saving[req_id]
             if t is None or t.done():
-                if t is not None:
-                    result = t.wait(timeout=WAIT_S)
-                    if not result.ok:
-                        log.info("request %s: %d chunks not stored", req_id, len(result.failed))
+                try:
+                    result = t.wait(timeout=WAIT_S) if t is not None else None
+                except DataPlaneError as exc:
+                    log.warning("kvblend store of request %s failed: %s", req_id, exc)
+                    result = None
+                if result is not None and not result.ok:
+                    log.info("request %s: %d chunks not stored", req_id, len(result.failed))
                 done.add(req_id)
         for req_id in done:
             del self._saving[req_id]

@@ -117,7 +117,8 @@ class Segment:
 
         Raises:
             ValueError: an empty range.
-            OSError: the mapping failed (the memory is then unchanged).
+            OSError: the mapping failed (Linux may then have unmapped the range: a failed
+                ``MAP_FIXED`` gives no guarantee; it fails only out of memory or mappings).
         """
         if nbytes <= 0 or address <= 0:
             raise ValueError(f"cannot adopt {nbytes} bytes at {address:#x}")
