@@ -1,4 +1,5 @@
-"""The ``kvblend`` command: ``serve`` runs the service, ``status`` and ``clear`` talk to it.
+"""The ``kvblend`` command: ``serve`` runs the service, ``status`` and ``clear`` talk to it,
+``destroy`` frees the shared memory of a stopped one.
 
 Every ``serve`` flag is also an environment variable ``KVBLEND_<NAME>``; a flag wins over the
 variable, the variable over the default (see ``api.settings.Settings``).
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from enum import Enum
 from typing import Any, get_args
 
@@ -20,6 +23,13 @@ from pydantic.fields import FieldInfo
 from api.settings import Settings
 
 CLIENT_FLAGS = ("host", "port", "api_token")
+
+
+def _version() -> str:
+    try:
+        return version("kvblend")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -64,6 +74,7 @@ def _help(field: FieldInfo) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvblend", description="Per-host KV-cache server for context blending.")
+    parser.add_argument("--version", action="version", version=f"kvblend {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them")
     _add_flags(serve)
@@ -74,10 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default=None, help="service URL (default from --host/--port)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw JSON")
+    destroy = sub.add_parser("destroy", help="remove the shared memory of a stopped service "
+                             "(every cached chunk): refused while a service runs on the prefix")
+    _add_flags(destroy, ("shm_prefix",))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `kvblend status | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     url, as_json = args.pop("url", None), args.pop("json", False)
@@ -85,16 +107,52 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(**args)
     except ValidationError as exc:
         for err in exc.errors():
-            flag = "-".join(map(str, err["loc"])).replace("_", "-")
-            print(f"kvblend: {'--' + flag + ': ' if flag else ''}{err['msg']}", file=sys.stderr)
+            name = "_".join(map(str, err["loc"]))
+            # a value from the command line is the flag's; otherwise KVBLEND_<NAME> gave it
+            where = ("--" + name.replace("_", "-") if name in args else
+                     f"KVBLEND_{name.upper()}" if name else "")
+            print(f"kvblend: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
         return 2
     if command == "serve":
         return _serve(settings)
+    if command == "destroy":
+        return _destroy(settings.shm_prefix)
     client = _client(settings, url)
     with client:
         if command == "status":
             return _status(client, as_json)
         return _clear(client)
+
+
+def _destroy(prefix: str) -> int:
+    """Remove the service's shared memory under ``prefix``, holding the serve lock meanwhile so
+    that no serve starts on it; 1 while a serve runs, 2 when a name is not ours."""
+    from api.supervisor import AlreadyServing, hold_prefix
+    from shm.errors import ForeignObject
+    from shm.names import Names, destroy
+
+    names = Names(prefix)
+    existed = [p for p in names.service_paths() if os.path.lexists(p)]
+    held = sum(os.lstat(p).st_blocks * 512 for p in existed)
+    try:
+        fd = hold_prefix(prefix)  # creates the lock file when there was none: not counted
+    except AlreadyServing:
+        print(f"kvblend: a kvblend serve runs on prefix {prefix!r}: stop it first (the cache "
+              "it serves is what destroy would remove)", file=sys.stderr)
+        return 1
+    except ForeignObject as exc:
+        print(f"kvblend: {exc}", file=sys.stderr)
+        return 2
+    try:
+        removed = destroy(prefix) - (names.lock("serve") not in existed)
+    except ForeignObject as exc:
+        print(f"kvblend: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        os.close(fd)
+    print(f"removed {removed} shared-memory names under prefix {prefix!r}, "
+          f"{held / (1 << 20):.1f} MiB freed")
+    return 0
 
 
 def _serve(settings: Settings) -> int:

@@ -63,6 +63,22 @@ class AlreadyServing(RuntimeError):
     """Another ``kvblend serve`` holds this prefix."""
 
 
+def hold_prefix(prefix: str) -> int:
+    """Take the lock a running ``kvblend serve`` holds on its prefix; returns its descriptor
+    (closing it lets go).
+
+    Raises:
+        AlreadyServing: a ``kvblend serve`` holds it.
+    """
+    fd = open_private(Names(prefix).lock("serve"), create=True)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AlreadyServing(f"another kvblend serve runs on prefix {prefix!r}") from None
+    return fd
+
+
 class ConfigError(RuntimeError):
     """A setting the host cannot satisfy (a port in use, /dev/shm too small); one line says
     which and how to fix it."""
@@ -260,14 +276,7 @@ class Supervisor:
         self._wake.set()
 
     def _take_prefix(self) -> None:
-        path = Names(self.settings.shm_prefix).lock("serve")
-        self._lock_fd = open_private(path, create=True)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise AlreadyServing(f"another kvblend serve runs on prefix "
-                                 f"{self.settings.shm_prefix!r}") from None
+        self._lock_fd = hold_prefix(self.settings.shm_prefix)
 
     def _supervise(self) -> None:
         """Start, probe and restart the children until a stop signal.
