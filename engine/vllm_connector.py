@@ -128,6 +128,7 @@ class _Request:
     exact: bool = True  # every chunk loaded was prefix-exact
     block_ids: list[int] = field(default_factory=list)
     local: int = 0  # tokens vLLM's own prefix cache had when it asked
+    given: int = 0  # tokens claimed from kvblend, after vLLM's own
     load: tuple[int, int] | None = None  # positions to load in the next step (blocks allocated)
     save: bool = False  # a store of its prompt was planned
 
@@ -232,6 +233,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         req = self._reqs.get(request.request_id)
         if req is None:
             return
+        req.given = num_external_tokens
         if num_external_tokens == 0:  # nothing claimed now (a resumed request may have been)
             req.load = None
             return
@@ -291,7 +293,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         req = self._reqs.pop(request.request_id, None)
         if req is None:
             return False, None
-        return req.save, {"kvblend": {"mode": self.mode, "loaded_tokens": req.claim,
+        return req.save, {"kvblend": {"mode": self.mode, "loaded_tokens": req.given,
                                       "stored": req.save}}
 
     # -- worker side ------------------------------------------------------------------------
