@@ -91,9 +91,8 @@ def ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 
 def close(llm: Any) -> None:
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from engine.vllm_connector import shutdown_llm
+    shutdown_llm(llm)
     del llm
     gc.collect()
 

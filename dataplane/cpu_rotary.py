@@ -94,4 +94,15 @@ def turn(k: np.ndarray, i0: np.ndarray, i1: np.ndarray, cos: np.ndarray, sin: np
              int(d), bool(gptj), dtype_name == "BFLOAT16")
 
 
-__all__ = ["turn", "supports", "ROWS"]
+def warm() -> None:
+    """Compile (or load from numba's cache) the kernel for each kind of K the data plane passes:
+    bf16 and float32, C-contiguous (a contiguous buffer's layer, a flash_attn paged layer) and
+    strided (a transposed cpu_kt layer), so that the first turn of a real call compiles nothing."""
+    rows, trig = np.zeros(1, np.int64), np.ones((1, 1), np.float32)
+    for raw, name in ((np.uint16, "BFLOAT16"), (np.uint32, "FLOAT32")):
+        k = np.zeros((1, 1, 1, 4), raw)
+        for view in (k, k[..., ::2]):
+            turn(view, rows, rows, trig, trig, 2, False, name)
+
+
+__all__ = ["turn", "supports", "warm", "ROWS"]

@@ -440,4 +440,13 @@ class KVBlendConnector(KVConnectorBase_V1):
         self.client.close()
 
 
-__all__ = ["KVBlendConnector", "KVBlendMetadata", "MODES"]
+def shutdown_llm(llm: Any) -> None:
+    """Shut an in-process ``vllm.LLM`` down (it has no method for it): its engine core stops,
+    the worker's connector waits for its stores and unregisters from kvblend, and the engine's
+    memory can be freed once the caller drops ``llm``."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+__all__ = ["KVBlendConnector", "KVBlendMetadata", "MODES", "shutdown_llm"]

@@ -59,3 +59,43 @@ def test_the_kernel_equals_the_torch_turn(dtype: torch.dtype, cfg: RotaryConfig,
     mask[i0, i1] = False
     assert np.array_equal(view[mask], untouched.transpose(0, 3, 1, 2)[mask] if strided
                           else untouched[mask])
+
+
+WARM_CHECK = """
+import mmap, sys
+import numpy as np
+from dataplane import cpu_rotary
+from dataplane.cpu import _kernel_turn
+import torch
+cpu_rotary.warm()
+before = len(cpu_rotary.turn_raw.signatures)
+# K as the CPU engines of dataplane.cpu view it: a contiguous buffer's layer reshaped [T, 1, H, D],
+# and paged layers as ndarrays over an mmap with each layout's strides (flash_attn C-contiguous,
+# cpu_kt transposed)
+B, S, H, D = 2, 4, 2, 8
+cfg = type("Cfg", (), {"dim": D, "style": "neox"})()
+cos, sin = torch.ones(1, S, D // 2), torch.zeros(1, S, D // 2)
+for raw, name in ((np.uint16, "BFLOAT16"), (np.uint32, "FLOAT32")):
+    isz = np.dtype(raw).itemsize
+    buf = np.zeros((2, 1, B * S, H * D), raw)
+    _kernel_turn([buf[0, 0].reshape(B * S, 1, H, D)], np.arange(S), np.zeros(S, np.int64), cos,
+                 sin, cfg, name)
+    m = mmap.mmap(-1, 2 * B * S * H * D * isz)
+    for strides in ((S * H * D, H * D, D, 1), (H * S * 2 * D, 1, S * 2 * D, S)):
+        k = np.ndarray((B, S, H, D), raw, m, 0, strides=tuple(x * isz for x in strides))
+        _kernel_turn([k], np.zeros(S, np.int64), np.arange(S), cos, sin, cfg, name)
+print(len(cpu_rotary.turn_raw.signatures) - before, before)
+"""
+
+
+def test_warm_compiles_every_kind_of_k_the_cpu_engines_pass() -> None:
+    """In a fresh interpreter (this one has compiled kernels in other tests): after ``warm``,
+    turning K as ``dataplane.cpu`` views it compiles no new signature."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    new, warmed = map(int, out.stdout.split())
+    assert (new, warmed) == (0, 4)

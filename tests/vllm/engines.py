@@ -56,9 +56,7 @@ def generate(llm: Any, prompt: list[int], max_tokens: int = 16) -> tuple[list[in
 
 
 def close(llm: Any) -> None:
-    """Shut the engine down (the connector unregisters from kvblend) and free it."""
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from engine.vllm_connector import shutdown_llm
+    shutdown_llm(llm)
     del llm
     gc.collect()
