@@ -12,8 +12,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
 
 from api import errors, kvblend_version
 from api.auth import Tokens, require_admin, require_token
@@ -65,7 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
             services.close()
 
     app = FastAPI(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
-                  openapi_tags=TAGS, lifespan=lifespan)
+                  openapi_tags=TAGS, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokens = Tokens.of(settings)
     app.state.settings = settings
     errors.install(app)
@@ -76,7 +79,34 @@ def create_app(settings: Settings) -> FastAPI:
     for router in routers:
         app.include_router(router)
     app.openapi = lambda: _openapi(app, routers)  # type: ignore[method-assign]
+    _api_docs(app)
     return app
+
+
+def _api_docs(app: FastAPI) -> None:
+    """Swagger UI at ``/docs`` and ReDoc at ``/redoc`` from the assets the installed
+    ``fastapi-offline`` package ships, so they render on hosts without internet access (FastAPI's
+    own pages load them from a CDN)."""
+    from importlib.resources import files
+
+    app.mount(ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")),
+              name="api-docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=str(app.openapi_url), title="kvblend API",
+                                   swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{ASSETS}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url=str(app.openapi_url), title="kvblend API",
+                              redoc_js_url=f"{ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{ASSETS}/favicon.png", with_google_fonts=False)
+
+
+ASSETS = "/docs/assets"
 
 
 def _guards(routers: Iterable[APIRouter]) -> dict[str, Callable[..., Any]]:
