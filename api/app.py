@@ -83,6 +83,9 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+ASSETS = "/docs/assets"  # where /docs and /redoc load their scripts and styles from
+
+
 def _api_docs(app: FastAPI) -> None:
     """Swagger UI at ``/docs`` and ReDoc at ``/redoc`` from the assets the installed
     ``fastapi-offline`` package ships, so they render on hosts without internet access (FastAPI's
@@ -104,9 +107,6 @@ def _api_docs(app: FastAPI) -> None:
         return get_redoc_html(openapi_url=str(app.openapi_url), title="kvblend API",
                               redoc_js_url=f"{ASSETS}/redoc.standalone.js",
                               redoc_favicon_url=f"{ASSETS}/favicon.png", with_google_fonts=False)
-
-
-ASSETS = "/docs/assets"
 
 
 def _guards(routers: Iterable[APIRouter]) -> dict[str, Callable[..., Any]]:
