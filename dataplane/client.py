@@ -324,8 +324,9 @@ class BlendClient:
         this service, in place (``shm.segment.Segment.adopt``): same address, same bytes, and
         every view of it, the engine's own included, now reads and writes the segment. Then
         ``register_paged_kv_cache`` takes tensors over it without a staging copy: how an engine
-        that allocates its own CPU KV cache (vLLM) shares it. The segment is unlinked when
-        unregistered or when the client closes; the memory stays the engine's until it frees it.
+        that allocates its own CPU KV cache (vLLM) shares it. When the instance over it is
+        unregistered, or the client closes, the memory becomes private again (same bytes) and the
+        segment is unlinked: unregister or close before the engine frees that memory.
 
         Raises:
             BadRequest: a CUDA tensor, or memory already shared by this client.
@@ -501,6 +502,7 @@ class BlendClient:
                 base = next((b for b, s in self._buffers.items() if b <= ptr < b + s.size), None)
                 seg = self._buffers.pop(base) if base is not None else None
         if seg is not None:
+            seg.restore()  # memory shared in place is the engine's again, private
             seg.unlink()
 
     def list_instances(self) -> list[InstanceInfo]:
@@ -646,6 +648,7 @@ class BlendClient:
             except DataPlaneError:
                 pass
         for seg in segs:
+            seg.restore()  # memory shared in place is the engine's again, private
             seg.unlink()
             seg.close()
         self._channel.close()

@@ -22,7 +22,10 @@ pages' bytes are copied into the segment, which is then mapped over them at the 
 (``MAP_FIXED | MAP_SHARED``). Every pointer into that memory stays valid and now reads and writes
 the segment, so another process can share memory an engine allocated itself (vLLM's KV cache).
 Bytes written to those pages by another thread between the copy and the mapping would be lost:
-adopt memory nobody else is writing.
+adopt memory nobody else is writing. ``restore`` undoes it (the bytes copied back into fresh
+private memory at the same address); it must run before the owner frees the memory, because an
+allocator handed shared pages back (a heap's pages are shared with other allocations; ``calloc``
+trusts discarded pages to read as zeros, which shared ones do not) corrupts its heap.
 """
 
 from __future__ import annotations
@@ -146,6 +149,22 @@ class Segment:
             raise
         seg.base = base
         return seg
+
+    def restore(self) -> None:
+        """Give memory taken by ``adopt`` back to the process as private memory with the same
+        bytes at the same address (module NOTE); nothing for a segment not adopted."""
+        if not self.base:
+            return
+        keep = ctypes.create_string_buffer(self.size)
+        ctypes.memmove(keep, self.base, self.size)
+        got = _libc.mmap(self.base, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+        if got != self.base:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping private memory over segment {self.name!r}: "
+                          f"{os.strerror(err)}")
+        ctypes.memmove(self.base, keep, self.size)
+        self.base = 0
 
     def __enter__(self) -> "Segment":
         return self

@@ -261,5 +261,21 @@ def test_an_engines_own_cpu_cache_is_shared_in_place(dataplane: DataPlaneProc,
             assert torch.equal(logical(layer, "cpu_kt", block, slot).view(torch.int16),
                                want[i].view(torch.int16)), i
         assert _untouched([before[i] for i in range(L)], views, "cpu_kt", block, slot)
+        assert "/dev/shm/" in _mapping_of(own.data_ptr())
+        after = own.clone()
         client.unregister(got)
-    del views, own  # the allocator frees memory that is now a shared mapping
+    # unregistered: private memory again, bytes kept, before the allocator may get it back (a
+    # heap handed shared pages corrupts itself)
+    assert "/dev/shm/" not in _mapping_of(own.data_ptr())
+    assert torch.equal(own.view(torch.int16), after.view(torch.int16))
+    del views, own
+
+
+def _mapping_of(address: int) -> str:
+    """The line of /proc/self/maps whose range holds ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    raise AssertionError(f"{address:#x} is not mapped")
