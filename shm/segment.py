@@ -24,10 +24,10 @@ the segment, so another process can share memory an engine allocated itself (vLL
 Bytes written to those pages by another thread between the copy and the mapping would be lost:
 adopt memory whose pages hold nothing else and that nobody else is writing: a large allocation,
 which allocators map on its own (glibc above 32 MiB), such as an engine's KV cache; never small
-heap memory, whose first and last pages hold other allocations. ``restore`` undoes it (the bytes copied back into fresh
-private memory at the same address); it must run before the owner frees the memory, because an
-allocator handed shared pages back (a heap's pages are shared with other allocations; ``calloc``
-trusts discarded pages to read as zeros, which shared ones do not) corrupts its heap.
+heap memory, whose first and last pages hold other allocations. ``restore`` undoes it (the bytes
+copied back into fresh private memory at the same address); it must run before the owner frees
+the memory, because an allocator handed shared pages back (``calloc`` trusts discarded pages to
+read as zeros, which shared ones do not) corrupts its heap.
 """
 
 from __future__ import annotations
