@@ -137,14 +137,9 @@ class Segment:
             del view
             shm = _open(name, False)
             try:
-                got = _libc.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                                 mmap.MAP_SHARED | _MAP_FIXED, shm.fd, 0)
+                _map_over(base, size, mmap.MAP_SHARED, shm.fd, f"segment {name!r}")
             finally:
                 shm.close_fd()
-            if got != base:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mapping segment {name!r} over {size} bytes at {base:#x}: "
-                              f"{os.strerror(err)}")
         except BaseException:
             seg.close()
             seg.unlink()
@@ -159,12 +154,8 @@ class Segment:
             return
         keep = ctypes.create_string_buffer(self.size)
         ctypes.memmove(keep, self.base, self.size)
-        got = _libc.mmap(self.base, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
-        if got != self.base:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mapping private memory over segment {self.name!r}: "
-                          f"{os.strerror(err)}")
+        _map_over(self.base, self.size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1,
+                  "private memory")
         ctypes.memmove(self.base, keep, self.size)
         self.base = 0
 
@@ -179,6 +170,18 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment(name={self.name!r}, size={self.size})"
+
+
+def _map_over(base: int, size: int, flags: int, fd: int, what: str) -> None:
+    """Map ``what`` read-write over ``[base, base + size)``, replacing what was there.
+
+    Raises:
+        OSError: the kernel refused.
+    """
+    got = _libc.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, 0)
+    if got != base:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping {what} over {size} bytes at {base:#x}: {os.strerror(err)}")
 
 
 def _open(name: str, create: bool) -> posix_ipc.SharedMemory:
