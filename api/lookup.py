@@ -140,7 +140,8 @@ def answer(services: Services, query: Query, request_id: str, started: float) ->
     result = lookup(services.store, services.fingerprints, query.namespace, query.tokens,
                     query.standalone_only)
     elapsed = time.perf_counter() - started
-    count_lookup(events, result.requested_tokens, result.hit_tokens, elapsed)
+    count_lookup(events, query.namespace.model_name, result.requested_tokens, result.hit_tokens,
+                 elapsed)
     events.record(LookupEnd(request_id=request_id, requested_tokens=result.requested_tokens,
                             hit_tokens=result.hit_tokens, num_chunks=len(result.matches),
                             duration_ms=round(elapsed * 1e3, 3)))

@@ -62,7 +62,8 @@ from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.slab import EXISTS, FULL
 from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
 from shm.store import ChunkKey, Store
-from shm.telemetry import Counter, RetrieveEnd, RetrieveStart, StoreEnd, StoreStart
+from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd, RetrieveStart,
+                           StoreEnd, StoreStart)
 
 if TYPE_CHECKING:
     from dataplane.backend import InstanceBuffer
@@ -304,7 +305,10 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
                         Counter.STORE_SKIPPED_CHUNKS: skipped, Counter.STORE_BYTES: nbytes,
                         Counter.STORE_FAILED_CHUNKS: len(failed),
                         Counter.FINGERPRINT_NEW_ENTRIES: reg.new,
-                        Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed)})
+                        Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed),
+                        **STORE_SECONDS.observe(reply.duration_s)})
+    sh.events.add_model(inst.request.model_name, {Counter.STORE_CHUNKS: copied,
+                                                  Counter.STORE_BYTES: nbytes}, claim=True)
     return reply
 
 
@@ -451,7 +455,10 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     sh.events.record(RetrieveEnd(**base, copied=copied, failed=failed, bytes=nbytes,
                                  duration_s=done.duration_s, ok=not failed))
     sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
-                        Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed)})
+                        Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed),
+                        **RETRIEVE_SECONDS.observe(done.duration_s)})
+    sh.events.add_model(inst.request.model_name, {Counter.RETRIEVE_CHUNKS: copied,
+                                                  Counter.RETRIEVE_BYTES: nbytes}, claim=True)
     return done
 
 

@@ -10,6 +10,9 @@ Segment ``/dev/shm/P_events`` (mode 0600), lock file ``/dev/shm/P_events.lock``:
     0               header     int64[HEADER_WORDS]         the words of ``EventsHdr``, below
     128             names      uint8[MAX_COUNTERS, 48]     counter names, UTF-8, NUL padded
     128+48*M        values     int64[MAX_COUNTERS]         counter values
+    ...             models     uint8[MAX_MODELS, 128]      model names, UTF-8, NUL padded
+    ...             per model  int64[MAX_MODELS, 16]       USED (1 once the name is whole), then
+                                                           the counters of MODEL_COUNTERS in order
     ...             ring       uint8[CAPACITY, SLOT_BYTES] event slots (from a 64-byte boundary)
 
     ring slot: int64 SEQ (0 = empty, -1 = being written), int64 LEN, then LEN bytes of JSON
@@ -41,6 +44,11 @@ payload, then re-read SEQ, and keep the copy only when both reads agree (a seqlo
 number of events ever recorded; it is bumped after the slot is complete, so ``recent`` never waits.
 Counters are single aligned int64 words updated under the lock; reads are lock-free.
 
+NOTE: a model row is claimed under the lock (name first, USED last) by the data plane's first
+store or retrieve of a registered instance of that model, and never released while the log lives:
+at most MAX_MODELS models get rows, later ones count in the totals only. Readers skip rows whose
+USED is 0, so they never see half a name.
+
 NOTE: every creation (``create`` and ``open``) holds the lock from its look at the name to its
 MAGIC, so an unfinished segment seen under the lock is one whose creator died: replacing it races
 no one. ``attach`` takes no lock: it maps only a complete log.
@@ -61,15 +69,21 @@ from shm import segment
 from shm.errors import LayoutMismatch
 from shm.lock import FileLock, held
 from shm.names import Names
-from shm.telemetry import COUNTER_NAMES, Event
+from shm.hashing import MODEL_NAME_BYTES
+from shm.telemetry import COUNTER_NAMES, MODEL_COUNTERS, Event
 
 _DECLARED = frozenset(COUNTER_NAMES)
 
 MAGIC = 0x6B76626C6576656E
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 16
 MAX_COUNTERS = 128
 NAME_BYTES = 48
+MAX_MODELS = 16
+MODEL_BYTES = 128
+MODEL_COLS = 16
+_MODEL_COL = {c: 1 + i for i, c in enumerate(MODEL_COUNTERS)}
+assert MODEL_NAME_BYTES <= MODEL_BYTES and len(MODEL_COUNTERS) < MODEL_COLS
 SLOT_HDR = 16
 DEFAULT_CAPACITY = 1024
 DEFAULT_SLOT_BYTES = 1024
@@ -89,12 +103,15 @@ class EventsHdr(IntEnum):
 assert max(EventsHdr) < HEADER_WORDS, "an EventsHdr word past HEADER_WORDS"
 
 
-def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int]:
+def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int, int, int]:
+    """Byte offsets of names, values, model names, model values and ring, and the size."""
     names_at = HEADER_WORDS * 8
     values_at = names_at + MAX_COUNTERS * NAME_BYTES
-    ring_at = values_at + MAX_COUNTERS * 8
+    models_at = values_at + MAX_COUNTERS * 8
+    model_values_at = models_at + MAX_MODELS * MODEL_BYTES
+    ring_at = model_values_at + MAX_MODELS * MODEL_COLS * 8
     ring_at += -ring_at % 64
-    return names_at, values_at, ring_at, ring_at + capacity * slot_bytes
+    return names_at, values_at, models_at, model_values_at, ring_at, ring_at + capacity * slot_bytes
 
 
 class EventLog:
@@ -115,12 +132,16 @@ class EventLog:
         self._h = np.ndarray((HEADER_WORDS,), np.int64, buf)
         self.capacity = int(self._h[EventsHdr.CAPACITY])
         self.slot_bytes = int(self._h[EventsHdr.SLOT_BYTES])
-        names_at, values_at, ring_at, _ = _layout(self.capacity, self.slot_bytes)
+        names_at, values_at, models_at, model_values_at, ring_at, _ = _layout(
+            self.capacity, self.slot_bytes)
         self._names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, buf, names_at)
         self._values = np.ndarray((MAX_COUNTERS,), np.int64, buf, values_at)
+        self._models = np.ndarray((MAX_MODELS, MODEL_BYTES), np.uint8, buf, models_at)
+        self._model_values = np.ndarray((MAX_MODELS, MODEL_COLS), np.int64, buf, model_values_at)
         self._ring = np.ndarray((self.capacity, self.slot_bytes), np.uint8, buf, ring_at)
         self._slot_words = self._ring.view(np.int64)  # [capacity, slot_bytes // 8]
         self._index: dict[str, int] = {}
+        self._model_rows: dict[str, int] = {}
         self._pid = os.getpid()
 
     @classmethod
@@ -276,6 +297,63 @@ class EventLog:
         return {bytes(self._names[i]).rstrip(b"\0").decode(): int(self._values[i])
                 for i in used.tolist()}
 
+    def add_model(self, model: str, counts: dict[str, int], claim: bool = False) -> bool:
+        """Add to the per-model counters (``shm.telemetry.MODEL_COUNTERS``) of ``model``; with
+        ``claim`` give it a row when it has none and one is free. Returns whether it has a row.
+
+        Raises:
+            KeyError: a counter is not kept per model.
+        """
+        cols = [_MODEL_COL[c] for c in counts]  # KeyError on a counter not kept per model
+        row = self._model_row(model)
+        if row is None and not claim:
+            return False
+        self._lock.acquire()
+        try:
+            if row is None:
+                row = self._claim_model(model)
+                if row is None:
+                    return False
+            self._model_values[row, cols] += list(counts.values())
+        finally:
+            self._lock.release()
+        return True
+
+    def model_counters(self) -> dict[str, dict[str, int]]:
+        """The per-model counters of every model with a row: ``{model: {counter: value}}``."""
+        out = {}
+        for row in np.nonzero(self._model_values[:, 0])[0].tolist():
+            values = self._model_values[row].tolist()
+            out[bytes(self._models[row]).rstrip(b"\0").decode()] = {
+                str(c): values[col] for c, col in _MODEL_COL.items()}
+        return out
+
+    def _model_row(self, model: str) -> int | None:
+        row = self._model_rows.get(model)
+        if row is None:
+            raw = model.encode()
+            for r in np.nonzero(self._model_values[:, 0])[0].tolist():
+                if bytes(self._models[r]).rstrip(b"\0") == raw:
+                    self._model_rows[model] = row = r
+                    break
+        return row
+
+    def _claim_model(self, model: str) -> int | None:
+        """The row of ``model``, claimed now if another process did not meanwhile (lock held)."""
+        row = self._model_row(model)
+        if row is not None:
+            return row
+        free = np.nonzero(self._model_values[:, 0] == 0)[0]
+        if len(free) == 0:
+            return None
+        row, raw = int(free[0]), model.encode()[:MODEL_BYTES]
+        self._models[row] = 0
+        self._models[row, :len(raw)] = np.frombuffer(raw, np.uint8)
+        self._model_values[row, 1:] = 0
+        self._model_values[row, 0] = 1  # last: readers see the whole name or no row
+        self._model_rows[model] = row
+        return row
+
     def _slot_of(self, counter: str, create: bool) -> int:
         i = self._index.get(counter)
         if i is not None:
@@ -300,7 +378,8 @@ class EventLog:
 
     def close(self) -> None:
         """Detach this process (the log stays in shared memory)."""
-        for part in ("_h", "_names", "_values", "_ring", "_slot_words"):
+        for part in ("_h", "_names", "_values", "_models", "_model_values", "_ring",
+                     "_slot_words"):
             self.__dict__.pop(part, None)
         self._seg.close()
         self._lock.close()
@@ -354,7 +433,7 @@ def _attach(name: str) -> segment.Segment:
             raise LayoutMismatch(f"event log {name!r} is shorter than its header")
         h = np.frombuffer(seg.buf, np.int64, HEADER_WORDS).copy()
         capacity, slot_bytes = int(h[EventsHdr.CAPACITY]), int(h[EventsHdr.SLOT_BYTES])
-        if capacity < 1 or slot_bytes < 128 or seg.size != _layout(capacity, slot_bytes)[3]:
+        if capacity < 1 or slot_bytes < 128 or seg.size != _layout(capacity, slot_bytes)[-1]:
             raise LayoutMismatch(f"event log {name!r} holds {seg.size} bytes, not the "
                                  f"{capacity} x {slot_bytes} of its header")
     except BaseException:
@@ -365,7 +444,7 @@ def _attach(name: str) -> segment.Segment:
 
 def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
     """A new log at ``name``, replacing an unfinished one. The caller holds the log's lock."""
-    size = _layout(capacity, slot_bytes)[3]
+    size = _layout(capacity, slot_bytes)[-1]
     try:
         seg = segment.Segment(name, size, create=True)
     except FileExistsError:

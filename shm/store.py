@@ -502,17 +502,21 @@ class Store:
 
     def clear(self) -> int:
         """Evict every committed, unpinned object; returns how many. Their keys wait for
-        ``take_evicted``."""
+        ``take_evicted``. The eviction counters (``stats().evictions`` and per class) do not
+        count them: a clear is not memory pressure."""
         n = 0
         ev = self._evicted
         with self._guard():
+            evictions = (int(self._h[Hdr.EVICTIONS]), self._classes[:, slab.C_EVICTIONS].copy())
             while True:
                 n += int(slab.clear(self._h, self._classes, self._pages, self._obj, self._table,
                                     ev.log, ev.counts))
                 full = ev.log_full
                 ev.drain()
                 if not full:
-                    return n
+                    break
+            self._h[Hdr.EVICTIONS], self._classes[:, slab.C_EVICTIONS] = evictions
+        return n
 
     def take_evicted(self) -> np.ndarray:
         """Keys of the committed objects this ``Store`` (this process) evicted or cleared since

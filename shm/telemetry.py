@@ -57,6 +57,7 @@ class Counter(StrEnum):
     API_RESTARTS = "api_restarts", "Times the supervisor restarted the API."
     LEASE_RENEWALS = "lease_renewals", "Instance leases renewed by their owners."
     INSTANCES_EXPIRED = "instances_expired", "Instances dropped because their lease ran out."
+    CLEARED_CHUNKS = "cleared_chunks", "Chunks dropped by clear (admin); not counted as evictions."
 
 
 class Histogram:
@@ -85,9 +86,22 @@ class Histogram:
 
 LOOKUP_SECONDS = Histogram("lookup_seconds", "Time to serve a lookup, body parse to answer.",
                            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+_COPY_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STORE_SECONDS = Histogram("store_seconds", "Time a store call took in the data plane, request "
+                          "to the last chunk committed.", _COPY_BOUNDS)
+RETRIEVE_SECONDS = Histogram("retrieve_seconds", "Time a retrieve call took in the data plane, "
+                             "request to the last chunk copied.", _COPY_BOUNDS)
+HISTOGRAMS: tuple[Histogram, ...] = (LOOKUP_SECONDS, STORE_SECONDS, RETRIEVE_SECONDS)
 
 #: Every counter name the log holds, in creation order.
-COUNTER_NAMES: tuple[str, ...] = (*(c.value for c in Counter), *LOOKUP_SECONDS.counters)
+COUNTER_NAMES: tuple[str, ...] = (*(c.value for c in Counter),
+                                  *(name for h in HISTOGRAMS for name in h.counters))
+
+#: The counters also kept per model (``kvblend_model_<counter>{model=...}``), for the models of
+#: registered instances only, so callers cannot grow the label set (``shm.events.MAX_MODELS``).
+MODEL_COUNTERS: tuple[Counter, ...] = (
+    Counter.LOOKUPS, Counter.LOOKUP_REQUESTED_TOKENS, Counter.LOOKUP_HIT_TOKENS,
+    Counter.STORE_CHUNKS, Counter.STORE_BYTES, Counter.RETRIEVE_CHUNKS, Counter.RETRIEVE_BYTES)
 
 
 # -- events ---------------------------------------------------------------------------------------
@@ -171,6 +185,7 @@ def kind_of(event: Event) -> str:
     return str(type(event).__struct_config__.tag)
 
 
-__all__ = ["Counter", "Histogram", "LOOKUP_SECONDS", "COUNTER_NAMES", "Event", "EventKind",
+__all__ = ["Counter", "Histogram", "LOOKUP_SECONDS", "STORE_SECONDS", "RETRIEVE_SECONDS",
+           "HISTOGRAMS", "COUNTER_NAMES", "MODEL_COUNTERS", "Event", "EventKind",
            "EVENT_KINDS", "kind_of", "LookupStart", "LookupEnd", "StoreStart", "StoreEnd",
            "RetrieveStart", "RetrieveEnd", "StoreError", "RetrieveError", "Clear"]

@@ -8,7 +8,7 @@ from api.auth import require_admin
 from api.deps import EventsDep, FingerprintsDep, StoreDep
 from api.errors import responses
 from api.schemas import ChunksCleared
-from shm.telemetry import Clear
+from shm.telemetry import Clear, Counter
 
 router = APIRouter(prefix="/v1", tags=["chunks"], dependencies=[Depends(require_admin)])
 
@@ -29,4 +29,5 @@ def clear_chunks(store: StoreDep, fingerprints: FingerprintsDep, events: EventsD
     entries = fingerprints.stats()["num_entries"]
     fingerprints.clear()
     events.record(Clear(chunks_removed=removed, fingerprints_removed=entries))
+    events.add(Counter.CLEARED_CHUNKS, removed)
     return ChunksCleared(chunks_removed=removed, fingerprints_removed=entries)

@@ -14,7 +14,7 @@ import pytest
 
 from shm import segment
 from shm.errors import LayoutMismatch
-from shm.events import HEADER_WORDS, VERSION, EventLog, EventsHdr
+from shm.events import HEADER_WORDS, MAX_MODELS, VERSION, EventLog, EventsHdr
 from shm.names import Names
 from shm.segment import Segment
 from shm.telemetry import COUNTER_NAMES, Counter, LookupEnd, RetrieveEnd, StoreError
@@ -66,6 +66,29 @@ def test_counters_declared_and_added(shm_prefix: str) -> None:
             with pytest.raises(ValueError, match="not declared"):
                 log.add(undeclared)
         assert "custom_total" not in log.counters()
+
+
+def test_models_get_rows_only_when_claimed_and_at_most_max_models(shm_prefix: str) -> None:
+    """Per-model counters: a lookup naming any model cannot add a label; a claim (a registered
+    instance's store or retrieve) can, up to MAX_MODELS; another process sees the same rows."""
+    with EventLog.open(shm_prefix) as log:
+        assert not log.add_model("guessed", {Counter.LOOKUPS: 1})
+        assert log.model_counters() == {}
+        assert log.add_model("m0", {Counter.STORE_CHUNKS: 2, Counter.STORE_BYTES: 64}, claim=True)
+        assert log.add_model("m0", {Counter.LOOKUPS: 1, Counter.LOOKUP_HIT_TOKENS: 16})
+        for i in range(1, MAX_MODELS):
+            assert log.add_model(f"m{i}", {Counter.RETRIEVE_CHUNKS: i}, claim=True)
+        assert not log.add_model("one-too-many", {Counter.RETRIEVE_CHUNKS: 1}, claim=True)
+        with EventLog.open(shm_prefix) as other:
+            seen = other.model_counters()
+            assert other.add_model("m1", {Counter.RETRIEVE_CHUNKS: 10})
+        assert sorted(seen) == sorted(f"m{i}" for i in range(MAX_MODELS))
+        assert seen["m0"] == {"lookups": 1, "lookup_requested_tokens": 0, "lookup_hit_tokens": 16,
+                              "store_chunks": 2, "store_bytes": 64, "retrieve_chunks": 0,
+                              "retrieve_bytes": 0}
+        assert log.model_counters()["m1"]["retrieve_chunks"] == 11
+        with pytest.raises(KeyError):
+            log.add_model("m0", {Counter.API_RESTARTS: 1})  # not kept per model
 
 
 def test_an_error_event_keeps_its_fields(shm_prefix: str) -> None:
