@@ -43,7 +43,12 @@ def warm(prefix: str) -> float:
                                             min_slot_bytes=4096), wipe=True)
     fps = FingerprintIndex.open(scratch, _CHUNK, capacity=64, wipe=True)
     try:
-        _exercise(store, fps)
+        tokens = np.arange(3 * _CHUNK, dtype=np.uint32)
+        _exercise(store, fps, tokens)
+        # numba compiles a read-only array apart, and the tokens of a request are read-only
+        # views of its bytes
+        _exercise(store, fps, np.frombuffer(tokens.tobytes(), np.uint32))
+        _exercise_repairs(store, fps)
     finally:
         fps.close()
         store.close()
@@ -51,11 +56,10 @@ def warm(prefix: str) -> float:
     return time.monotonic() - t0
 
 
-def _exercise(store: Store, fps: FingerprintIndex) -> None:
+def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:
     ns = Namespace("warm-up")
     layout = KVLayout(1, 4 * _CHUNK, 8, DType.parse("float16"))
     cid = store.register_class(ChunkClass.of(ns.model_name, 1, layout, _CHUNK))
-    tokens = np.arange(3 * _CHUNK, dtype=np.uint32)
     hashes = chunk_hashes(ns, tokens, _CHUNK)
     keys = [ChunkKey(ns.id, h) for h in hashes]
     rows = tokens.reshape(3, _CHUNK)
@@ -69,9 +73,10 @@ def _exercise(store: Store, fps: FingerprintIndex) -> None:
     store.unpin_slots(pinned)
     store.contains_key(keys[0])
     fps.register_prepared(fps.prepare(ns, tokens, hashes))
-    lookup(store, fps, ns, np.concatenate([tokens[5:], tokens]))
+    query = np.concatenate([tokens[5:], tokens])
+    query.setflags(write=tokens.flags.writeable)
+    lookup(store, fps, ns, query)
     fps.remove(hashes[:1])
-    _exercise_repairs(store, fps)
     store.clear()
     fps.clear()
 

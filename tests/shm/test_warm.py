@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 # Warm under one prefix, then run the service's hot operations on a store and index of other
-# sizes (types must not depend on them), including eviction and the data plane's evicted-key
+# sizes (types must not depend on them), with token arrays writable and read-only (numba types
+# them apart), including eviction and the data plane's evicted-key
 # removal and the repairs a crash makes run, and report every kernel that gained a compiled or
 # loaded signature meanwhile.
 CHECK = """
@@ -41,6 +42,8 @@ cid = store.register_class(ChunkClass.of(ns.model_name, 2, KVLayout(2, 8 * C, 16
 removed = 0
 for doc in range(40):  # far past the store's capacity: evictions on every batch
     tokens = np.random.default_rng(doc).integers(0, 50_000, 8 * C, dtype=np.uint32)
+    if doc % 2:  # tokens decoded from a request are read-only views of its bytes
+        tokens = np.frombuffer(tokens.tobytes(), np.uint32)
     hashes = chunk_hashes(ns, tokens, C)
     for rank in (0, 1):
         keys = [ChunkKey(ns.id, h, rank) for h in hashes]
@@ -51,7 +54,9 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
     evicted = store.take_evicted()
     removed += fps.remove(np.ascontiguousarray(evicted[:, :2]))
     fps.register_prepared(prepared)
-    found = lookup(store, fps, ns, np.concatenate([tokens[3:], tokens]))
+    query = np.concatenate([tokens[3:], tokens])
+    query.setflags(write=tokens.flags.writeable)
+    found = lookup(store, fps, ns, query)
     keys = [ChunkKey(ns.id, m.chunk_hash, 0) for m in found.matches]
     store.unpin_slots(store.pin_slots(keys))
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
