@@ -6,6 +6,7 @@ Routes raise typed exceptions (the store's, the data plane's, or the few below) 
     {"type": "about:blank", "title": "Not Found", "status": 404,
      "detail": "no instance 7", "instance": "/v1/instances/7", "code": "InstanceNotFound"}
 
+``title`` is the status's phrase from ``TITLES`` (RFC 9110's, the same on every Python);
 ``code`` names the exception; validation errors add ``errors`` (location, message, kind). Every
 invalid body is a 422, a body that does not parse as JSON included; a 405 lists in ``Allow`` every
 method the path serves.
@@ -98,6 +99,36 @@ ERROR_STATUS: dict[type[BaseException], int] = {
 }
 
 
+# Every error status's title, ours so that every Python gives the same one: the stdlib's
+# ``HTTPStatus`` phrases took up RFC 9110's names only in Python 3.13 (413 "Content Too Large",
+# 414 "URI Too Long", 416 "Range Not Satisfiable", 422 "Unprocessable Content"), 3.11 and 3.12
+# still say "Request Entity Too Large", "Request-URI Too Long", "Requested Range Not
+# Satisfiable" and "Unprocessable Entity". Titles and OpenAPI descriptions read this table only.
+TITLES: dict[int, str] = {
+    400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 403: "Forbidden",
+    404: "Not Found", 405: "Method Not Allowed", 406: "Not Acceptable",
+    407: "Proxy Authentication Required", 408: "Request Timeout", 409: "Conflict", 410: "Gone",
+    411: "Length Required", 412: "Precondition Failed", 413: "Content Too Large",
+    414: "URI Too Long", 415: "Unsupported Media Type", 416: "Range Not Satisfiable",
+    417: "Expectation Failed", 418: "I'm a Teapot", 421: "Misdirected Request",
+    422: "Unprocessable Content", 423: "Locked", 424: "Failed Dependency", 425: "Too Early",
+    426: "Upgrade Required", 428: "Precondition Required", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large", 451: "Unavailable For Legal Reasons",
+    500: "Internal Server Error", 501: "Not Implemented", 502: "Bad Gateway",
+    503: "Service Unavailable", 504: "Gateway Timeout", 505: "HTTP Version Not Supported",
+    506: "Variant Also Negotiates", 507: "Insufficient Storage", 508: "Loop Detected",
+    510: "Not Extended", 511: "Network Authentication Required",
+}
+
+
+def title(status: int) -> str:
+    """``status``'s title: ``TITLES``, else the stdlib's phrase (a status no route answers)."""
+    try:
+        return TITLES.get(status) or HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
 class Problem(BaseModel):
     """An RFC 9457 problem document, the body of every error response."""
 
@@ -107,7 +138,8 @@ class Problem(BaseModel):
         "code": "InvalidInput"}]})
 
     type: str = Field("about:blank", description="Problem type URI; about:blank for all of ours.")
-    title: str = Field(description="The HTTP status phrase.", examples=["Not Found"])
+    title: str = Field(description="The status's reason phrase (RFC 9110's names).",
+                       examples=["Not Found"])
     status: int = Field(description="The HTTP status code.", examples=[404])
     detail: str = Field("", description="What went wrong, for a human.")
     instance: str = Field("", description="The request path.")
@@ -119,7 +151,7 @@ class Problem(BaseModel):
 def problem_response(status: int, detail: str, instance: str, code: str,
                      errors: list[dict[str, Any]] | None = None,
                      headers: dict[str, str] | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"type": "about:blank", "title": HTTPStatus(status).phrase,
+    body: dict[str, Any] = {"type": "about:blank", "title": title(status),
                             "status": status, "detail": detail, "instance": instance,
                             "code": code}
     if errors is not None:
@@ -228,5 +260,5 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def documented(status: int) -> dict[str, Any]:
     """The OpenAPI response object of the error ``status``: a problem+json body."""
-    return {"description": HTTPStatus(status).phrase,
+    return {"description": title(status),
             "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
