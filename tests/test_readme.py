@@ -353,6 +353,8 @@ def test_the_examples_run(live: Live, tmp_path: Path) -> None:
     finally:
         rc = session.close() if session else 0
     assert rc == 0, f"the Python session exited with {rc}:\n{session and session.stderr()}"
+    # the client prints nothing a user did not ask for: no warning, no compile noise
+    assert session is not None and session.stderr() == "", session and session.stderr()
 
 
 def test_commands_that_change_the_machine_fail(live: Live) -> None:
