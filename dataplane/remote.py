@@ -1,0 +1,352 @@
+"""The remote tier's value format and its Redis/Valkey client: one value per chunk, checked on
+every read, so that a missing, expired, truncated or corrupted value is a miss, never wrong bytes.
+
+This module owns how a chunk looks in the remote store and how one is written and read back. It
+does not own when chunks go there (write-behind), how hosts find them (discovery) or the local
+slab they are promoted into.
+
+Key of a chunk: ``kvblend:1:<chunk hash, 32 hex>:<rank>``. The chunk hash is rooted in the
+namespace (model, world size, cache salt: ``shm.hashing``), so tenants with different salts get
+different keys on every host sharing the store, and the value repeats the root to check it.
+
+Value of a chunk (little-endian)::
+
+    offset    bytes   field
+    0         8       MAGIC    b"kvblendC"
+    8         2       FORMAT   1
+    10        2       DTYPE    ``shm.layout.DType`` code
+    12        4       LAYERS   L
+    16        4       CHUNK    C, tokens per chunk
+    20        4       HIDDEN   D, elements per token and layer, for K and again for V
+    24        4       RANK     the tensor-parallel shard
+    28        4       ORIGIN   ``shm.header``: 1 pre-computed (ORIGIN_STANDALONE), 2 final
+    32        8       POS0     the position of the chunk's first token when its KV was computed
+    40        16      ROOT     the namespace root
+    56        16      KEY      the chunk hash
+    72        16      DIGEST   blake2b-128 of every other byte of the value: [0, 72) and [88, end)
+    88        4 C     TOKENS   uint32 token ids
+    ...               zero padding to KV_AT = round_up(88 + 4 C, 64)
+    KV_AT     2 L C D itemsize   KV, [2, L, C, D] of DTYPE (the slab's canonical layout)
+
+A read checks, in order: the length against the header's geometry, MAGIC and FORMAT, the key,
+root, rank and layout the caller expects, the token ids the caller expects, then the digest. The
+first failure names the miss (``Miss``); a value that passes every check is returned.
+
+The client (``RemoteTier``) bounds every call by a timeout and goes through a circuit breaker:
+after ``failures`` errors in a row it stops calling for ``cooldown_s`` (every call a miss at once),
+then lets one call through; a success closes it. A remote that is down costs each caller one
+timeout at most per cooldown, and serving goes on from the local tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from shm.hashing import DIGEST_BYTES
+from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from shm.layout import DType
+
+MAGIC = b"kvblendC"
+FORMAT = 1
+_HEAD = struct.Struct("<8sHHIIIIIq16s16s16s")
+HEADER_BYTES = _HEAD.size  # 88
+_DIGEST_AT = 72
+assert HEADER_BYTES == 88 and _DIGEST_AT + DIGEST_BYTES == HEADER_BYTES
+KEY_PREFIX = "kvblend:1:"
+_ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
+SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
+
+
+class Miss(Enum):
+    """Why a read gave no chunk."""
+
+    ABSENT = "absent"            # no such key (never written, expired, evicted, flushed)
+    UNAVAILABLE = "unavailable"  # the remote did not answer in time, or the breaker is open
+    TRUNCATED = "truncated"      # shorter or longer than its header says
+    FORMAT = "format"            # not a value of this format
+    OTHER_CHUNK = "other_chunk"  # another key, root, rank or layout than asked for
+    OTHER_TOKENS = "other_tokens"
+    CORRUPT = "corrupt"          # the digest disagrees
+
+
+@dataclass(frozen=True)
+class ChunkId:
+    """What a reader expects of a chunk: its key and where it comes from.
+
+    Attributes:
+        root: the namespace root (``Namespace.root``, 16 bytes).
+        chunk_hash: the chunk's key (16 bytes).
+        rank: the tensor-parallel shard.
+        dtype, num_layers, chunk_size, hidden_dim: the layout of its KV.
+    """
+
+    root: bytes
+    chunk_hash: bytes
+    rank: int
+    dtype: DType
+    num_layers: int
+    chunk_size: int
+    hidden_dim: int
+
+    def __post_init__(self) -> None:
+        if len(self.root) != DIGEST_BYTES or len(self.chunk_hash) != DIGEST_BYTES:
+            raise ValueError("a namespace root and a chunk hash have 16 bytes each")
+        if min(self.num_layers, self.chunk_size, self.hidden_dim) < 1 or self.rank < 0:
+            raise ValueError("layers, chunk size and hidden dim must be >= 1, the rank >= 0")
+
+    @property
+    def key(self) -> str:
+        """The chunk's key in the remote store."""
+        return f"{KEY_PREFIX}{self.chunk_hash.hex()}:{self.rank}"
+
+    @property
+    def kv_at(self) -> int:
+        """Offset of the KV bytes in the value."""
+        return -(-(HEADER_BYTES + 4 * self.chunk_size) // 64) * 64
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.num_layers * self.chunk_size * self.hidden_dim * self.dtype.itemsize
+
+    @property
+    def value_bytes(self) -> int:
+        return self.kv_at + self.kv_bytes
+
+
+def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) -> bytes:
+    """The value of ``chunk``: its header, ``tokens`` (``chunk_size`` ids) and ``kv`` (any buffer
+    of ``kv_bytes`` bytes, ``[2, L, C, D]``).
+
+    Raises:
+        ValueError: the tokens or the KV do not fit the chunk's layout, the KV is not contiguous,
+            or origin is not ORIGIN_STANDALONE or ORIGIN_FINAL.
+    """
+    tokens = np.ascontiguousarray(tokens, "<u4")
+    kv_view = memoryview(kv)
+    if not kv_view.c_contiguous:
+        raise ValueError("the KV bytes must be one contiguous buffer")
+    kv_view = kv_view.cast("B")
+    if tokens.shape != (chunk.chunk_size,):
+        raise ValueError(f"{tokens.shape} token ids for a chunk of {chunk.chunk_size}")
+    if kv_view.nbytes != chunk.kv_bytes:
+        raise ValueError(f"{kv_view.nbytes} KV bytes for a layout of {chunk.kv_bytes}")
+    if origin not in _ORIGINS:
+        raise ValueError(f"origin must be one of {_ORIGINS}, got {origin}")
+    out = bytearray(chunk.value_bytes)
+    _HEAD.pack_into(out, 0, MAGIC, FORMAT, int(chunk.dtype), chunk.num_layers, chunk.chunk_size,
+                    chunk.hidden_dim, chunk.rank, origin, pos0, chunk.root, chunk.chunk_hash,
+                    bytes(DIGEST_BYTES))
+    out[HEADER_BYTES:HEADER_BYTES + tokens.nbytes] = tokens.tobytes()
+    out[chunk.kv_at:] = kv_view
+    out[_DIGEST_AT:HEADER_BYTES] = _digest(out)
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A chunk read back and checked: ``kv`` is a read-only view of the value's KV bytes."""
+
+    kv: memoryview
+    pos0: int
+    origin: int
+
+
+def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
+    """``value`` checked against what the reader expects (module docstring); a ``Miss`` says
+    which check failed."""
+    if value is None:
+        return Miss.ABSENT
+    if len(value) < HEADER_BYTES:
+        return Miss.TRUNCATED
+    (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
+     digest) = _HEAD.unpack_from(value, 0)
+    if magic != MAGIC or fmt != FORMAT:
+        return Miss.FORMAT
+    if (root, key, rank, dtype, layers, size, hidden) != (
+            chunk.root, chunk.chunk_hash, chunk.rank, int(chunk.dtype), chunk.num_layers,
+            chunk.chunk_size, chunk.hidden_dim):
+        return Miss.OTHER_CHUNK
+    if len(value) != chunk.value_bytes:
+        return Miss.TRUNCATED
+    want = np.ascontiguousarray(tokens, "<u4")
+    if want.tobytes() != value[HEADER_BYTES:HEADER_BYTES + 4 * size]:
+        return Miss.OTHER_TOKENS
+    if _digest(value) != digest or origin not in _ORIGINS:
+        return Miss.CORRUPT
+    return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
+
+
+def _digest(value: bytes | bytearray) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    view = memoryview(value)
+    h.update(view[:_DIGEST_AT])
+    h.update(view[HEADER_BYTES:])
+    return h.digest()
+
+
+class Breaker:
+    """A circuit breaker (module docstring): ``allow`` before a call, then ``record`` its outcome.
+
+    Args:
+        failures: errors in a row that open it.
+        cooldown_s: how long it stays open before one call may try again.
+        clock: the time source (``time.monotonic``).
+    """
+
+    def __init__(self, failures: int = 3, cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if failures < 1 or cooldown_s <= 0:
+            raise ValueError("failures must be >= 1 and cooldown_s > 0")
+        self._failures, self._cooldown, self._clock = failures, cooldown_s, clock
+        self._lock = threading.Lock()
+        self._errors = 0
+        self._open_until = 0.0
+        self._probing = False
+        self.opened = 0  # times it opened, for metrics
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._errors >= self._failures
+
+    def allow(self) -> bool:
+        """Whether a call may go now: closed, or open with its cooldown over and no other call
+        trying (that one call is the probe)."""
+        with self._lock:
+            if self._errors < self._failures:
+                return True
+            if self._probing or self._clock() < self._open_until:
+                return False
+            self._probing = True
+            return True
+
+    def record(self, ok: bool) -> None:
+        with self._lock:
+            self._probing = False
+            if ok:
+                self._errors = 0
+                return
+            self._errors += 1
+            if self._errors >= self._failures:
+                if self._errors == self._failures:
+                    self.opened += 1
+                self._open_until = self._clock() + self._cooldown
+
+
+def parse_url(url: str) -> tuple[bool, bool, list[tuple[str, int]], int]:
+    """``(cluster, tls, [(host, port)], db)`` of a ``--remote`` URL: ``redis://host:port/db``,
+    ``rediss://`` for TLS, ``redis+cluster://h1:p1,h2:p2`` (or ``rediss+cluster``) for cluster
+    mode from seed nodes.
+
+    Raises:
+        ValueError: another scheme, no host, credentials in the URL (they come from the
+            environment, never from a command line), or a database number in cluster mode.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"a remote URL starts with one of {', '.join(s + '://' for s in SCHEMES)}")
+    if "@" in parts.netloc:
+        raise ValueError("a remote URL carries no credentials: set KVBLEND_REMOTE_USERNAME and "
+                         "KVBLEND_REMOTE_PASSWORD instead (a command line is visible to every "
+                         "user of the host)")
+    cluster, tls = SCHEMES[parts.scheme], parts.scheme.startswith("rediss")
+    nodes = []
+    for node in parts.netloc.split(","):
+        host, _, port = node.rpartition(":") if ":" in node else (node, "", "6379")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{node!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not cluster and len(nodes) != 1:
+        raise ValueError("several nodes need cluster mode (redis+cluster://)")
+    path = parts.path.strip("/")
+    if path and (cluster or not path.isdigit()):
+        raise ValueError("only a standalone server's URL may name a database number")
+    return cluster, tls, nodes, int(path or 0)
+
+
+class RemoteTier:
+    """One Redis/Valkey deployment (a server or a cluster) holding chunks.
+
+    Args:
+        url: see ``parse_url``.
+        username, password: credentials (from the environment), or None.
+        timeout_s: the bound of every call (connect and read).
+        ttl_s: how long a written chunk lives (the server may evict it sooner under its own
+            ``maxmemory-policy``).
+        breaker: the circuit breaker (a default one when None).
+    """
+
+    def __init__(self, url: str, username: str | None = None, password: str | None = None,
+                 timeout_s: float = 0.5, ttl_s: float = 86400.0,
+                 breaker: Breaker | None = None) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+
+        cluster, tls, nodes, db = parse_url(url)
+        if timeout_s <= 0 or ttl_s <= 0:
+            raise ValueError("timeout_s and ttl_s must be > 0")
+        self.ttl_ms = int(ttl_s * 1000)
+        self.breaker = breaker or Breaker()
+        # no retries of our own: a call takes one timeout at most, and the breaker decides
+        # when to try again (the cluster client keeps one retry, to follow a moved slot)
+        common = dict(username=username, password=password, socket_timeout=timeout_s,
+                      socket_connect_timeout=timeout_s, ssl=tls,
+                      retry=Retry(NoBackoff(), 1 if cluster else 0))
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        if cluster:
+            self._client: Any = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                require_full_coverage=False, **common)
+        else:
+            host, port = nodes[0]
+            self._client = redis.Redis(host=host, port=port, db=db, **common)
+
+    def put(self, chunk: ChunkId, value: bytes) -> bool:
+        """Write one encoded chunk with the tier's TTL; False when the remote failed or the
+        breaker is open (nothing raised: the remote tier only adds hits)."""
+        return self._call(lambda: self._client.set(chunk.key, value, px=self.ttl_ms)) is True
+
+    def get(self, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
+        """Read one chunk and check it (``decode``)."""
+        value = self._call(lambda: self._client.get(chunk.key))
+        if value is _FAILED:
+            return Miss.UNAVAILABLE
+        return decode(value, chunk, tokens)
+
+    def _call(self, call: Callable[[], Any]) -> Any:
+        if not self.breaker.allow():
+            return _FAILED
+        try:
+            result = call()
+        except self._errors:
+            self.breaker.record(False)
+            return _FAILED
+        self.breaker.record(True)
+        return result
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "RemoteTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_FAILED = object()
+
+__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "encode", "decode", "parse_url",
+           "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX"]

@@ -1,0 +1,210 @@
+"""The remote tier on real ``redis-server`` processes (``tests/remote/conftest.py``): chunks written
+and read back byte for byte on a server and across a 3-master cluster; an expired, corrupted or
+truncated value, a killed server or master, are misses, never wrong bytes; the breaker stops
+calling a dead remote and lets it back in. Write-behind copies committed chunks out of a real
+store without ever blocking it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from dataplane.remote import Breaker, ChunkId, Fetched, Miss, RemoteTier, encode
+from dataplane.writebehind import WriteBehind
+from shm.hashing import Namespace, chunk_hashes
+from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from shm.layout import ChunkClass, DType, KVLayout
+from shm.store import ChunkKey, Store, StoreConfig
+from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
+
+C, L, D = 16, 2, 32
+DEADLINE = 30.0
+
+
+def chunks(n: int, salt: str = "") -> list[tuple[ChunkId, np.ndarray, np.ndarray]]:
+    ns = Namespace("remote-test", 1, salt)
+    tokens = np.random.default_rng(n).integers(0, 50_000, n * C, dtype=np.uint32)
+    out = []
+    for i, h in enumerate(chunk_hashes(ns, tokens, C)):
+        kv = np.random.default_rng(1000 + i).integers(0, 2**16, (2, L, C, D), dtype=np.uint16)
+        out.append((ChunkId(ns.root, h, 0, DType.BFLOAT16, L, C, D), tokens[i * C:(i + 1) * C],
+                    kv))
+    return out
+
+
+def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
+    (cid, tokens, kv), (other, other_tokens, _) = chunks(2)
+    with RemoteTier(redis_url, ttl_s=3600) as tier:
+        assert tier.put(cid, encode(cid, tokens, kv, 5, ORIGIN_STANDALONE))
+        got = tier.get(cid, tokens)
+        assert isinstance(got, Fetched) and bytes(got.kv) == kv.tobytes() and got.pos0 == 5
+        assert tier.get(other, other_tokens) is Miss.ABSENT
+        assert tier.get(cid, other_tokens) is Miss.OTHER_TOKENS
+        raw = redis.Redis.from_url(redis_url)
+        value = bytearray(raw.get(cid.key))
+        assert 0 < raw.pttl(cid.key) <= 3600 * 1000
+        value[-1] ^= 1
+        raw.set(cid.key, bytes(value))
+        assert tier.get(cid, tokens) is Miss.CORRUPT
+        raw.set(cid.key, bytes(value[:-100]))
+        assert tier.get(cid, tokens) is Miss.TRUNCATED
+        raw.flushall()
+        assert tier.get(cid, tokens) is Miss.ABSENT  # an emptied remote: misses, not errors
+        raw.close()
+
+
+def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
+    (cid, tokens, kv), = chunks(1)
+    with RemoteTier(redis_url, ttl_s=0.05) as tier:
+        assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_FINAL))
+        poll_until(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
+
+
+def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
+        redis_server: RedisProc) -> None:
+    (cid, tokens, kv), = chunks(1)
+    now = [0.0]
+    breaker = Breaker(failures=2, cooldown_s=5.0, clock=lambda: now[0])
+    with RemoteTier(redis_server.url, timeout_s=0.5, breaker=breaker) as tier:
+        value = encode(cid, tokens, kv, 0, ORIGIN_STANDALONE)
+        assert tier.put(cid, value)
+        redis_server.kill()
+        assert tier.get(cid, tokens) is Miss.UNAVAILABLE
+        assert not tier.put(cid, value)
+        assert breaker.is_open and breaker.opened == 1
+        calls = []
+        tier._client.get = lambda *a: calls.append(a)  # noqa: SLF001 - an open breaker calls nothing
+        assert tier.get(cid, tokens) is Miss.UNAVAILABLE and calls == []
+        del tier._client.get
+        redis_server.restart()
+        now[0] = 5.0  # the cooldown is over: the next call probes, and the server is back
+        assert tier.get(cid, tokens) is Miss.ABSENT  # no persistence: the restart emptied it
+        assert not breaker.is_open
+        assert tier.put(cid, value) and isinstance(tier.get(cid, tokens), Fetched)
+
+
+def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
+        redis_cluster: ClusterProcs) -> None:
+    items = chunks(60)
+    with RemoteTier(cluster_url(redis_cluster.seeds), timeout_s=0.5) as tier:
+        for cid, tokens, kv in items:
+            assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
+        for cid, tokens, kv in items:
+            got = tier.get(cid, tokens)
+            assert isinstance(got, Fetched) and bytes(got.kv) == kv.tobytes()
+        holders = {tier._client.get_node_from_key(cid.key).port for cid, _, _ in items}
+        assert len(holders) == 3  # the keys spread over every master
+    victim = redis_cluster.nodes[0]
+    victim.kill()
+    try:
+        alive = [(h, p) for h, p in redis_cluster.seeds if p != victim.port]
+        with RemoteTier(cluster_url(alive), timeout_s=0.5,
+                        breaker=Breaker(failures=10_000)) as tier:
+            outcomes = [tier.get(cid, tokens) for cid, tokens, _ in items]
+    finally:
+        victim.restart()
+        redis_cluster.wait_ok()
+    for (cid, _, kv), got in zip(items, outcomes):
+        if isinstance(got, Fetched):
+            assert bytes(got.kv) == kv.tobytes()  # never wrong bytes
+        else:
+            assert got in (Miss.UNAVAILABLE, Miss.ABSENT)
+    lost = [isinstance(g, Fetched) for g in outcomes].count(False)
+    assert 0 < lost < len(items)  # the other masters still answer
+
+
+def cluster_url(seeds: list[tuple[str, int]]) -> str:
+    return "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in seeds)
+
+
+# ------------------------------------------------------------------------------- write-behind
+
+
+@pytest.fixture
+def store(shm_prefix: str) -> Iterator[Store]:
+    s = Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
+                                           min_slot_bytes=4096), wipe=True)
+    yield s
+    s.close()
+
+
+def commit(store: Store, class_id: int, ns: Namespace, tokens: np.ndarray, pos0: int
+           ) -> list[ChunkKey]:
+    keys = []
+    for i, h in enumerate(chunk_hashes(ns, tokens, C)):
+        key = ChunkKey(ns.id, h)
+        res = store.reserve(class_id, key, tokens[i * C:(i + 1) * C])
+        assert res is not None
+        res.kv.view(np.uint16)[...] = np.uint16(i + 1)
+        store.set_positions(np.array([res.slot]), np.array([pos0 + i * C]), ORIGIN_STANDALONE)
+        res.commit()
+        keys.append(key)
+    return keys
+
+
+def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> None:
+    ns = Namespace("remote-wb")
+    cc = ChunkClass.of(ns.model_name, 1, _layout(), C)
+    class_id = store.register_class(cc)
+    tokens = np.arange(4 * C, dtype=np.uint32)
+    rows = tokens.reshape(4, C)
+    keys = commit(store, class_id, ns, tokens, pos0=100)
+    ids = [ChunkId(ns.root, k.chunk_hash, 0, cc.dtype, cc.num_layers, C, cc.hidden_dim)
+           for k in keys]
+    with RemoteTier(redis_url) as tier:
+        wb = WriteBehind(store, tier)
+        assert wb.offer(class_id, ns.root, keys[:3], rows[:3]) == 3
+        assert wb.flush(timeout=DEADLINE) and wb.counts["written"] == 3
+        for i in range(3):
+            got = tier.get(ids[i], rows[i])
+            assert isinstance(got, Fetched), got
+            assert np.all(np.frombuffer(got.kv, np.uint16) == i + 1)  # the slot's own bytes
+            assert (got.pos0, got.origin) == (100 + i * C, ORIGIN_STANDALONE)
+        # gone before its turn, or not the tokens the store holds: skipped, never written
+        store.clear()
+        assert wb.offer(class_id, ns.root, keys[3:], rows[3:]) == 1
+        assert wb.flush(timeout=DEADLINE)
+        keys2 = commit(store, class_id, ns, tokens, pos0=0)
+        assert wb.offer(class_id, ns.root, keys2[:1], rows[1:2]) == 1
+        assert wb.flush(timeout=DEADLINE)
+        wb.close(timeout=DEADLINE)
+        assert tier.get(ids[3], rows[3]) is Miss.ABSENT
+        assert wb.counts == {"written": 3, "dropped": 0, "skipped": 2, "failed": 0}
+
+
+class BlockedTier:
+    """A remote whose writes wait for ``release``: the queue fills behind it."""
+
+    def __init__(self) -> None:
+        self.release, self.entered, self.puts = threading.Event(), threading.Event(), 0
+
+    def put(self, chunk: ChunkId, value: bytes) -> bool:
+        self.entered.set()
+        self.release.wait(DEADLINE)
+        self.puts += 1
+        return True
+
+
+def test_a_full_queue_drops_and_never_blocks_the_store(store: Store) -> None:
+    ns = Namespace("remote-drop")
+    class_id = store.register_class(ChunkClass.of(ns.model_name, 1, _layout(), C))
+    tokens = np.arange(8 * C, dtype=np.uint32)
+    keys = commit(store, class_id, ns, tokens, pos0=0)
+    tier = BlockedTier()
+    wb = WriteBehind(store, tier, capacity=2)  # type: ignore[arg-type]
+    rows = tokens.reshape(8, C)
+    assert wb.offer(class_id, ns.root, keys[:1], rows[:1]) == 1
+    assert tier.entered.wait(DEADLINE)  # the writer holds the first, blocked in the remote
+    assert wb.offer(class_id, ns.root, keys[1:], rows[1:]) == 2  # returns at once
+    assert wb.counts["dropped"] == 5
+    tier.release.set()
+    assert wb.flush(timeout=DEADLINE) and tier.puts == 3 and wb.counts["written"] == 3
+    wb.close(timeout=DEADLINE)
+
+
+def _layout() -> KVLayout:
+    return KVLayout(L, 4 * C, D, DType.BFLOAT16)
