@@ -79,10 +79,27 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(60.0, ge=5, le=3600, description=(
         "seconds a stopping data plane may take to finish its queued calls (the API gets a "
         "quarter, at least 5 s) before it is killed"))
+    remote: str = Field("", max_length=2048, description=(
+        "a second tier on Redis/Valkey that stored chunks are also written to: redis://host:port, "
+        "rediss:// for TLS, redis+cluster://h1:p1,h2:p2 for a cluster; empty: none. Credentials "
+        "come from KVBLEND_REMOTE_USERNAME and KVBLEND_REMOTE_PASSWORD, never from the URL"))
+    remote_ttl_s: float = Field(86400.0, gt=0, le=365 * 86400, description=(
+        "seconds a chunk lives in the remote tier (its own maxmemory-policy may evict sooner)"))
+    remote_timeout_s: float = Field(0.5, gt=0, le=60, description=(
+        "seconds one remote call may take; after 3 failures in a row the remote is left alone "
+        "for 5 s"))
     wipe: bool = Field(False, description="drop the cached chunks at start-up")
     log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$",
                            description="uvicorn and supervisor log level: critical, error, "
                                        "warning, info, debug or trace")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote_url(cls, value: str) -> str:
+        if value:
+            from dataplane.remote import parse_url
+            parse_url(value)  # ValueError names what is wrong
+        return value
 
     @field_validator("api_token", "admin_token", mode="before")
     @classmethod

@@ -216,6 +216,9 @@ class Supervisor:
                 "--max-connections", str(s.max_connections)]
         if s.dataplane_socket:
             argv += ["--socket", s.dataplane_socket]
+        if s.remote:
+            argv += ["--remote", s.remote, "--remote-ttl-s", str(s.remote_ttl_s),
+                     "--remote-timeout-s", str(s.remote_timeout_s)]
         return argv
 
     def _api_argv(self) -> list[str]:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pydantic
 
@@ -28,6 +29,9 @@ from shm.events import EventLog
 from shm.store import Store
 from shm.telemetry import Counter
 from shm.warm import warm
+
+if TYPE_CHECKING:
+    from dataplane.writebehind import WriteBehind
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -53,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
     p.add_argument("--staging-mib", type=float,
                    help="GPU staging per paged CUDA instance, MiB (at least two chunks)")
     p.add_argument("--log-level")
+    p.add_argument("--remote", help="the remote tier's URL (credentials from the environment)")
+    p.add_argument("--remote-ttl-s", type=float, help="seconds a remote chunk lives")
+    p.add_argument("--remote-timeout-s", type=float, help="seconds one remote call may take")
+    p.add_argument("--remote-queue", type=int, help="chunks waiting to be written behind")
     args = p.parse_args(argv)
     try:
         return DataPlaneSettings(**vars(args))
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
     engine = make_engine(settings.backend, store, settings.tuning().staging_bytes)
-    shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning())
+    writebehind = remote_tier(settings, store, events)
+    shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning(),
+                    writebehind)
     plane = DataPlane(prefix, shared, engine, settings.reclaim_interval, settings.limits(),
                       settings.max_connections)
     stop = threading.Event()
@@ -97,7 +107,27 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("stopping: finishing queued calls")
     plane.shutdown()
+    if writebehind is not None:
+        writebehind.close(timeout=settings.remote_timeout_s * 4)  # bounded: the rest is dropped
     return 0
+
+
+def remote_tier(settings: DataPlaneSettings, store: Store, events: EventLog
+                ) -> "WriteBehind | None":
+    """The remote tier's write-behind, when ``--remote`` names one (``dataplane.remote``)."""
+    if not settings.remote:
+        return None
+    from dataplane.remote import RemoteTier
+    from dataplane.writebehind import WriteBehind
+
+    def secret(value: pydantic.SecretStr | None) -> str | None:
+        return value.get_secret_value() if value is not None else None
+
+    tier = RemoteTier(settings.remote, secret(settings.remote_username),
+                      secret(settings.remote_password), settings.remote_timeout_s,
+                      settings.remote_ttl_s)
+    log.info("writing stored chunks behind to the remote tier %s", settings.remote)
+    return WriteBehind(store, tier, settings.remote_queue, events)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dataplane.instances import Limits
@@ -38,6 +38,12 @@ class DataPlaneSettings(BaseSettings):
         staging_mib: GPU staging per paged CUDA instance (whole chunks, at least two), in two
             halves that a batch's gather and the other batch's DMAs use in turn.
         log_level: logging level name.
+        remote: the remote tier's URL (``dataplane.remote.parse_url``); empty: none.
+        remote_ttl_s, remote_timeout_s: a remote chunk's life, and the bound of one remote call.
+        remote_queue: chunks waiting to be written behind; more are dropped (and counted).
+        remote_username, remote_password: the remote's credentials, from
+            ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only (no flag: a command
+            line is visible to every user of the host).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVBLEND_DP_", frozen=True)
@@ -55,6 +61,14 @@ class DataPlaneSettings(BaseSettings):
     group_mib: float = Field(32.0, gt=0)
     staging_mib: float = Field(128.0, gt=0)
     log_level: str = "INFO"
+    remote: str = ""
+    remote_ttl_s: float = Field(86400.0, gt=0)
+    remote_timeout_s: float = Field(0.5, gt=0)
+    remote_queue: int = Field(4096, gt=0)
+    remote_username: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("KVBLEND_REMOTE_USERNAME"))
+    remote_password: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("KVBLEND_REMOTE_PASSWORD"))
 
     def limits(self) -> Limits:
         return Limits(self.lease, self.max_instances, self.max_instances_per_client)

@@ -68,6 +68,7 @@ from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd
 if TYPE_CHECKING:
     from dataplane.backend import InstanceBuffer
     from dataplane.instances import Instance
+    from dataplane.writebehind import WriteBehind
 
 
 log = logging.getLogger("kvblend.dataplane")
@@ -99,6 +100,7 @@ class Shared:
     events: EventLog
     chunk_size: int
     tuning: Tuning = Tuning()
+    writebehind: "WriteBehind | None" = None  # the remote tier's, when there is one
 
 
 def open_fingerprints(prefix: str, chunk_size: int) -> FingerprintIndex:
@@ -289,6 +291,9 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
         raise
     copied = int(np.count_nonzero(slots >= 0))
     failed = np.flatnonzero(slots == FULL).tolist()
+    if sh.writebehind is not None and copied:
+        ours = np.flatnonzero(slots >= 0)
+        sh.writebehind.offer(inst.class_id, ns.root, [keys[i] for i in ours], rows[ours])
     skipped = n - copied - len(failed)
     forget_evicted(sh)
     reg = _register_fingerprints(sh, inst, hashes, prepared, origin == ORIGIN_FINAL)

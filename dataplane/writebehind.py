@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataplane.remote import ChunkId, RemoteTier, encode
+from shm.events import EventLog
 from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.slots import VERIFIED
 from shm.store import ChunkKey, Store
+from shm.telemetry import Counter
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,14 @@ class WriteBehind:
         store: the local store the chunks were committed to (this process's attachment).
         tier: where they go.
         capacity: chunks the queue holds; more are dropped.
+        events: where the counts also go (``shm.telemetry``'s ``REMOTE_*`` counters), or None.
     """
 
-    def __init__(self, store: Store, tier: RemoteTier, capacity: int = 4096) -> None:
+    def __init__(self, store: Store, tier: RemoteTier, capacity: int = 4096,
+                 events: EventLog | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._store, self._tier = store, tier
+        self._store, self._tier, self._events = store, tier, events
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._lock = threading.Lock()
         self.counts = {"written": 0, "dropped": 0, "skipped": 0, "failed": 0}
@@ -121,6 +125,12 @@ class WriteBehind:
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
+        if self._events is not None:
+            self._events.add(_COUNTERS[what])
+
+
+_COUNTERS = {"written": Counter.REMOTE_WRITTEN_CHUNKS, "dropped": Counter.REMOTE_DROPPED_CHUNKS,
+             "skipped": Counter.REMOTE_SKIPPED_CHUNKS, "failed": Counter.REMOTE_FAILED_WRITES}
 
 
 __all__ = ["WriteBehind"]

@@ -58,6 +58,13 @@ class Counter(StrEnum):
     LEASE_RENEWALS = "lease_renewals", "Instance leases renewed by their owners."
     INSTANCES_EXPIRED = "instances_expired", "Instances dropped because their lease ran out."
     CLEARED_CHUNKS = "cleared_chunks", "Chunks dropped by clear (admin); not counted as evictions."
+    REMOTE_WRITTEN_CHUNKS = "remote_written_chunks", "Chunks written behind to the remote tier."
+    REMOTE_DROPPED_CHUNKS = ("remote_dropped_chunks",
+                             "Chunks not written behind: the queue was full.")
+    REMOTE_SKIPPED_CHUNKS = ("remote_skipped_chunks",
+                             "Chunks not written behind: gone from the store before their turn.")
+    REMOTE_FAILED_WRITES = ("remote_failed_writes",
+                            "Remote writes that failed (remote down, slow, or its breaker open).")
 
 
 class Histogram:

@@ -62,15 +62,16 @@ def poll(check: Callable[[], Any], deadline_s: float, what: str) -> Any:
 class Service:
     """One ``kvblend serve`` subprocess."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "NUMBA_CACHE_DIR": os.environ.get(
-            "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba"))}
+            "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba")),
+            **(env or {})}
         self.proc = subprocess.Popen(
             [*kvblend_argv(), "serve", "--backend", "cpu", "--port", str(self.port),
              "--shm-prefix", prefix, "--storage-mb", "64", "--fingerprint-capacity", "65536",
-             "--log-level", "warning"], env=env)
+             "--log-level", "warning", *flags], env=env)
         self.http = httpx.Client(base_url=self.url, timeout=10.0)
         poll(self._ready, START_DEADLINE, "/readyz")
 

@@ -31,6 +31,18 @@ def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
     assert out.stderr.count("\n") == 1 and "--api-token" in out.stderr
 
 
+def test_a_remote_url_with_credentials_is_refused_without_echoing_them() -> None:
+    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--remote",
+                          "redis://admin:hunter2@cache:6379"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "KVBLEND_REMOTE_PASSWORD" in out.stderr and "hunter2" not in out.stderr
+    for bad in ("http://cache:6379", "redis://a:1,b:2", "redis://cache:notaport"):
+        with pytest.raises(ValidationError):
+            Settings(remote=bad)
+    assert Settings(remote="redis+cluster://a:7000,b:7001").remote
+
+
 def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
     from pathlib import Path
 
