@@ -14,23 +14,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.client import BlendClient
+from tests.api.test_observability import samples
 from tests.conftest import remove_prefix
 from tests.test_e2e import Service
 
 CHUNK = 256
 MODEL = "metrics-model"
-
-
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
 
 
 def start_time(pid: int) -> float:
