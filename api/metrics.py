@@ -16,10 +16,9 @@ store holds a layout class of it; a lookup naming any other model counts in the 
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
-
-import platform
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,

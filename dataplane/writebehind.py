@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,9 +90,14 @@ class WriteBehind:
         return done.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop after the chunks already queued (up to ``timeout``)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        """Stop after the chunks already queued, waiting ``timeout`` at most (what is still
+        queued then is lost with the process: the remote tier only adds hits)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:

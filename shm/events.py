@@ -67,9 +67,9 @@ import numpy as np
 
 from shm import segment
 from shm.errors import LayoutMismatch
+from shm.hashing import MODEL_NAME_BYTES
 from shm.lock import FileLock, held
 from shm.names import Names
-from shm.hashing import MODEL_NAME_BYTES
 from shm.telemetry import COUNTER_NAMES, MODEL_COUNTERS, Event
 
 _DECLARED = frozenset(COUNTER_NAMES)
