@@ -14,11 +14,13 @@ import pytest
 import redis
 
 from dataplane.remote import Breaker, ChunkId, Fetched, Miss, RemoteTier, encode
+from dataplane.promote import Promoted, promote
 from dataplane.writebehind import WriteBehind
 from shm.hashing import Namespace, chunk_hashes
 from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.store import ChunkKey, Store, StoreConfig
+from tests.conftest import remove_prefix
 from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
 
 C, L, D = 16, 2, 32
@@ -208,3 +210,47 @@ def test_a_full_queue_drops_and_never_blocks_the_store(store: Store) -> None:
 
 def _layout() -> KVLayout:
     return KVLayout(L, 4 * C, D, DType.BFLOAT16)
+
+
+# ------------------------------------------------------------------------------- promotion
+
+
+def test_a_chunk_written_behind_on_one_host_is_promoted_on_another(
+        shm_prefix: str, store: Store, redis_url: str) -> None:
+    """Two stores stand for two hosts: host A writes behind, host B promotes the chunk into its
+    own slab, byte for byte with its provenance; B then holds it like any stored chunk."""
+    ns = Namespace("remote-promote")
+    cc = ChunkClass.of(ns.model_name, 1, _layout(), C)
+    tokens = np.arange(2 * C, dtype=np.uint32) + 7
+    rows = tokens.reshape(2, C)
+    class_a = store.register_class(cc)
+    keys = commit(store, class_a, ns, tokens, pos0=40)
+    ids = [ChunkId(ns.root, k.chunk_hash, 0, cc.dtype, cc.num_layers, C, cc.hidden_dim)
+           for k in keys]
+    host_b = Store.open(shm_prefix + "_b", StoreConfig(capacity_bytes=1 << 20,
+                                                       page_bytes=1 << 18, min_slot_bytes=4096),
+                        wipe=True)
+    try:
+        class_b = host_b.register_class(cc)
+        with RemoteTier(redis_url) as tier:
+            assert promote(host_b, tier, class_b, ns.id, ids[0], rows[0]) is Miss.ABSENT
+            wb = WriteBehind(store, tier)
+            assert wb.offer(class_a, ns.root, keys, rows) == 2 and wb.flush(timeout=DEADLINE)
+            wb.close(timeout=DEADLINE)
+            assert promote(host_b, tier, class_b, ns.id, ids[0], rows[1]) is Miss.OTHER_TOKENS
+            assert not host_b.contains_key(keys[0])  # a miss reserved nothing
+            for i in (0, 1):
+                assert promote(host_b, tier, class_b, ns.id, ids[i], rows[i]) is Promoted.PROMOTED
+            assert promote(host_b, tier, class_b, ns.id, ids[0], rows[0]) is Promoted.EXISTS
+        with host_b.pinned(keys) as chunks:
+            for i, got in enumerate(chunks):
+                assert got is not None and np.all(got.kv.view(np.uint16) == i + 1)
+                assert np.array_equal(got.token_ids, rows[i])
+        pos, origin = host_b.provenance(ns.id, [k.chunk_hash for k in keys])
+        assert pos.tolist() == [40, 40 + C] and origin.tolist() == [ORIGIN_STANDALONE] * 2
+        other = ChunkClass.of(ns.model_name, 1, KVLayout(L, 4 * C, D, DType.FLOAT16), C)
+        with pytest.raises(ValueError, match="not the layout"):
+            promote(host_b, tier, host_b.register_class(other), ns.id, ids[0], rows[0])
+    finally:
+        host_b.close()
+        remove_prefix(shm_prefix + "_b")
