@@ -23,7 +23,8 @@ Value of a chunk (little-endian)::
     32        8       POS0     the position of the chunk's first token when its KV was computed
     40        16      ROOT     the namespace root
     56        16      KEY      the chunk hash
-    72        16      DIGEST   blake2b-128 of every other byte of the value: [0, 72) and [88, end)
+    72        16      DIGEST   SHA-256 of every other byte of the value ([0, 72) and [88, end)),
+                               its first 16 bytes
     88        4 C     TOKENS   uint32 token ids
     ...               zero padding to KV_AT = round_up(88 + 4 C, 64)
     KV_AT     2 L C D itemsize   KV, [2, L, C, D] of DTYPE (the slab's canonical layout)
@@ -187,11 +188,14 @@ def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched |
 
 
 def _digest(value: bytes | bytearray) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    """SHA-256 rather than BLAKE2b: CPUs hash it in hardware, 1.65 GB/s against 0.63 on the
+    2-core VM (32 MiB), and a fetch checks every byte it reads. Unkeyed, it catches corruption
+    and truncation, not a forger with write access to the remote (that needs a shared key)."""
+    h = hashlib.sha256()
     view = memoryview(value)
     h.update(view[:_DIGEST_AT])
     h.update(view[HEADER_BYTES:])
-    return h.digest()
+    return h.digest()[:DIGEST_BYTES]
 
 
 class Breaker:
