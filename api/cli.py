@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from enum import Enum
 from typing import Any, get_args
 
@@ -20,16 +19,10 @@ import httpx
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
+from api import kvblend_version
 from api.settings import Settings
 
 CLIENT_FLAGS = ("host", "port", "api_token")
-
-
-def _version() -> str:
-    try:
-        return version("kvblend")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -74,7 +67,7 @@ def _help(field: FieldInfo) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvblend", description="Per-host KV-cache server for context blending.")
-    parser.add_argument("--version", action="version", version=f"kvblend {_version()}")
+    parser.add_argument("--version", action="version", version=f"kvblend {kvblend_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them")
     _add_flags(serve)
