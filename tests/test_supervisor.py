@@ -7,13 +7,13 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.stderr_lines import collect_stderr
 from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
 
 SMALL = ["--backend", "cpu", "--storage-mb", "8", "--page-mb", "1", "--min-slot-kb", "4",
@@ -30,14 +30,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [*kvblend_argv(), "serve", "--port", str(self.port), "--shm-prefix", prefix, *SMALL,
              *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+        self.lines, self._reader = collect_stderr(self.proc)
 
     def errors(self) -> list[str]:
         return [line for line in self.lines if " ERROR " in line]

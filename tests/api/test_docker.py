@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 from api.cli import build_parser
 from api.settings import Settings
 from api.supervisor import Supervisor
+from tests.stderr_lines import collect_stderr
 from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,14 +214,7 @@ class Container:
                     "KVBLEND_SHM_PREFIX": prefix, "KVBLEND_PORT": str(self.port), **env}
         self.proc = subprocess.Popen(image_argv(), env=self.env, cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+        self.lines, self._reader = collect_stderr(self.proc)
 
     def get(self, path: str, token: str | None = None) -> int:
         headers = {"authorization": f"Bearer {token}"} if token else {}
