@@ -138,7 +138,7 @@ def answer(services: Services, query: Query, request_id: str, started: float) ->
     events.record(LookupStart(request_id=request_id, model_name=query.namespace.model_name,
                               num_tokens=len(query.tokens)))
     result = lookup(services.store, services.fingerprints, query.namespace, query.tokens,
-                    query.standalone_only)
+                    query.standalone_only, services.remotes)
     elapsed = time.perf_counter() - started
     count_lookup(events, query.namespace.model_name, result.requested_tokens, result.hit_tokens,
                  elapsed)
@@ -147,7 +147,7 @@ def answer(services: Services, query: Query, request_id: str, started: float) ->
                             duration_ms=round(elapsed * 1e3, 3)))
     body = {"matches": [{"old_st": m.old_st, "old_ed": m.old_ed, "cur_st": m.cur_st,
                          "cur_ed": m.cur_ed, "chunk_hash": m.chunk_hash.hex(),
-                         "origin": m.origin}
+                         "origin": m.origin, "location": m.location}
                         for m in result.matches],
             "hit_tokens": result.hit_tokens, "requested_tokens": result.requested_tokens}
     return _encode(body)

@@ -75,6 +75,10 @@ class SharedCollector(Collector):
                 ("kvblend_fingerprint_entries", "Fingerprint index entries.", fp["num_entries"]),
                 ("kvblend_fingerprint_capacity", "Fingerprint index capacity.", fp["capacity"])):
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.remotes is not None:
+            yield GaugeMetricFamily("kvblend_remote_known_chunks", "Entries of the table of chunk "
+                                    "shards other hosts stored in the remote tier (expired ones "
+                                    "not yet reclaimed included).", value=len(s.remotes))
         yield from self._per_model(s.events.model_counters(), st)
         info = InfoMetricFamily("kvblend_build", "The running kvblend's version.")
         info.add_metric([], {"version": kvblend_version(),

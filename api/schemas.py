@@ -60,6 +60,15 @@ class DataPlaneStatus(BaseModel):
                          examples=["/dev/shm/kvblend_dataplane.sock"])
 
 
+class RemoteStatus(BaseModel):
+    url: str = Field(description="The remote tier's URL (never with credentials).",
+                     examples=["redis://10.0.0.5:6379"])
+    known_chunks: int = Field(description="Chunk shards other hosts stored there that this host "
+                                          "knows of (expired ones not yet reclaimed included).",
+                              examples=[1200])
+    capacity: int = Field(description="Shards it keeps track of at most.", examples=[262144])
+
+
 class KVLayoutOut(BaseModel):
     num_layers: int = Field(examples=[32])
     num_tokens: int = Field(description="Token capacity of the buffer.", examples=[32768])
@@ -90,6 +99,8 @@ class Status(BaseModel):
     fingerprints: FingerprintStatus
     instances: list[Instance]
     dataplane: DataPlaneStatus
+    remote: RemoteStatus | None = Field(
+        None, description="The remote tier shared with other hosts (--remote); null without one.")
 
 
 class CudaIpc(BaseModel):
@@ -265,6 +276,10 @@ class MatchOut(BaseModel):
         "How the chunk's KV was computed: standalone (pre_computed), inside a longer prompt with "
         "attention to earlier context baked in (final), or not recorded (unknown: old_st is then "
         "the chunk's place in its stored sequence)."), examples=["pre_computed"])
+    location: Literal["local", "remote"] = Field(description=(
+        "Where the chunk is: in this host's store (local), or only in the remote tier (remote: "
+        "another host stored it; a retrieve fetches it first, and the client's prefetch starts "
+        "that early)."), examples=["local"])
 
 
 class LookupResponse(BaseModel):

@@ -2,8 +2,9 @@
 link to the data plane. Opened by the app's lifespan, closed when it ends.
 
 The API only attaches: the supervisor (``kvblend serve``) creates the store. Opening first runs
-``shm.warm.warm`` so no request compiles a kernel. The fingerprint index
-and the event log are create-or-attach, with the same arguments the supervisor used.
+``shm.warm.warm`` so no request compiles a kernel. The fingerprint index,
+the event log and (with ``--remote``) the table of remote-known chunks are create-or-attach, with
+the same arguments the supervisor used.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from api.link import DataPlaneLink
 from api.settings import Backend, Settings, resolve_backend
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
+from shm.remotes import RemoteChunks
 from shm.store import Store
 from shm.warm import warm
 
@@ -26,6 +28,7 @@ class Services:
     fingerprints: FingerprintIndex
     events: EventLog
     dataplane: DataPlaneLink
+    remotes: RemoteChunks | None = None  # with --remote: chunks other hosts stored there
 
     @classmethod
     def open(cls, settings: Settings) -> "Services":
@@ -47,9 +50,14 @@ class Services:
         events = EventLog.open(prefix)
         link = DataPlaneLink(settings.dataplane_address(), settings.dataplane_timeout_s,
                              settings.ping_timeout_s)
-        return cls(settings, resolve_backend(settings.backend), store, fingerprints, events, link)
+        remotes = (RemoteChunks.open(prefix, settings.remote_capacity) if settings.remote
+                   else None)
+        return cls(settings, resolve_backend(settings.backend), store, fingerprints, events, link,
+                   remotes)
 
     def close(self) -> None:
+        if self.remotes is not None:
+            self.remotes.close()
         self.dataplane.close()
         self.events.close()
         self.fingerprints.close()

@@ -88,6 +88,14 @@ class Settings(BaseSettings):
     remote_timeout_s: float = Field(0.5, gt=0, le=60, description=(
         "seconds one remote call may take; after 3 failures in a row the remote is left alone "
         "for 5 s"))
+    remote_capacity: int = Field(1 << 18, ge=64, le=1 << 26, description=(
+        "chunks other hosts stored in the remote tier that this host keeps track of (48 bytes "
+        "each, twice over); past it the ones expiring soonest are forgotten"))
+    remote_streams: int = Field(8, ge=1, le=256, description=(
+        "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own"))
+    remote_stream_len: int = Field(1 << 17, ge=1024, le=1 << 26, description=(
+        "about how many records (one per chunk written, about 1.1 KiB for 256 tokens) the "
+        "remote tier's record stream keeps; a host that starts learns the chunks they name"))
     wipe: bool = Field(False, description="drop the cached chunks at start-up")
     log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$",
                            description="uvicorn and supervisor log level: critical, error, "

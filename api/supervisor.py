@@ -50,6 +50,7 @@ from shm.errors import LayoutMismatch
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.names import Names
+from shm.remotes import RemoteChunks
 from shm.private import check_socket, open_private
 from shm.store import Store, StoreConfig
 from shm.telemetry import Counter
@@ -142,7 +143,8 @@ def store_config(settings: Settings) -> StoreConfig:
 
 
 def prepare(settings: Settings) -> None:
-    """Create or attach the store and the fingerprint index of ``settings.shm_prefix``.
+    """Create or attach the store, the fingerprint index and (with ``--remote``) the table of
+    remote-known chunks of ``settings.shm_prefix``.
 
     A store of another geometry (``--storage-mb`` or page size changed) is recreated empty; so is
     a fingerprint index of another chunk size or capacity. Both are logged.
@@ -173,6 +175,13 @@ def prepare(settings: Settings) -> None:
                                     wipe=True)
     log.info("fingerprint index: %d of %d entries", len(fps), fps.capacity)
     fps.close()
+    if settings.remote:
+        try:
+            remotes = RemoteChunks.open(prefix, settings.remote_capacity, wipe=wiped)
+        except LayoutMismatch as exc:
+            log.warning("recreating the table of remote chunks empty: %s", exc)
+            remotes = RemoteChunks.open(prefix, settings.remote_capacity, wipe=True)
+        remotes.close()
 
 
 def check_dataplane_socket(settings: Settings) -> None:
@@ -218,7 +227,10 @@ class Supervisor:
             argv += ["--socket", s.dataplane_socket]
         if s.remote:
             argv += ["--remote", s.remote, "--remote-ttl-s", str(s.remote_ttl_s),
-                     "--remote-timeout-s", str(s.remote_timeout_s)]
+                     "--remote-timeout-s", str(s.remote_timeout_s),
+                     "--remote-capacity", str(s.remote_capacity),
+                     "--remote-streams", str(s.remote_streams),
+                     "--remote-stream-len", str(s.remote_stream_len)]
         return argv
 
     def _api_argv(self) -> list[str]:

@@ -15,8 +15,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pydantic
 
 from dataplane import cpu_rotary, default_address
@@ -26,12 +29,17 @@ from dataplane.settings import DataPlaneSettings
 from dataplane.transfer import Shared, open_fingerprints
 from shm.errors import ForeignObject
 from shm.events import EventLog
+from shm.fingerprint import FingerprintIndex
 from shm.store import Store
 from shm.telemetry import Counter
 from shm.warm import warm
 
 if TYPE_CHECKING:
+    from dataplane.discovery import Discovery
+    from dataplane.promote import Promoter
+    from dataplane.remote import RemoteTier
     from dataplane.writebehind import WriteBehind
+    from shm.remotes import RemoteChunks
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -61,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
     p.add_argument("--remote-ttl-s", type=float, help="seconds a remote chunk lives")
     p.add_argument("--remote-timeout-s", type=float, help="seconds one remote call may take")
     p.add_argument("--remote-queue", type=int, help="chunks waiting to be written behind")
+    p.add_argument("--remote-capacity", type=int, help="entries of the remote-known table")
+    p.add_argument("--remote-streams", type=int, help="remote chunks fetched at once")
+    p.add_argument("--remote-stream-len", type=int,
+                   help="about how many records the remote's record stream keeps")
     args = p.parse_args(argv)
     try:
         return DataPlaneSettings(**vars(args))
@@ -80,15 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     store = Store.open(prefix)
     fingerprints = open_fingerprints(prefix, settings.chunk_size)
     events = EventLog.open(prefix)
-    # a data plane killed between an eviction and its fingerprint removal left entries behind
-    swept = fingerprints.sweep(store.holds_hashes)
+    remote = Remote.start(settings, store, fingerprints, events) if settings.remote else None
+    # a data plane killed between an eviction and its fingerprint removal left entries behind;
+    # a chunk the remote tier holds stays
+    held = store.holds_hashes if remote is None else remote.holds(store)
+    swept = fingerprints.sweep(held)
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
     engine = make_engine(settings.backend, store, settings.tuning().staging_bytes)
-    writebehind = remote_tier(settings, store, events)
     shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning(),
-                    writebehind)
+                    *(remote.parts() if remote is not None else ()))
     plane = DataPlane(prefix, shared, engine, settings.reclaim_interval, settings.limits(),
                       settings.max_connections)
     stop = threading.Event()
@@ -107,27 +121,60 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("stopping: finishing queued calls")
     plane.shutdown()
-    if writebehind is not None:
-        writebehind.close(timeout=settings.remote_timeout_s * 4)  # bounded: the rest is dropped
+    if remote is not None:
+        remote.close(settings.remote_timeout_s * 4)  # bounded: what is still queued is dropped
     return 0
 
 
-def remote_tier(settings: DataPlaneSettings, store: Store, events: EventLog
-                ) -> "WriteBehind | None":
-    """The remote tier's write-behind, when ``--remote`` names one (``dataplane.remote``)."""
-    if not settings.remote:
-        return None
-    from dataplane.remote import RemoteTier
-    from dataplane.writebehind import WriteBehind
+@dataclass
+class Remote:
+    """The remote tier's parts in this process: write-behind, discovery and promotion."""
 
-    def secret(value: pydantic.SecretStr | None) -> str | None:
-        return value.get_secret_value() if value is not None else None
+    tier: "RemoteTier"
+    remotes: "RemoteChunks"
+    writebehind: "WriteBehind"
+    promoter: "Promoter"
+    discovery: "Discovery"
 
-    tier = RemoteTier(settings.remote, secret(settings.remote_username),
-                      secret(settings.remote_password), settings.remote_timeout_s,
-                      settings.remote_ttl_s)
-    log.info("writing stored chunks behind to the remote tier %s", settings.remote)
-    return WriteBehind(store, tier, settings.remote_queue, events)
+    @classmethod
+    def start(cls, settings: DataPlaneSettings, store: Store, fingerprints: FingerprintIndex,
+              events: EventLog) -> "Remote":
+        """Connect to ``--remote`` (``dataplane.remote``; a remote that is down only costs
+        misses until it answers) and start the write-behind and discovery threads."""
+        from dataplane.discovery import Discovery
+        from dataplane.promote import Promoter
+        from dataplane.remote import RemoteTier
+        from dataplane.writebehind import WriteBehind
+        from shm.remotes import RemoteChunks
+
+        def secret(value: pydantic.SecretStr | None) -> str | None:
+            return value.get_secret_value() if value is not None else None
+
+        tier = RemoteTier(settings.remote, secret(settings.remote_username),
+                          secret(settings.remote_password), settings.remote_timeout_s,
+                          settings.remote_ttl_s, stream_len=settings.remote_stream_len)
+        remotes = RemoteChunks.open(settings.shm_prefix, settings.remote_capacity)
+        log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
+                 settings.remote)
+        return cls(tier, remotes, WriteBehind(store, tier, settings.remote_queue, events),
+                   Promoter(store, tier, remotes, events, settings.remote_streams),
+                   Discovery(tier, store, fingerprints, remotes, events).start())
+
+    def parts(self) -> tuple["WriteBehind", "Promoter", "RemoteChunks"]:
+        """What ``Shared`` takes, in its order."""
+        return self.writebehind, self.promoter, self.remotes
+
+    def holds(self, store: Store) -> Callable[[np.ndarray], np.ndarray]:
+        """The fingerprint sweep's question: is a chunk stored here or known remotely?"""
+        return lambda words: store.holds_hashes(words) | self.remotes.knows(
+            words, int(time.time() * 1000))
+
+    def close(self, timeout: float) -> None:
+        self.discovery.close(timeout)
+        self.writebehind.close(timeout)
+        self.promoter.close()
+        self.tier.close()
+        self.remotes.close()
 
 
 if __name__ == "__main__":

@@ -148,6 +148,11 @@ class AsyncBlendClient:
         return AsyncTransfer(await asyncio.to_thread(
             self.sync.retrieve, instance_id, token_ids, matches, offset, event, **kwargs))
 
+    async def prefetch(self, instance_id: int, token_ids: Any, matches: Sequence[Any],
+                       **kwargs: Any) -> int:
+        return await asyncio.to_thread(self.sync.prefetch, instance_id, token_ids, matches,
+                                       **kwargs)
+
     def _engine_event(self, instance_id: int, event: Any) -> Any:
         """On a CUDA instance without an event of the caller's: one recorded now on the caller's
         current stream (the sync client would record on the worker thread's)."""

@@ -66,7 +66,8 @@ from dataplane.control import Control, DirectControl, HttpControl
 from dataplane.errors import BadRequest, DataPlaneError
 from dataplane.messages import (ChunkFailure, CudaIpcBuffer, InstanceInfo, InstanceList,
                                 LayersWritten, ListInstances,
-                                MatchSpec, PagedBuffer, PagedLayer, Ping, Pong,
+                                MatchSpec, PagedBuffer, PagedLayer, Ping, Pong, Prefetching,
+                                PrefetchChunks,
                                 RegisterInstance, RenewLease, RotaryConfig,
                                 RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
                                 UnregisterInstance, WireDType)
@@ -610,6 +611,24 @@ class BlendClient:
                              done_event=done, token=self._token(instance_id),
                              request_id=request_id)
         return _transfer(self._channel.submit(msg), reg, used, pool, bounds, layer_events)
+
+    def prefetch(self, instance_id: int, token_ids: Any, matches: Sequence[Any], *,
+                 cache_salt: str = "", request_id: str | None = None) -> int:
+        """Start fetching the lookup's ``remote`` matches from the remote tier into the local
+        store, without waiting (a service without ``--remote`` ignores it); a ``retrieve`` of
+        them later waits for those fetches instead of fetching them itself. Call it as soon as
+        the lookup answered, so the fetches overlap the engine's other work. Returns how many
+        chunks are being fetched."""
+        specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
+                           bytes(m.chunk_hash)) for m in matches
+                 if getattr(m, "location", "remote") == "remote"]
+        if not specs:
+            return 0
+        reply: Prefetching = self._channel.call(PrefetchChunks(
+            instance_id=instance_id, token_ids=_tokens(token_ids).tobytes(), matches=specs,
+            cache_salt=cache_salt, token=self._token(instance_id), request_id=request_id),
+            self._timeout)
+        return reply.started
 
     def _events(self, instance_id: int, event: Any
                 ) -> tuple[bytes | None, bytes | None, list[_IpcEvent], list[_IpcEvent] | None]:

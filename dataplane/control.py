@@ -83,7 +83,8 @@ class HttpControl:
                             content=tokens.astype("<u4").tobytes(),
                             headers={"content-type": "application/octet-stream"}).json()
         matches = [Match(m["old_st"], m["old_ed"], m["cur_st"], m["cur_ed"],
-                         bytes.fromhex(m["chunk_hash"]), m["origin"]) for m in data["matches"]]
+                         bytes.fromhex(m["chunk_hash"]), m["origin"],
+                         m.get("location", "local")) for m in data["matches"]]
         return LookupResult(matches, int(data["hit_tokens"]), int(data["requested_tokens"]))
 
     def request(self, method: str, path: str, **kw: Any) -> httpx.Response:

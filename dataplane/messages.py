@@ -336,6 +336,20 @@ class RetrieveChunks(_Msg):
     request_id: RequestId = None
 
 
+class PrefetchChunks(_Msg):
+    """Start fetching the remote chunks among ``matches`` (a lookup's, whose ``location`` is
+    ``remote``) into the local store, and answer at once (``Prefetching``); a later
+    ``RetrieveChunks`` of them waits for those fetches and finds the chunks local. Matches
+    already local, or not known to the remote tier, are left alone."""
+
+    instance_id: U63
+    token_ids: TokenBytes
+    matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
+    cache_salt: Label = ""
+    token: InstanceToken = ""
+    request_id: RequestId = None
+
+
 class LayersWritten(_Msg):
     """Layers ``[0, layers)`` of the layer-wise store sent as ``call`` (the call id of its frame,
     on this connection) are in the engine's buffer (CUDA: the group's event is recorded). No
@@ -348,7 +362,7 @@ class LayersWritten(_Msg):
 
 
 Request = (Ping | RegisterInstance | UnregisterInstance | RenewLease | ListInstances | StoreChunks
-           | RetrieveChunks | LayersWritten)
+           | RetrieveChunks | LayersWritten | PrefetchChunks)
 
 
 # -- replies ------------------------------------------------------------------------------------
@@ -417,6 +431,13 @@ class TransferDone(_Msg):
     reasons: list[ChunkFailure] = []
 
 
+class Prefetching(_Msg):
+    """A ``PrefetchChunks`` was taken: ``started`` chunks are being fetched."""
+
+    instance_id: int
+    started: int
+
+
 class ErrorReply(_Msg):
     kind: ErrorKind
     message: str
@@ -436,7 +457,7 @@ class LayersReady(_Msg):
 
 
 Reply = (Pong | Registered | LeaseRenewed | Unregistered | InstanceList | TransferDone
-         | LayersReady | ErrorReply)
+         | LayersReady | Prefetching | ErrorReply)
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -452,7 +473,7 @@ def frame(call_id: int, msg: _Msg) -> bytes:
 __all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
            "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
            "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
-           "StoreChunks", "RetrieveChunks", "LayersWritten", "RotaryConfig", "Request", "Pong",
+           "StoreChunks", "RetrieveChunks", "LayersWritten", "PrefetchChunks", "Prefetching", "RotaryConfig", "Request", "Pong",
            "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
            "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]

@@ -16,12 +16,23 @@ Life of one promotion::
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from enum import Enum
 
 import numpy as np
 
 from dataplane.remote import ChunkId, Fetched, Miss, RemoteTier
+from shm.errors import ShmError
+from shm.events import EventLog
+from shm.remotes import RemoteChunks
 from shm.store import ChunkKey, Store
+from shm.telemetry import Counter
+
+log = logging.getLogger("kvblend.dataplane")
 
 
 class Promoted(Enum):
@@ -63,4 +74,111 @@ def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, ch
     return Promoted.PROMOTED
 
 
-__all__ = ["promote", "Promoted"]
+class Promoter:
+    """Promotions of a retrieve's or a prefetch's remote chunks, ``streams`` at a time.
+
+    A chunk is fetched only when it is not local and the table of remote-known chunks holds its
+    shard (a chunk nobody published costs no round trip); a chunk being promoted already is not
+    fetched twice: the second asker waits for the first promotion.
+
+    Args:
+        store: the local store.
+        tier: the remote tier.
+        remotes: the table of remote-known chunks.
+        events: where the counts go, or None.
+        streams: promotions at once, each on a connection of its own.
+        clock_ms: wall-clock milliseconds (the table's expiries are Unix time).
+    """
+
+    def __init__(self, store: Store, tier: RemoteTier, remotes: RemoteChunks,
+                 events: EventLog | None = None, streams: int = 8,
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+        if streams < 1:
+            raise ValueError("streams must be >= 1")
+        self._store, self._tier, self._remotes, self._events = store, tier, remotes, events
+        self._clock_ms = clock_ms
+        self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kvblend-promote")
+        self._lock = threading.Lock()
+        self._flight: dict[ChunkKey, Future] = {}
+        self.counts = {"promoted": 0, "misses": 0}
+
+    def start(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
+              token_rows: np.ndarray) -> list[Future]:
+        """Start promoting the chunks of ``keys`` (``token_rows``: uint32 ``[len(keys), C]``,
+        their expected tokens) that are remote only; returns the futures to wait for (including
+        promotions of these keys already running)."""
+        if not len(keys):
+            return []
+        local = self._store.contains(keys)
+        cc = self._store.chunk_class(class_id)
+        futures = []
+        away = [i for i in range(len(keys)) if not local[i]]
+        if not away:
+            return []
+        known = self._remotes_know([keys[i] for i in away])
+        for i, ok in zip(away, known):
+            if not ok:
+                continue
+            key = keys[i]
+            chunk = ChunkId(root, key.chunk_hash, key.rank, cc.dtype, cc.num_layers,
+                            cc.chunk_size, cc.hidden_dim)
+            with self._lock:
+                fut = self._flight.get(key)
+                if fut is None:
+                    fut = self._pool.submit(self._one, class_id, key, chunk,
+                                            np.array(token_rows[i], np.uint32))
+                    self._flight[key] = fut
+            futures.append(fut)
+        return futures
+
+    def ensure(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
+               token_rows: np.ndarray) -> int:
+        """``start``, then wait until those promotions ended (each is bounded by the tier's
+        timeout); returns how many chunks were promoted or found local meanwhile."""
+        futures = self.start(class_id, root, keys, token_rows)
+        wait(futures)
+        return sum(1 for f in futures if not f.exception() and f.result() in Promoted)
+
+    def _remotes_know(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        now = self._clock_ms()
+        out = []
+        for rank in sorted({k.rank for k in keys}):
+            idx = [i for i, k in enumerate(keys) if k.rank == rank]
+            got = self._remotes.knows([keys[i].chunk_hash for i in idx], now, rank)
+            out.extend(zip(idx, got.tolist()))
+        return [ok for _, ok in sorted(out)]
+
+    def _one(self, class_id: int, key: ChunkKey, chunk: ChunkId,
+             tokens: np.ndarray) -> Promoted | Miss:
+        try:
+            got = promote(self._store, self._tier, class_id, key.namespace_id, chunk, tokens)
+            if isinstance(got, Miss) and got is not Miss.UNAVAILABLE:
+                # gone, or not what its record said: forget it, so lookups stop offering it
+                self._remotes.put([key.chunk_hash], key.rank, 1, 0, 0)  # expired since 1970
+        except ShmError as exc:  # no room: the retrieve reports the chunk missing
+            log.warning("promotion of a remote chunk failed: %s", exc)
+            got = Miss.UNAVAILABLE
+        except Exception:  # a promotion's failure is a miss, never the retrieve's
+            log.exception("promotion of a remote chunk failed")
+            got = Miss.UNAVAILABLE
+        finally:
+            with self._lock:
+                self._flight.pop(key, None)
+        self._count("promoted" if got is Promoted.PROMOTED else
+                    "misses" if isinstance(got, Miss) else None)
+        return got
+
+    def _count(self, what: str | None) -> None:
+        if what is None:
+            return
+        with self._lock:
+            self.counts[what] += 1
+        if self._events is not None:
+            self._events.add(Counter.REMOTE_PROMOTED_CHUNKS if what == "promoted"
+                             else Counter.REMOTE_FETCH_MISSES)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["promote", "Promoted", "Promoter"]

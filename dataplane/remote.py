@@ -33,6 +33,13 @@ A read checks, in order: the length against the header's geometry, MAGIC and FOR
 root, rank and layout the caller expects, the token ids the caller expects, then the digest. The
 first failure names the miss (``Miss``); a value that passes every check is returned.
 
+Record of a chunk, for discovery: the first ``88 + 4 C`` bytes of its value (header and token ids,
+no KV), added to the stream ``kvblend:1:fp`` (field ``v``) beside its expiry in Unix milliseconds
+(field ``x``) right after the value is written. The stream is capped (``XADD MAXLEN ~``), so it
+holds the newest records; a host that tails it learns which chunks exist and where their KV was
+computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
+been evicted since, and the read that follows checks the value as above.
+
 The client (``RemoteTier``) bounds every call by a timeout and goes through a circuit breaker:
 after ``failures`` errors in a row it stops calling for ``cooldown_s`` (every call a miss at once),
 then lets one call through; a success closes it. A remote that is down costs each caller one
@@ -64,6 +71,8 @@ HEADER_BYTES = _HEAD.size  # 88
 _DIGEST_AT = 72
 assert HEADER_BYTES == 88 and _DIGEST_AT + DIGEST_BYTES == HEADER_BYTES
 KEY_PREFIX = "kvblend:1:"
+STREAM = "kvblend:1:fp"  # the records of every chunk written (module docstring)
+MAX_LAYERS, MAX_CHUNK, MAX_HIDDEN, MAX_RANK = 1 << 12, 1 << 16, 1 << 20, 1 << 10
 _ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
 SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
 
@@ -187,6 +196,47 @@ def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched |
     return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
 
 
+@dataclass(frozen=True)
+class Record:
+    """A chunk another host wrote (module docstring): what discovery needs, no KV.
+
+    Attributes:
+        chunk: the chunk's key, root, rank and layout.
+        tokens: its ``chunk_size`` token ids.
+        pos0: the position of its first token when its KV was computed.
+        origin: ``shm.header`` ORIGIN_STANDALONE or ORIGIN_FINAL.
+        expires_ms: when its value expires, Unix milliseconds.
+    """
+
+    chunk: ChunkId
+    tokens: np.ndarray
+    pos0: int
+    origin: int
+    expires_ms: int
+
+
+def parse_record(head: bytes, expires: bytes | str) -> Record | None:
+    """A stream record's fields checked for form (sizes, magic, format, bounds); None when any
+    check fails. The digest covers the KV too, so it is checked when the value is read."""
+    if len(head) < HEADER_BYTES:
+        return None
+    (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
+     _) = _HEAD.unpack_from(head, 0)
+    try:
+        expires_ms = int(expires)
+        kind = DType(dtype)
+    except ValueError:
+        return None
+    if (magic != MAGIC or fmt != FORMAT or origin not in _ORIGINS or pos0 < 0
+            or not (0 < layers <= MAX_LAYERS and 0 < size <= MAX_CHUNK
+                    and 0 < hidden <= MAX_HIDDEN and rank < MAX_RANK)
+            or len(head) != HEADER_BYTES + 4 * size):
+        return None
+    chunk = ChunkId(root, key, rank, kind, layers, size, hidden)
+    tokens = np.frombuffer(head, "<u4", size, HEADER_BYTES)
+    return Record(chunk, tokens, pos0, origin, expires_ms)
+
+
 def _digest(value: bytes | bytearray) -> bytes:
     """SHA-256 rather than BLAKE2b: CPUs hash it in hardware, 1.65 GB/s against 0.63 on the
     2-core VM (32 MiB), and a fetch checks every byte it reads. Unkeyed, it catches corruption
@@ -288,11 +338,15 @@ class RemoteTier:
         ttl_s: how long a written chunk lives (the server may evict it sooner under its own
             ``maxmemory-policy``).
         breaker: the circuit breaker (a default one when None).
+        stream_len: about how many records the stream keeps (``XADD MAXLEN ~``).
+        block_s: the longest a ``records`` call waits for a record (its connection's timeout is
+            this plus ``timeout_s``).
     """
 
     def __init__(self, url: str, username: str | None = None, password: str | None = None,
                  timeout_s: float = 0.5, ttl_s: float = 86400.0,
-                 breaker: Breaker | None = None) -> None:
+                 breaker: Breaker | None = None, stream_len: int = 1 << 17,
+                 block_s: float = 1.0) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
@@ -301,30 +355,76 @@ class RemoteTier:
         cluster, tls, nodes, db = parse_url(url)
         if timeout_s <= 0 or ttl_s <= 0:
             raise ValueError("timeout_s and ttl_s must be > 0")
+        if stream_len < 1 or block_s <= 0:
+            raise ValueError("stream_len must be >= 1 and block_s > 0")
         self.ttl_ms = int(ttl_s * 1000)
+        self.stream_len, self.block_s = stream_len, block_s
         self.breaker = breaker or Breaker()
         # no retries of our own: a call takes one timeout at most, and the breaker decides
         # when to try again (the cluster client keeps one retry, to follow a moved slot)
         common = dict(username=username, password=password, socket_timeout=timeout_s,
-                      socket_connect_timeout=timeout_s, ssl=tls,
+                      socket_connect_timeout=timeout_s, ssl=tls, protocol=2,
                       retry=Retry(NoBackoff(), 1 if cluster else 0))
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        if cluster:
-            self._client: Any = RedisCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                require_full_coverage=False, **common)
-        else:
-            host, port = nodes[0]
-            self._client = redis.Redis(host=host, port=port, db=db, **common)
 
-    def put(self, chunk: ChunkId, value: bytes) -> bool:
-        """Write one encoded chunk with the tier's TTL; False when the remote failed or the
-        breaker is open (nothing raised: the remote tier only adds hits)."""
-        return self._call(lambda: self._client.set(chunk.key, value, px=self.ttl_ms)) is True
+        def client(timeout: float) -> Any:
+            kw = dict(common, socket_timeout=timeout)
+            if cluster:
+                return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                                    require_full_coverage=False, **kw)
+            host, port = nodes[0]
+            return redis.Redis(host=host, port=port, db=db, **kw)
+
+        # made on first use, inside a call: a cluster client asks a seed node for the slot map
+        # when it is made, and a remote that is down at start-up must only cost misses.
+        # A blocked XREAD holds its connection for up to block_s: the tail has a client of its own
+        self._make = {"main": lambda: client(timeout_s), "tail": lambda: client(timeout_s + block_s)}
+        self._clients: dict[str, Any] = {}
+        self._made = threading.Lock()
+
+    def _client_of(self, which: str) -> Any:
+        with self._made:
+            if which not in self._clients:
+                self._clients[which] = self._make[which]()
+            return self._clients[which]
+
+    def put(self, chunk: ChunkId, value: bytes, publish: bool = True) -> bool:
+        """Write one encoded chunk with the tier's TTL and, with ``publish``, add its record to
+        the stream (one round trip: both go in one pipeline); False when the remote failed or
+        the breaker is open (nothing raised: the remote tier only adds hits)."""
+        expires_ms = int(time.time() * 1000) + self.ttl_ms
+
+        def write() -> Any:
+            pipe = self._client_of("main").pipeline(transaction=False)
+            pipe.set(chunk.key, value, px=self.ttl_ms)
+            if publish:
+                pipe.xadd(STREAM, {"v": value[:HEADER_BYTES + 4 * chunk.chunk_size],
+                                   "x": str(expires_ms)},
+                          maxlen=self.stream_len, approximate=True)
+            return pipe.execute()
+
+        done = self._call(write)
+        return done is not _FAILED and done[0] is True
+
+    def records(self, after: str, count: int) -> list[tuple[str, Record | None]] | None:
+        """The stream's records after id ``after`` (``"0"``: from the oldest it keeps), at most
+        ``count``, waiting up to the tier's ``block_s`` for the first; each with its id, None where it does
+        not parse. None when the remote failed or the breaker is open."""
+        got = self._call(lambda: self._client_of("tail").xread({STREAM: after}, count=count,
+                                                   block=max(1, int(self.block_s * 1000))))
+        if got is _FAILED:
+            return None
+        out = []
+        for _, entries in got or []:  # RESP2: [[stream, [(id, {field: value}), ...]]]
+            for rid, fields in entries:
+                head, expires = fields.get(b"v"), fields.get(b"x")
+                out.append((rid.decode(), None if head is None or expires is None
+                            else parse_record(head, expires)))
+        return out
 
     def get(self, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
         """Read one chunk and check it (``decode``)."""
-        value = self._call(lambda: self._client.get(chunk.key))
+        value = self._call(lambda: self._client_of("main").get(chunk.key))
         if value is _FAILED:
             return Miss.UNAVAILABLE
         return decode(value, chunk, tokens)
@@ -341,7 +441,10 @@ class RemoteTier:
         return result
 
     def close(self) -> None:
-        self._client.close()
+        with self._made:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
 
     def __enter__(self) -> "RemoteTier":
         return self
@@ -352,5 +455,5 @@ class RemoteTier:
 
 _FAILED = object()
 
-__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "encode", "decode", "parse_url",
-           "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX"]
+__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "encode", "decode",
+           "parse_record", "parse_url", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM"]

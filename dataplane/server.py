@@ -39,11 +39,11 @@ from dataplane.channel import recv_frame
 from dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
 from dataplane.instances import Instance, Limits, Registry
 from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady, LayersWritten,
-                                LeaseRenewed,
-                                ListInstances, Ping, Pong, Registered, RegisterInstance, RenewLease,
+                                LeaseRenewed, ListInstances, Ping, Pong, Prefetching,
+                                PrefetchChunks, Registered, RegisterInstance, RenewLease,
                                 RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
                                 frame, request_decoder)
-from dataplane.transfer import Call, Gate, Shared, retrieve_call, store_call
+from dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
 from shm.events import EventLog
 from shm.private import check_socket
 from shm.telemetry import Counter, RetrieveError, StoreError
@@ -286,6 +286,9 @@ class DataPlane:
             inst = self.registry.register(msg, conn.uid, conn.id)
             return Registered(instance_id=inst.id, token=inst.token,
                               lease_s=self.registry.limits.lease_s)
+        if isinstance(msg, PrefetchChunks):  # answered at once: the fetches run on their own
+            inst = self.registry.authorize(msg.instance_id, msg.token)
+            return Prefetching(instance_id=inst.id, started=prefetch(self.shared, inst, msg))
         if isinstance(msg, RenewLease):
             inst = self.registry.authorize(msg.instance_id, msg.token)
             self.shared.events.add(Counter.LEASE_RENEWALS)

@@ -41,6 +41,9 @@ class DataPlaneSettings(BaseSettings):
         remote: the remote tier's URL (``dataplane.remote.parse_url``); empty: none.
         remote_ttl_s, remote_timeout_s: a remote chunk's life, and the bound of one remote call.
         remote_queue: chunks waiting to be written behind; more are dropped (and counted).
+        remote_capacity: entries of the table of remote-known chunks (``shm.remotes``).
+        remote_streams: remote chunks fetched at once, each on a connection of its own.
+        remote_stream_len: about how many records the remote tier's record stream keeps.
         remote_username, remote_password: the remote's credentials, from
             ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only (no flag: a command
             line is visible to every user of the host).
@@ -65,6 +68,9 @@ class DataPlaneSettings(BaseSettings):
     remote_ttl_s: float = Field(86400.0, gt=0)
     remote_timeout_s: float = Field(0.5, gt=0)
     remote_queue: int = Field(4096, gt=0)
+    remote_capacity: int = Field(1 << 18, ge=64)
+    remote_streams: int = Field(8, gt=0, le=256)
+    remote_stream_len: int = Field(1 << 17, gt=0)
     remote_username: SecretStr | None = Field(
         None, validation_alias=AliasChoices("KVBLEND_REMOTE_USERNAME"))
     remote_password: SecretStr | None = Field(

@@ -52,7 +52,7 @@ import numpy as np
 
 from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
-                                ChunkFailure, RetrieveChunks, StoreChunks, StoreKind,
+                                ChunkFailure, PrefetchChunks, RetrieveChunks, StoreChunks, StoreKind,
                                 TransferDone)
 from shm.errors import CapacityError, LayoutMismatch, ShmError
 from shm.events import EventLog
@@ -68,7 +68,9 @@ from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd
 if TYPE_CHECKING:
     from dataplane.backend import InstanceBuffer
     from dataplane.instances import Instance
+    from dataplane.promote import Promoter
     from dataplane.writebehind import WriteBehind
+    from shm.remotes import RemoteChunks
 
 
 log = logging.getLogger("kvblend.dataplane")
@@ -101,6 +103,8 @@ class Shared:
     chunk_size: int
     tuning: Tuning = Tuning()
     writebehind: "WriteBehind | None" = None  # the remote tier's, when there is one
+    promoter: "Promoter | None" = None        # fetches remote chunks into the store
+    remotes: "RemoteChunks | None" = None     # chunks other hosts wrote to the remote tier
 
 
 def open_fingerprints(prefix: str, chunk_size: int) -> FingerprintIndex:
@@ -357,7 +361,10 @@ def forget_evicted(sh: Shared) -> int:
     evicted = sh.store.take_evicted()
     if not len(evicted):
         return 0
-    removed = sh.fingerprints.remove(np.ascontiguousarray(evicted[:, :2]))
+    words = np.ascontiguousarray(evicted[:, :2])
+    if sh.remotes is not None:  # a chunk the remote tier still holds stays findable
+        words = words[~sh.remotes.knows(words, int(time.time() * 1000))]
+    removed = sh.fingerprints.remove(words)
     if removed:
         sh.events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, removed)
     return removed
@@ -395,6 +402,24 @@ def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:
             raise BadRequest(f"match {j} has a chunk_hash of {len(m.chunk_hash)} bytes")
 
 
+def prefetch(sh: Shared, inst: "Instance", msg: PrefetchChunks) -> int:
+    """Start promoting the remote chunks among ``msg``'s matches (``dataplane.promote``) and
+    return at once; a retrieve of them later waits for those promotions. Returns how many
+    chunks are being promoted (0 without a remote tier)."""
+    tokens = tokens_of(msg.token_ids)
+    C = sh.chunk_size
+    for j, m in enumerate(msg.matches):
+        if m.cur_ed - m.cur_st != C or m.cur_ed > len(tokens) or len(m.chunk_hash) != DIGEST_BYTES:
+            raise BadRequest(f"match {j} is not one chunk of {C} tokens inside the prompt: {m}")
+    if sh.promoter is None or not msg.matches:
+        return 0
+    ns = _namespace(inst, msg.cache_salt)
+    keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, len(msg.matches))
+    return len(sh.promoter.start(inst.class_id, ns.root, keys,
+                                 tokens[cur[:, None] + np.arange(C)]))
+
+
 def _check_layerwise(msg: RetrieveChunks, buf: "InstanceBuffer") -> None:
     if not msg.layer_groups:
         if msg.layer_events:
@@ -429,6 +454,8 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
     sh.events.record(RetrieveStart(**base))
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+    if sh.promoter is not None and n:  # remote matches first become local (a miss fails below)
+        sh.promoter.ensure(inst.class_id, ns.root, keys, tokens[cur[:, None] + np.arange(C)])
     slots = np.full(n, -1, np.int64)
     why = np.full(n, NOT_PINNED, np.int8)  # per match: VERIFIED (copied) or why not
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
@@ -576,4 +603,4 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
 
 
 __all__ = ["Shared", "Call", "Gate", "open_fingerprints", "store_call", "retrieve_call", "run_to_end",
-           "run_store", "run_retrieve", "tokens_of"]
+           "run_store", "run_retrieve", "tokens_of", "prefetch"]

@@ -80,6 +80,24 @@ class Namespace:
         return int.from_bytes(self.root[:8], "little")
 
 
+@dataclass(frozen=True)
+class Root:
+    """A namespace known by its root alone: a record from another host carries the root, never
+    the labels (model name, salt) it was hashed from. Indexes take it where they take a
+    ``Namespace``."""
+
+    root: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.root) != DIGEST_BYTES:
+            raise ValueError(f"a namespace root has {DIGEST_BYTES} bytes, got {len(self.root)}")
+
+    @property
+    def id(self) -> int:
+        """As ``Namespace.id``."""
+        return int.from_bytes(self.root[:8], "little")
+
+
 def as_tokens(token_ids: object) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array.
 

@@ -5,31 +5,45 @@ store (is every rank's shard still committed? where and how was its KV computed?
 ``shm.matches.LookupResult``; it pins nothing, so a lookup that no retrieve follows leaves no trace
 in the store. A candidate the store no longer holds is dropped from the index; one the caller does
 not want (``standalone_only``) is only left out of this answer.
+
+With a remote tier, the table of remote-known chunks (``shm.remotes``) counts too: a rank's shard
+is live when it is committed here or known remotely and not expired, and a match whose shards are
+not all here says ``location="remote"`` (its retrieve fetches them first).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from shm.fingerprint import FingerprintIndex
 from shm.header import ORIGIN_STANDALONE, ORIGIN_UNKNOWN
 from shm.matches import ORIGINS, LookupResult, Match
 from shm.hashing import Namespace, as_tokens
+from shm.remotes import RemoteChunks
 from shm.store import Store
 
 
-def live_checker(store: Store, namespace: Namespace):
-    """``is_live(hashes) -> list[bool]``: True where every rank's shard of the chunk is committed."""
+def live_checker(store: Store, namespace: Namespace, remotes: RemoteChunks | None = None,
+                 now_ms: int = 0):
+    """``is_live(hashes) -> list[bool]``: True where every rank's shard of the chunk is committed
+    here or (with ``remotes``) known remotely and not expired at ``now_ms``."""
     ws, nsid = namespace.world_size, namespace.id
 
     def is_live(hashes: Sequence[bytes]) -> list[bool]:
-        return store.contains_shards(nsid, hashes, ws).all(axis=1).tolist()
+        here = store.contains_shards(nsid, hashes, ws)
+        if remotes is not None and not here.all():
+            here |= remotes.live(hashes, ws, now_ms)
+        return here.all(axis=1).tolist()
 
     return is_live
 
 
 def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
-           token_ids: object, standalone_only: bool = False) -> LookupResult:
+           token_ids: object, standalone_only: bool = False,
+           remotes: RemoteChunks | None = None) -> LookupResult:
     """Find the stored chunks of ``namespace`` inside ``token_ids``; each match says where its
     chunk's KV was computed (``old_st``, from the store's ``first_position``) and how
     (``origin``). ``standalone_only``: only chunks stored by ``store_pre_computed``.
@@ -39,22 +53,36 @@ def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
     """
     tokens = as_tokens(token_ids)
     chunk = fingerprints.chunk_size
+    now_ms = int(time.time() * 1000)
+
+    def provenance(hashes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        pos, origin = store.provenance(namespace.id, hashes)
+        if remotes is not None and (origin < 0).any():
+            far = origin < 0
+            rpos, rorigin = remotes.provenance([h for h, f in zip(hashes, far) if f], now_ms)
+            pos, origin = pos.copy(), origin.copy()
+            pos[far], origin[far] = rpos, rorigin
+        return pos, origin
 
     def standalone(hashes: Sequence[bytes]) -> list[bool]:
-        return (store.provenance(namespace.id, hashes)[1] == ORIGIN_STANDALONE).tolist()
+        return (provenance(hashes)[1] == ORIGIN_STANDALONE).tolist()
 
-    olds, curs, hashes = fingerprints.cover(namespace, tokens,
-                                            is_live=live_checker(store, namespace),
-                                            eligible=standalone if standalone_only else None)
+    olds, curs, hashes = fingerprints.cover(
+        namespace, tokens, is_live=live_checker(store, namespace, remotes, now_ms),
+        eligible=standalone if standalone_only else None)
     # where and how the chosen chunks were computed, read once for them only; a chunk evicted
     # since the liveness check is left out (its retrieve would fail)
-    pos, origin = store.provenance(namespace.id, hashes)
+    pos, origin = provenance(hashes)
+    here = (store.contains_shards(namespace.id, hashes, namespace.world_size).all(axis=1)
+            if remotes is not None and hashes else np.ones(len(hashes), bool))
     matches = []
-    for registered, cur, h, p, o in zip(olds, curs, hashes, pos.tolist(), origin.tolist()):
+    for registered, cur, h, p, o, local in zip(olds, curs, hashes, pos.tolist(), origin.tolist(),
+                                               here.tolist()):
         if o < 0 or (standalone_only and o != ORIGIN_STANDALONE):
             continue
         old = registered if o == ORIGIN_UNKNOWN else p
-        matches.append(Match(old, old + chunk, cur, cur + chunk, h, ORIGINS[o]))
+        matches.append(Match(old, old + chunk, cur, cur + chunk, h, ORIGINS[o],
+                             "local" if local else "remote"))
     return LookupResult(matches, covered_tokens(matches), len(tokens) // chunk * chunk)
 
 

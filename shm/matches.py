@@ -22,6 +22,9 @@ class Match:
             ``store_pre_computed``), ``final`` (inside a longer prompt, by ``store_final``: attention
             to earlier context baked in), or ``unknown`` (its store recorded neither; ``old_st``
             is then the chunk's place in the registered sequence).
+        location: ``local`` when every rank's shard is in this host's store, ``remote`` when
+            some are only in the remote tier (a retrieve fetches them first; ``prefetch``
+            starts that early).
     """
 
     old_st: int
@@ -30,6 +33,7 @@ class Match:
     cur_ed: int
     chunk_hash: bytes
     origin: str = "unknown"
+    location: str = "local"
 
 
 @dataclass(frozen=True)

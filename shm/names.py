@@ -13,6 +13,8 @@ the other entries are paths in ``/dev/shm``::
     /dev/shm/P_fp.lock            file      its flock
     P_events                      segment   shm.events: the event ring and counters
     /dev/shm/P_events.lock        file      its flock
+    P_remote                      segment   shm.remotes: chunks other hosts stored in the remote tier
+    /dev/shm/P_remote.lock        file      its flock
     /dev/shm/P_serve.lock         file      api.supervisor: one ``kvblend serve`` per prefix
     /dev/shm/P_dataplane.sock     socket    dataplane: the channel's default address
     /dev/shm/P_dataplane.json     file      dataplane.instances: registered instances, for restarts
@@ -55,8 +57,12 @@ class Names:
     def events(self) -> str:
         return f"{self.prefix}_events"
 
+    @property
+    def remote(self) -> str:
+        return f"{self.prefix}_remote"
+
     def lock(self, what: str) -> str:
-        """The flock file of ``what``: ``store``, ``fp``, ``events`` or ``serve``."""
+        """The flock file of ``what``: ``store``, ``fp``, ``events``, ``remote`` or ``serve``."""
         if what not in _LOCKS:
             raise ValueError(f"no lock named {what!r}: one of {', '.join(_LOCKS)}")
         return shm_path(f"{self.prefix}_{what}.lock")
@@ -87,11 +93,12 @@ class Names:
 
     def service_paths(self) -> list[str]:
         """Every path of the service's own names (engine buffers and scratch excluded)."""
-        return [shm_path(n) for n in (self.meta, self.slab, self.fp, self.events)] + \
-            [self.lock(w) for w in _LOCKS] + [self.socket, self.state]
+        segments = (self.meta, self.slab, self.fp, self.events, self.remote)
+        return [shm_path(n) for n in segments] + [self.lock(w) for w in _LOCKS] + \
+            [self.socket, self.state]
 
 
-_LOCKS = ("store", "fp", "events", "serve")
+_LOCKS = ("store", "fp", "events", "remote", "serve")
 
 
 def destroy(prefix: str) -> int:

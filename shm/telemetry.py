@@ -65,6 +65,16 @@ class Counter(StrEnum):
                              "Chunks not written behind: gone from the store before their turn.")
     REMOTE_FAILED_WRITES = ("remote_failed_writes",
                             "Remote writes that failed (remote down, slow, or its breaker open).")
+    REMOTE_RECORDS = "remote_records", "Records of remote chunks read from the remote tier's stream."
+    REMOTE_MALFORMED_RECORDS = ("remote_malformed_records",
+                                "Records of the remote tier's stream that did not parse.")
+    REMOTE_DISCOVERED_CHUNKS = ("remote_discovered_chunks",
+                                "Remote chunks entered in the fingerprint index (findable here).")
+    REMOTE_PROMOTED_CHUNKS = ("remote_promoted_chunks",
+                              "Chunks fetched from the remote tier into the local store.")
+    REMOTE_FETCH_MISSES = ("remote_fetch_misses",
+                           "Remote fetches that gave no chunk: absent, expired, corrupt, "
+                           "truncated, or the remote unavailable.")
 
 
 class Histogram:

@@ -8,7 +8,7 @@ from api import kvblend_version
 from api.auth import require_token
 from api.deps import ServicesDep
 from api.errors import responses
-from api.schemas import DataPlaneStatus, FingerprintStatus, Status, StorageStatus
+from api.schemas import DataPlaneStatus, FingerprintStatus, RemoteStatus, Status, StorageStatus
 from shm.telemetry import Counter
 
 router = APIRouter(prefix="/v1", tags=["status"], dependencies=[Depends(require_token)])
@@ -37,4 +37,7 @@ def get_status(services: ServicesDep) -> Status:
         instances=instances or [],
         dataplane=DataPlaneStatus(pid=ping.pid if ping is not None else None,
                                   alive=ping is not None, restarts=restarts,
-                                  address=link.address))
+                                  address=link.address),
+        remote=RemoteStatus(url=services.settings.remote, known_chunks=len(services.remotes),
+                            capacity=services.remotes.capacity)
+        if services.remotes is not None else None)

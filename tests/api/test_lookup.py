@@ -37,10 +37,10 @@ def stored(cache: Cache) -> tuple[np.ndarray, np.ndarray, list[bytes], list[byte
 
 def expected(a_at: int, b_at: int, ka: list[bytes], kb: list[bytes]) -> list[dict]:
     out = [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=a_at + i * CHUNK,
-                cur_ed=a_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown")
+                cur_ed=a_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown", location="local")
            for i, k in enumerate(ka)]
     out += [dict(old_st=i * CHUNK, old_ed=(i + 1) * CHUNK, cur_st=b_at + i * CHUNK,
-                 cur_ed=b_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown")
+                 cur_ed=b_at + (i + 1) * CHUNK, chunk_hash=k.hex(), origin="unknown", location="local")
             for i, k in enumerate(kb)]
     return out
 

@@ -4,6 +4,7 @@ awaited, and an event loop that goes on while a call waits."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -34,6 +35,10 @@ def test_store_lookup_retrieve_round_trip(dataplane: DataPlaneProc) -> None:
             assert stored.ok and stored.copied == 2
             matches = (await client.lookup(doc, "async")).matches
             assert [m.cur_st for m in matches] == [0, CHUNK]
+            # local matches need no fetch; a data plane without a remote tier fetches nothing
+            assert await client.prefetch(b, doc, matches) == 0
+            far = [dataclasses.replace(m, location="remote") for m in matches]
+            assert await client.prefetch(b, doc, far) == 0
             t = await client.retrieve(b, doc, matches, layer_groups=3)
             assert await t.wait_layer(L - 1, timeout=60) == []
             assert (await t.wait()).copied == 2

@@ -279,6 +279,11 @@ class ClusterProcs:
     def url(self) -> str:
         return self.nodes[0].url
 
+    @property
+    def cluster_url(self) -> str:
+        """The ``--remote`` URL of the whole cluster, from every node as a seed."""
+        return "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.seeds)
+
     def node_for_key(self, key: str | bytes) -> RedisProc:
         """The master that serves ``key``'s slot."""
         slot = key_slot(key.encode() if isinstance(key, str) else key)

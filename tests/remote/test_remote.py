@@ -79,9 +79,9 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
         assert not tier.put(cid, value)
         assert breaker.is_open and breaker.opened == 1
         calls = []
-        tier._client.get = lambda *a: calls.append(a)  # noqa: SLF001 - an open breaker calls nothing
+        tier._client_of("main").get = lambda *a: calls.append(a)  # an open breaker calls nothing
         assert tier.get(cid, tokens) is Miss.UNAVAILABLE and calls == []
-        del tier._client.get
+        del tier._client_of("main").get
         redis_server.restart()
         now[0] = 5.0  # the cooldown is over: the next call probes, and the server is back
         assert tier.get(cid, tokens) is Miss.ABSENT  # no persistence: the restart emptied it
@@ -98,7 +98,7 @@ def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
         for cid, tokens, kv in items:
             got = tier.get(cid, tokens)
             assert isinstance(got, Fetched) and bytes(got.kv) == kv.tobytes()
-        holders = {tier._client.get_node_from_key(cid.key).port for cid, _, _ in items}
+        holders = {tier._client_of("main").get_node_from_key(cid.key).port for cid, _, _ in items}
         assert len(holders) == 3  # the keys spread over every master
     victim = redis_cluster.nodes[0]
     victim.kill()

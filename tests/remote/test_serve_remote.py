@@ -46,7 +46,7 @@ def service(redis_server: RedisProc, redis_url: str) -> Iterator[Service]:
 def remote_keys(redis_server: RedisProc) -> list[bytes]:
     try:
         with redis_server.client(password=PASSWORD) as r:
-            return list(r.scan_iter("kvblend:1:*"))
+            return list(r.scan_iter("kvblend:1:*:*"))  # chunks, not the record stream
     except redis.RedisError:
         return []
 

@@ -14,6 +14,7 @@ from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.names import Names, destroy, leftovers
 from shm.private import open_private, shm_path
+from shm.remotes import RemoteChunks
 from shm.store import Store, StoreConfig
 from tests.dataplane.conftest import CHUNK, start_dataplane
 
@@ -27,6 +28,7 @@ def _service(prefix: str) -> str:
     Store.open(prefix, SMALL).close()
     FingerprintIndex.open(prefix, CHUNK, capacity=64).close()
     EventLog.open(prefix).close()
+    RemoteChunks.open(prefix, capacity=64).close()
     os.close(open_private(Names(prefix).lock("serve"), create=True))
     start_dataplane(prefix).stop()  # its socket goes; its instance state file stays
     kvbuf = Names(prefix).kvbuf("ab" * 16)
@@ -36,8 +38,8 @@ def _service(prefix: str) -> str:
 
 def test_destroy_removes_every_name_of_the_service_and_no_engine_buffer(shm_prefix: str) -> None:
     kvbuf = _service(shm_prefix)
-    assert len(leftovers(shm_prefix)) >= 8
-    assert destroy(shm_prefix) >= 8
+    assert len(leftovers(shm_prefix)) >= 10
+    assert destroy(shm_prefix) >= 10
     assert leftovers(shm_prefix) == []
     assert os.path.exists(shm_path(kvbuf))
 
@@ -63,7 +65,7 @@ def test_kvbuf_names_are_exactly_32_lowercase_hex(shm_prefix: str) -> None:
 
 
 def test_no_other_module_spells_a_name() -> None:
-    spelled = re.compile(r'f"\{[^}]+\}_(meta|slab|fp|events|dataplane|kvbuf|warm|store|serve)'
+    spelled = re.compile(r'f"\{[^}]+\}_(meta|slab|fp|events|remote|dataplane|kvbuf|warm|store|serve)'
                          r'|\.lock"')
     found = [f"{p.relative_to(ROOT)}:{i}" for pkg in ("shm", "api", "dataplane")
              for p in (ROOT / pkg).rglob("*.py") if p.name != "names.py"

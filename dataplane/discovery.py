@@ -1,0 +1,148 @@
+"""Discovery: this host learns the chunks other hosts wrote to the remote tier, so that its lookups
+find them.
+
+This module owns the tail of the remote tier's record stream (``dataplane.remote``: one record per
+chunk written, with its token ids) and what a record becomes here: an entry in the table of
+remote-known chunks (``shm.remotes``: which shards exist remotely, until when, and where their KV
+was computed) and a fingerprint entry, so that a lookup finds the chunk by its tokens. It does
+not own fetching a chunk (``dataplane.promote``) nor deciding what counts as live (``shm.lookup``).
+
+Life of a record::
+
+    XREAD (blocks up to block_s) --remote down / breaker open--> wait, then read on from the
+                                                                 last id seen
+    a record --does not parse, another chunk size, expired--> ignored (counted when malformed)
+             --parsed--> remote-known entry (hash, rank) -> (expiry, pos0, origin)
+                         --its content is findable here already--> no fingerprint entry
+                         --not findable--> registered in the fingerprint index
+
+NOTE: one thread per data plane reads the stream from the oldest record it keeps, then follows
+it; a restart reads it again (the stream is capped, and re-reading an entry changes nothing). A
+store on host A becomes findable on host B after A's write-behind queue, one pipelined SET and
+XADD, and B's blocked XREAD returning: docs/remote.md has the measured delay. A fingerprint entry
+may outlive its chunk's value (expiry, server eviction, a flushed server): the lookup then offers
+a remote match whose fetch misses, and the engine recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dataplane.remote import Record, RemoteTier
+from shm.events import EventLog
+from shm.fingerprint import FingerprintIndex
+from shm.hashing import Root
+from shm.header import ORIGIN_FINAL
+from shm.remotes import RemoteChunks
+from shm.store import Store
+from shm.telemetry import Counter
+
+log = logging.getLogger("kvblend.dataplane")
+
+BATCH = 512  # records per XREAD
+
+
+class Discovery:
+    """The thread that tails the record stream into ``remotes`` and ``fingerprints``.
+
+    Args:
+        tier: the remote tier (its ``block_s`` bounds each wait).
+        store: this host's store.
+        fingerprints: this host's fingerprint index.
+        remotes: this host's table of remote-known chunks.
+        events: where the counts go, or None.
+        retry_s: the wait after a failed read (the breaker adds its own cooldown).
+        clock_ms: wall-clock milliseconds (records carry Unix-time expiries).
+    """
+
+    def __init__(self, tier: RemoteTier, store: Store, fingerprints: FingerprintIndex,
+                 remotes: RemoteChunks, events: EventLog | None = None, retry_s: float = 1.0,
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+        self._tier, self._store, self._fps = tier, store, fingerprints
+        self._remotes, self._events = remotes, events
+        self._retry_s, self._clock_ms = retry_s, clock_ms
+        self._stop = threading.Event()
+        self.last_id = "0"
+        self.counts = {"records": 0, "registered": 0, "malformed": 0}
+        self._thread = threading.Thread(target=self._run, name="kvblend-discovery", daemon=True)
+
+    def start(self) -> "Discovery":
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop after the read in progress (``block_s`` at most)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self._tier.records(self.last_id, BATCH)
+                if got is None:
+                    self._stop.wait(self._retry_s)
+                    continue
+                if got:
+                    self.apply([r for _, r in got])
+                    self.last_id = got[-1][0]
+            except Exception:  # never let one bad batch stop discovery
+                log.exception("discovery: a batch of records failed")
+                self._stop.wait(self._retry_s)
+
+    def apply(self, records: list[Record | None]) -> int:
+        """Enter ``records`` (None: one that did not parse) here; returns the fingerprint
+        entries added."""
+        now = self._clock_ms()
+        size = self._fps.chunk_size
+        good = [r for r in records if r is not None and r.chunk.chunk_size == size
+                and r.expires_ms > now]
+        self._count("malformed", sum(r is None for r in records))
+        self._count("records", len(records))
+        if not good:
+            return 0
+        self._remotes.put([r.chunk.chunk_hash for r in good],
+                          np.array([r.chunk.rank for r in good], np.int64),
+                          np.array([r.expires_ms for r in good], np.int64),
+                          np.array([r.pos0 for r in good], np.int64),
+                          np.array([r.origin for r in good], np.int64))
+        added = 0
+        for r in good:
+            if r.chunk.rank == 0:
+                added += self._register(r)
+        self._count("registered", added)
+        return added
+
+    def _register(self, r: Record) -> int:
+        """A fingerprint entry for ``r``'s chunk, unless its content is findable here already
+        (a local copy, maybe under another chain of keys: re-pointing its entry would turn a
+        local hit into a fetch)."""
+        ns = Root(r.chunk.root)
+        now = self._clock_ms()
+
+        def is_live(hashes: list[bytes]) -> list[bool]:  # rank 0's shard, here or remote
+            here = self._store.contains_shards(ns.id, hashes, 1)[:, 0]
+            return (here | self._remotes.knows(hashes, now)).tolist()
+
+        if self._fps.contains(r.chunk.chunk_hash) or self._fps.cover(ns, r.tokens, is_live)[0]:
+            return 0
+        return self._fps.register(ns, r.tokens, [r.chunk.chunk_hash],
+                                  final=r.origin == ORIGIN_FINAL).new
+
+    def _count(self, what: str, n: int) -> None:
+        if not n:
+            return
+        self.counts[what] += n
+        if self._events is not None:
+            self._events.add(_COUNTERS[what], n)
+
+
+_COUNTERS = {"records": Counter.REMOTE_RECORDS, "registered": Counter.REMOTE_DISCOVERED_CHUNKS,
+             "malformed": Counter.REMOTE_MALFORMED_RECORDS}
+
+__all__ = ["Discovery", "BATCH"]
