@@ -16,7 +16,8 @@ import torch
 from dataplane.client import BlendClient
 from dataplane.messages import ChunkFailure
 from tests.conftest import remove_prefix
-from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
+from dataplane.remote import STREAM
+from tests.remote.conftest import ClusterProcs, RedisProc, free_port, poll_until
 from tests.test_e2e import Service
 
 C, L, D = 256, 2, 64
@@ -110,9 +111,27 @@ def share_and_retrieve(a: Host, b: Host) -> None:
 
 
 def test_a_document_stored_on_one_host_is_found_and_retrieved_on_another(
-        hosts: list[Host], redis_url: str) -> None:
+        hosts: list[Host], redis_server: RedisProc, redis_url: str) -> None:
+    with redis_server.client() as raw:  # hostile records first: counted and skipped
+        raw.xadd(STREAM, {"v": b"not a record", "x": b"1"})
+        raw.xadd(STREAM, {"other": b"fields"})
     hosts += [Host(redis_url), Host(redis_url)]
     share_and_retrieve(*hosts)
+    assert hosts[1].counter("remote_malformed_records") == 2
+
+
+def test_a_remote_down_at_start_up_stops_nothing(hosts: list[Host]) -> None:
+    closed = free_port()
+    for url in (f"redis://127.0.0.1:{closed}", f"redis+cluster://127.0.0.1:{closed}"):
+        host = Host(url)
+        hosts.append(host)
+        fill(host, 3)
+        document = doc(3, 2)
+        assert host.client.store_pre_computed(host.inst, document).wait(timeout=60).ok
+        assert [m.location for m in host.client.lookup(document, model_name=MODEL).matches] == [
+            "local", "local"]
+        poll_until(lambda: host.counter("remote_failed_writes") == 2, DEADLINE,
+                   "the failed writes counted")
 
 
 def test_two_hosts_share_through_a_cluster_and_a_killed_master_gives_misses(
