@@ -89,8 +89,8 @@ class Settings(BaseSettings):
         "seconds one remote call may take; after 3 failures in a row the remote is left alone "
         "for 5 s"))
     remote_capacity: int = Field(1 << 18, ge=64, le=1 << 26, description=(
-        "chunks other hosts stored in the remote tier that this host keeps track of (48 bytes "
-        "each, twice over); past it the ones expiring soonest are forgotten"))
+        "chunk shards other hosts stored in the remote tier that this host keeps track of, a power "
+        "of two (96 bytes each); past it the ones expiring soonest are forgotten"))
     remote_streams: int = Field(8, ge=1, le=256, description=(
         "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own"))
     remote_stream_len: int = Field(1 << 17, ge=1024, le=1 << 26, description=(
@@ -107,6 +107,13 @@ class Settings(BaseSettings):
         if value:
             from dataplane.remote import parse_url
             parse_url(value)  # ValueError names what is wrong
+        return value
+
+    @field_validator("remote_capacity")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
         return value
 
     @field_validator("api_token", "admin_token", mode="before")

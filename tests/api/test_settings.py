@@ -41,6 +41,10 @@ def test_a_remote_url_with_credentials_is_refused_without_echoing_them() -> None
         with pytest.raises(ValidationError):
             Settings(remote=bad)
     assert Settings(remote="redis+cluster://a:7000,b:7001").remote
+    for bad_capacity in (100, 32, 1 << 27):  # the shared table's size is a power of two in bounds
+        with pytest.raises(ValidationError):
+            Settings(remote_capacity=bad_capacity)
+    assert Settings(remote_capacity=1 << 10).remote_capacity == 1024
 
 
 def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
