@@ -92,7 +92,8 @@ class Settings(BaseSettings):
         "chunk shards other hosts stored in the remote tier that this host keeps track of, a power "
         "of two (96 bytes each); past it the ones expiring soonest are forgotten"))
     remote_streams: int = Field(8, ge=1, le=256, description=(
-        "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own"))
+        "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own; "
+        "half as many are written behind at once"))
     remote_stream_len: int = Field(1 << 17, ge=1024, le=1 << 26, description=(
         "about how many records (one per chunk written, about 1.1 KiB for 256 tokens) the "
         "remote tier's record stream keeps; a host that starts learns the chunks they name"))

@@ -156,7 +156,9 @@ class Remote:
         remotes = RemoteChunks.open(settings.shm_prefix, settings.remote_capacity)
         log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
                  settings.remote)
-        return cls(tier, remotes, WriteBehind(store, tier, settings.remote_queue, events),
+        writers = max(1, settings.remote_streams // 2)
+        return cls(tier, remotes,
+                   WriteBehind(store, tier, settings.remote_queue, events, writers),
                    Promoter(store, tier, remotes, events, settings.remote_streams),
                    Discovery(tier, store, fingerprints, remotes, events).start())
 

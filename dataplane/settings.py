@@ -42,7 +42,8 @@ class DataPlaneSettings(BaseSettings):
         remote_ttl_s, remote_timeout_s: a remote chunk's life, and the bound of one remote call.
         remote_queue: chunks waiting to be written behind; more are dropped (and counted).
         remote_capacity: entries of the table of remote-known chunks (``shm.remotes``).
-        remote_streams: remote chunks fetched at once, each on a connection of its own.
+        remote_streams: remote chunks fetched at once, each on a connection of its own; half as
+            many are written behind at once.
         remote_stream_len: about how many records the remote tier's record stream keeps.
         remote_username, remote_password: the remote's credentials, from
             ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only (no flag: a command

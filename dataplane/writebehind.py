@@ -1,5 +1,5 @@
-"""Write-behind to the remote tier: the data plane offers the chunks each store committed, and one
-thread copies each out of the slab and writes it to the remote tier (``dataplane.remote``).
+"""Write-behind to the remote tier: the data plane offers the chunks each store committed, and a few
+threads copy each out of the slab and write it to the remote tier (``dataplane.remote``).
 
 This module owns the queue between a store and the remote tier, and nothing of the format or of
 the remote's faults (``RemoteTier`` turns those into a False ``put``). A store never waits for it.
@@ -10,7 +10,7 @@ Life of an offered chunk::
     queued --thread: pin it--> not stored any more, other tokens, or no provenance: skipped
            --pinned and checked: encode (a copy of its KV), unpin, put--> written | failed
 
-NOTE: the thread holds a chunk pinned only while it encodes it, so a remote that hangs for its
+NOTE: a writer holds a chunk pinned only while it encodes it, so a remote that hangs for its
 whole timeout never holds slab memory; what it writes is exactly the committed bytes of the slot
 that holds the key and the expected tokens (``Store.check_pinned``).
 """
@@ -45,26 +45,30 @@ class _Item:
 
 
 class WriteBehind:
-    """A bounded queue of committed chunks and the thread that writes them to ``tier``.
+    """A bounded queue of committed chunks and the threads that write them to ``tier``.
 
     Args:
         store: the local store the chunks were committed to (this process's attachment).
         tier: where they go.
         capacity: chunks the queue holds; more are dropped.
         events: where the counts also go (``shm.telemetry``'s ``REMOTE_*`` counters), or None.
+        writers: threads writing at once, each on a connection of its own: one chunk's write is
+            a copy, a SHA-256 and a round trip, and hashing and the socket release the GIL, so
+            a few writers overlap them (the order of writes does not matter).
     """
 
     def __init__(self, store: Store, tier: RemoteTier, capacity: int = 4096,
-                 events: EventLog | None = None) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
+                 events: EventLog | None = None, writers: int = 4) -> None:
+        if capacity < 1 or writers < 1:
+            raise ValueError("capacity and writers must be >= 1")
         self._store, self._tier, self._events = store, tier, events
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._lock = threading.Lock()
         self.counts = {"written": 0, "dropped": 0, "skipped": 0, "failed": 0}
-        self._thread = threading.Thread(target=self._run, name="kvblend-writebehind",
-                                         daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"kvblend-writebehind-{i}",
+                                          daemon=True) for i in range(writers)]
+        for t in self._threads:
+            t.start()
 
     def offer(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
               token_rows: np.ndarray) -> int:
@@ -93,11 +97,17 @@ class WriteBehind:
         """Stop after the chunks already queued, waiting ``timeout`` at most (what is still
         queued then is lost with the process: the remote tier only adds hits)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         try:
-            self._queue.put(None, timeout=timeout)
+            for _ in self._threads:  # one stop mark per writer
+                self._queue.put(None, timeout=left())
         except queue.Full:
             return
-        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for t in self._threads:
+            t.join(left())
 
     def _run(self) -> None:
         while True:

@@ -183,11 +183,18 @@ class BlockedTier:
 
     def __init__(self) -> None:
         self.release, self.entered, self.puts = threading.Event(), threading.Event(), 0
+        self.inside, self.most_inside = 0, 0
+        self._lock = threading.Lock()
 
     def put(self, chunk: ChunkId, value: bytes) -> bool:
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
         self.entered.set()
         self.release.wait(DEADLINE)
-        self.puts += 1
+        with self._lock:
+            self.inside -= 1
+            self.puts += 1
         return True
 
 
@@ -197,7 +204,7 @@ def test_a_full_queue_drops_and_never_blocks_the_store(store: Store) -> None:
     tokens = np.arange(8 * C, dtype=np.uint32)
     keys = commit(store, class_id, ns, tokens, pos0=0)
     tier = BlockedTier()
-    wb = WriteBehind(store, tier, capacity=2)  # type: ignore[arg-type]
+    wb = WriteBehind(store, tier, capacity=2, writers=1)  # type: ignore[arg-type]
     rows = tokens.reshape(8, C)
     assert wb.offer(class_id, ns.root, keys[:1], rows[:1]) == 1
     assert tier.entered.wait(DEADLINE)  # the writer holds the first, blocked in the remote
@@ -205,6 +212,20 @@ def test_a_full_queue_drops_and_never_blocks_the_store(store: Store) -> None:
     assert wb.counts["dropped"] == 5
     tier.release.set()
     assert wb.flush(timeout=DEADLINE) and tier.puts == 3 and wb.counts["written"] == 3
+    wb.close(timeout=DEADLINE)
+
+
+def test_writers_write_at_once(store: Store) -> None:
+    ns = Namespace("remote-writers")
+    class_id = store.register_class(ChunkClass.of(ns.model_name, 1, _layout(), C))
+    tokens = np.arange(3 * C, dtype=np.uint32)
+    keys = commit(store, class_id, ns, tokens, pos0=0)
+    tier = BlockedTier()
+    wb = WriteBehind(store, tier, writers=3)  # type: ignore[arg-type]
+    assert wb.offer(class_id, ns.root, keys, tokens.reshape(3, C)) == 3
+    poll_until(lambda: tier.inside == 3, DEADLINE, "three writes in the remote at once")
+    tier.release.set()
+    assert wb.flush(timeout=DEADLINE) and tier.puts == 3 and tier.most_inside == 3
     wb.close(timeout=DEADLINE)
 
 
