@@ -43,8 +43,8 @@ State of a slot::
         reclaimed, then the soonest to expire dropped while more than 3N/4 would remain
     any --clear, or repair after a writer died inside--> free
 
-A key (hash, rank) sits by linear probing from slot ``((HASH0 ^ RANK * K) * F) >> (64 - log2 S)``.
-Single entries are never deleted (no tombstones): a probe ends at its key or at a free slot.
+Keys (hash, rank) are placed by linear probing; single entries are never deleted (no
+tombstones), so a probe ends at its key or at a free slot.
 
 NOTE: writes run under ``shm.lock.Guarded`` (the flock, DIRTY and SEQ); reads go through
 ``Guarded.read_stable``: lock-free on x86-64, retried when SEQ moved, under the lock elsewhere.
@@ -157,8 +157,7 @@ class RemoteChunks:
 
         Raises:
             FileNotFoundError: there is no complete table under ``prefix``.
-            LayoutMismatch: it is of another format.
-            ForeignObject: the segment or lock file is not ours.
+            LayoutMismatch, ForeignObject: as ``open``.
         """
         seg = _attach(Names(prefix).remote)
         try:
@@ -265,9 +264,11 @@ class RemoteChunks:
                 np.where(gone, -1, rows[:, Slot.ORIGIN]).astype(np.int8))
 
     def _found(self, words: np.ndarray, ranks: Any) -> np.ndarray:
-        """A copy of the slot of each (words, rank), zeros (EXPIRES 0) where it is not held.
-        256 keys in a half-full table of 2**19 slots: 60 us lock-free on a 2-core VM (median; 1
-        in 3 reads needs a second window), 40 us when the table fits in cache."""
+        """A copy of the slot of each (words, rank), zeros (EXPIRES 0) where it is not held."""
+        # 256 random keys, half held, in a full table of 2**19 slots (24 MiB), lock-free, on a
+        # 2-core x86-64 VM: 55-60 us median, 70 us mean, 150 us p99 (2 reads in 5 need a second
+        # window), about the same at 3/4 full; 64 hashes x 4 ranks, 3 in 4 absent: 85 us median
+        # full, 60 us at 3/4; 40 us when the slots read are in cache
         keys = np.empty((len(words), 3), np.int64)
         keys[:, :2], keys[:, 2] = words, ranks
 
@@ -278,6 +279,7 @@ class RemoteChunks:
         return self._guard.read_stable(read, timeout=self._timeout)
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
+        """First slot of each key's probe: ``((HASH0 ^ RANK * K) * F) >> (64 - log2 S)``."""
         mixed = (keys[:, 0] ^ keys[:, 2] * _RANK_MIX) * _SPREAD
         return (mixed.view(np.uint64) >> self._shift).view(np.int64)
 
@@ -318,7 +320,7 @@ class RemoteChunks:
         at, found = window[rows, first], stop[rows, first]
         got = self._slots[at]
         # column by column: ``all(1)`` over [n, 3] costs more than the compares themselves
-        own = found & (got[:, 1] == keys[:, 1]) & (got[:, _EXP] != 0)
+        own = found & (got[:, 1] == keys[:, 1]) & (got[:, 2] == keys[:, 2]) & (got[:, _EXP] != 0)
         return at, first, found, own, got
 
     def __len__(self) -> int:

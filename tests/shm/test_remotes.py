@@ -221,6 +221,22 @@ def test_seeded_random_batches_against_the_model(shm_prefix: str, lock_free: boo
             check(rc, model, universe, tick * TICK, 4)
 
 
+@BOTH
+def test_an_entry_is_live_until_the_ms_it_expires(shm_prefix: str, lock_free: bool) -> None:
+    hs = hashes(2, 15)
+    with RemoteChunks.open(shm_prefix, CAP, lock_free_reads=lock_free) as rc:
+        rc.put(hs, [0, 1], [T0, T0 + 1], [11, 12], [1, 2], now_ms=T0)
+        assert rc.live(hs, 2, T0 - 1).tolist() == [[True, False], [False, True]]
+        assert rc.live(hs, 2, T0).tolist() == [[False, False], [False, True]]
+        assert rc.knows(hs, T0 - 1).tolist() == [True, False]
+        assert [a.tolist() for a in rc.provenance(hs, T0 - 1)] == [[11, -1], [1, -1]]
+        assert [a.tolist() for a in rc.provenance(hs, T0)] == [[-1, -1], [-1, -1]]
+        rc.put(hs[:1], 0, T0 + 5, 13, 2)  # the last write wins, even an earlier expiry
+        rc.put(hs[:1], 0, T0 + 2, 14, 1)
+        assert [a.tolist() for a in rc.provenance(hs, T0 + 1)] == [[14, -1], [1, -1]]
+        assert not rc.knows(hs, T0 + 2).any() and len(rc) == 2
+
+
 # -- making room -----------------------------------------------------------------------------------
 
 
