@@ -7,10 +7,15 @@ Starts its own redis-server processes on loopback (a standalone one and a 3-mast
 them all back:
 
 - *plain GET*: one redis-py client, one GET after another, the bytes only;
-- *kvblend fetch, N streams*: ``RemoteTier.get`` (GET, then every check of ``decode``: header,
-  tokens, SHA-256 over the whole value) from N threads sharing the tier's connection pool.
+- *get, N threads*: ``RemoteTier.get`` (GET, then every check of ``decode``: header, tokens,
+  SHA-256 over the whole value) from N threads sharing the tier's connection pool;
+- *get_into, N streams*: ``RemoteTier.get_into``, one chunk after another, each read in N pieces at
+  once into one preallocated numpy buffer (and checked as ``get`` does);
+- *get_into, 8 chunks at once*: 8 threads, each ``get_into`` with one stream into a preallocated
+  buffer of its chunk.
 
-Prints GB/s of KV (medians over rounds) and each row's ratio to the plain GET of the same server.
+Each round reads every row once, in turn. Prints GB/s of KV (median over rounds) and each row's
+speed-up over the plain GET of the same server (median over rounds of the ratio within a round).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,10 +40,13 @@ from tests.remote.conftest import ClusterProcs, started  # noqa: E402
 
 C = 256
 SIZES = {"2 MiB": (8, 256), "32 MiB": (32, 1024)}  # KV bytes of a chunk -> (layers, hidden), bf16
-STREAMS = (1, 4, 8)
+STREAMS = (1, 4, 8)  # threads of the get rows, streams of the get_into rows
+AT_ONCE = 8  # chunks read at once, one stream each, in the last row
+Item = tuple[ChunkId, np.ndarray, bytes]  # a chunk, its token ids, its value
+Row = tuple[str, Callable[[], None], Callable[[], None]]  # label, read every chunk, clean up
 
 
-def chunks(n: int, layers: int, hidden: int) -> list[tuple[ChunkId, np.ndarray, bytes]]:
+def chunks(n: int, layers: int, hidden: int) -> list[Item]:
     ns = Namespace("bench-remote")
     tokens = np.random.default_rng(n).integers(0, 50_000, n * C, dtype=np.uint32)
     kv = np.random.default_rng(1).integers(0, 2**16, (2, layers, C, hidden), dtype=np.uint16)
@@ -49,13 +58,10 @@ def chunks(n: int, layers: int, hidden: int) -> list[tuple[ChunkId, np.ndarray, 
     return out
 
 
-def timed(fn, rounds: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def run(name: str, url: str, plain: redis.Redis | redis.RedisCluster, args: argparse.Namespace
@@ -71,19 +77,53 @@ def run(name: str, url: str, plain: redis.Redis | redis.RedisCluster, args: argp
                 for cid, _, _ in items:
                     assert plain.get(cid.key) is not None
 
-            base = kv_bytes / timed(plain_get, args.rounds) / 1e9
-            print(f"{name:<12} {size:>7}  plain GET           {base:6.2f} GB/s   1.00x", flush=True)
-            for streams in STREAMS:
-                pool = ThreadPoolExecutor(streams)
+            rows: list[Row] = [("plain GET", plain_get, lambda: None), *readers(tier, items)]
+            # every row once per round: a load that comes and goes on the machine weighs on
+            # every row alike, and each ratio is taken within a round
+            times = [[timed(fetch) for _, fetch, _ in rows] for _ in range(args.rounds)]
+            for _, _, done in rows:
+                done()
+        for i, (label, _, _) in enumerate(rows):
+            rate = kv_bytes / statistics.median(t[i] for t in times) / 1e9
+            show(name, size, label, rate, statistics.median(t[0] / t[i] for t in times))
 
-                def fetch() -> None:
-                    got = list(pool.map(lambda item: tier.get(item[0], item[1]), items))
-                    assert all(isinstance(g, Fetched) for g in got)
 
-                rate = kv_bytes / timed(fetch, args.rounds) / 1e9
-                pool.shutdown()
-                print(f"{name:<12} {size:>7}  kvblend, {streams} stream{'s' if streams > 1 else ' '}  "
-                      f"{rate:6.2f} GB/s  {rate / base:5.2f}x", flush=True)
+def show(name: str, size: str, label: str, rate: float, ratio: float) -> None:
+    print(f"{name:<12} {size:>7}  {label:<27} {rate:6.2f} GB/s  {ratio:5.2f}x", flush=True)
+
+
+def readers(tier: RemoteTier, items: list[Item]) -> Iterator[Row]:
+    """The rows after the plain GET."""
+    for threads in STREAMS:
+        pool = ThreadPoolExecutor(threads)
+
+        def get(pool: ThreadPoolExecutor = pool) -> None:
+            got = list(pool.map(lambda item: tier.get(item[0], item[1]), items))
+            assert all(isinstance(g, Fetched) for g in got)
+
+        yield f"get, {threads} thread{'s' if threads > 1 else ''}", get, pool.shutdown
+    dest = prefaulted(items[0][0].kv_bytes)
+    for streams in STREAMS:
+        def into(streams: int = streams) -> None:
+            for cid, tokens, _ in items:
+                assert isinstance(tier.get_into(cid, tokens, dest, streams), Fetched)
+
+        yield f"get_into, {streams} stream{'s' if streams > 1 else ''}", into, lambda: None
+    pool = ThreadPoolExecutor(AT_ONCE)
+    dests = [prefaulted(cid.kv_bytes) for cid, _, _ in items]
+
+    def at_once() -> None:
+        got = list(pool.map(lambda item, dest: tier.get_into(item[0], item[1], dest), items, dests))
+        assert all(isinstance(g, Fetched) for g in got)
+
+    yield f"get_into, {AT_ONCE} chunks at once", at_once, pool.shutdown
+
+
+def prefaulted(size: int) -> np.ndarray:
+    """A buffer whose pages are mapped already, as a slab's are."""
+    dest = np.empty(size, np.uint8)
+    dest.fill(0)
+    return dest
 
 
 def main() -> None:

@@ -2,15 +2,17 @@
 any store's, so that the copy to the engine finds it local.
 
 This module owns that one step, fetch then commit, and nothing of when it is asked for. The
-value was checked by ``dataplane.remote.decode`` (key, root, rank, layout, tokens, digest) before
-a byte reaches the slab; a miss leaves the store as it was.
+value is checked (key, root, rank, layout, tokens, digest) before the slot is committed; a
+reserved slot is seen by no reader, so a miss leaves the store as it was.
 
 Life of one promotion::
 
-    fetch --a Miss--> nothing reserved, the Miss is the answer
-    fetched --reserve: already committed or being written by someone else--> EXISTS
-            --reserve: no room--> the store's StoreFull
-            --reserved: copy, set its provenance, commit--> PROMOTED
+    already committed here --> EXISTS
+    reserve --already committed or being written by someone else--> EXISTS
+            --no room--> the store's StoreFull
+            --reserved: read the KV straight into the slot (``RemoteTier.get_into``)
+                --a Miss--> the slot is aborted, the Miss is the answer
+                --checked--> set its provenance, commit --> PROMOTED
     an error between reserve and commit --> the slot is aborted (nothing half-written is seen)
 """
 
@@ -43,9 +45,12 @@ class Promoted(Enum):
 
 
 def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, chunk: ChunkId,
-            tokens: np.ndarray) -> Promoted | Miss:
-    """Fetch ``chunk`` (whose token ids are ``tokens``) and commit it in ``store`` under layout
-    class ``class_id``.
+            tokens: np.ndarray, streams: int = 1) -> Promoted | Miss:
+    """Fetch ``chunk`` (whose token ids are ``tokens``) straight into a slot reserved for it in
+    ``store`` under layout class ``class_id``, and commit it once every check passed.
+
+    Args:
+        streams: connections the chunk's KV is read on at once (``RemoteTier.get_into``).
 
     Raises:
         ValueError: the class's layout is not the chunk's.
@@ -58,18 +63,19 @@ def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, ch
     key = ChunkKey(namespace_id, chunk.chunk_hash, chunk.rank)
     if store.contains_key(key):
         return Promoted.EXISTS
-    got = tier.get(chunk, tokens)
-    if not isinstance(got, Fetched):
-        return got
     res = store.reserve(class_id, key, tokens)
     if res is None:
         return Promoted.EXISTS
     try:
-        res.kv.reshape(-1).view(np.uint8)[:] = np.frombuffer(got.kv, np.uint8)
-        store.set_positions(np.array([res.slot]), np.array([got.pos0]), got.origin)
+        got = tier.get_into(chunk, tokens, res.kv.reshape(-1).view(np.uint8), streams)
+        if isinstance(got, Fetched):
+            store.set_positions(np.array([res.slot]), np.array([got.pos0]), got.origin)
     except BaseException:
         res.abort()
         raise
+    if not isinstance(got, Fetched):
+        res.abort()  # a reserved slot is never seen: the bytes read into it go with it
+        return got
     res.commit()
     return Promoted.PROMOTED
 
@@ -98,6 +104,7 @@ class Promoter:
         self._store, self._tier, self._remotes, self._events = store, tier, remotes, events
         self._clock_ms = clock_ms
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kvblend-promote")
+        self._streams = streams
         self._lock = threading.Lock()
         self._flight: dict[ChunkKey, Future] = {}
         self.counts = {"promoted": 0, "misses": 0}
@@ -116,6 +123,8 @@ class Promoter:
         if not away:
             return []
         known = self._remotes_know([keys[i] for i in away])
+        # several chunks take a connection each; fewer split their KV over the rest
+        per_chunk = max(1, self._streams // max(1, sum(known)))
         for i, ok in zip(away, known):
             if not ok:
                 continue
@@ -126,7 +135,7 @@ class Promoter:
                 fut = self._flight.get(key)
                 if fut is None:
                     fut = self._pool.submit(self._one, class_id, key, chunk,
-                                            np.array(token_rows[i], np.uint32))
+                                            np.array(token_rows[i], np.uint32), per_chunk)
                     self._flight[key] = fut
             futures.append(fut)
         return futures
@@ -148,10 +157,11 @@ class Promoter:
             out.extend(zip(idx, got.tolist()))
         return [ok for _, ok in sorted(out)]
 
-    def _one(self, class_id: int, key: ChunkKey, chunk: ChunkId,
-             tokens: np.ndarray) -> Promoted | Miss:
+    def _one(self, class_id: int, key: ChunkKey, chunk: ChunkId, tokens: np.ndarray,
+             streams: int) -> Promoted | Miss:
         try:
-            got = promote(self._store, self._tier, class_id, key.namespace_id, chunk, tokens)
+            got = promote(self._store, self._tier, class_id, key.namespace_id, chunk, tokens,
+                          streams)
             if isinstance(got, Miss) and got is not Miss.UNAVAILABLE:
                 # gone, or not what its record said: forget it, so lookups stop offering it
                 self._remotes.put([key.chunk_hash], key.rank, 1, 0, 0)  # expired since 1970

@@ -40,10 +40,30 @@ holds the newest records; a host that tails it learns which chunks exist and whe
 computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
 been evicted since, and the read that follows checks the value as above.
 
+Two reads of a chunk. ``get``: one GET, the value as Python bytes, then ``decode``. ``get_into``,
+into memory the caller owns (a slab slot), without a Python bytes object of the KV::
+
+    1. GETRANGE key 0 KV_AT-1, STRLEN key, EXISTS key    one pipelined round trip: every check
+                                                         but the digest, on the first KV_AT bytes
+    2. GETRANGE key KV_AT+lo KV_AT+hi-1  per piece       ``streams`` contiguous pieces of the KV at
+                                                         once, each on its own pooled connection
+    3. SHA-256 of header, tokens, padding, then the pieces in order: the first as it comes in
+       (the calling thread receives it), each other one once it is in
+
+A piece's reply is parsed here, not by redis-py: ``$<n>\r\n``, then the n bytes received with
+``recv_into`` straight into the caller's buffer, then ``\r\n``; an error line (MOVED, ASK,
+WRONGTYPE, ...) fails the call. The value may be replaced between the steps or between pieces: a
+piece shorter than asked is TRUNCATED, any other mix of two values fails the digest (CORRUPT), so a
+mix is never returned. NOTE: a connection that failed mid-reply (timeout, reset, a reply not
+understood) is closed before it goes back to its pool: the rest of that reply would otherwise be
+read as the answer to the connection's next command. After a miss the caller's buffer holds
+undefined bytes.
+
 The client (``RemoteTier``) bounds every call by a timeout and goes through a circuit breaker:
 after ``failures`` errors in a row it stops calling for ``cooldown_s`` (every call a miss at once),
 then lets one call through; a success closes it. A remote that is down costs each caller one
-timeout at most per cooldown, and serving goes on from the local tier.
+timeout at most per cooldown, and serving goes on from the local tier. The timeout bounds each wait
+for the server (connect, every receive), as redis-py's own reads do, not a whole transfer.
 """
 
 from __future__ import annotations
@@ -53,6 +73,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -164,7 +185,8 @@ def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) 
 
 @dataclass(frozen=True)
 class Fetched:
-    """A chunk read back and checked: ``kv`` is a read-only view of the value's KV bytes."""
+    """A chunk read back and checked: ``kv`` is a flat byte view of its KV, read-only over the
+    value (``get``) or over the caller's buffer (``get_into``)."""
 
     kv: memoryview
     pos0: int
@@ -176,24 +198,35 @@ def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched |
     which check failed."""
     if value is None:
         return Miss.ABSENT
-    if len(value) < HEADER_BYTES:
+    head = _check_head(value, len(value), chunk, tokens)
+    if isinstance(head, Miss):
+        return head
+    pos0, origin, digest = head
+    if _digest(value) != digest or origin not in _ORIGINS:
+        return Miss.CORRUPT
+    return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
+
+
+def _check_head(head: bytes, length: int, chunk: ChunkId, tokens: np.ndarray
+                ) -> tuple[int, int, bytes] | Miss:
+    """Every check but the digest, on the first bytes of a value (at least through its token
+    ids when its length is right) and its length: ``(pos0, origin, digest)`` or the miss."""
+    if len(head) < HEADER_BYTES:
         return Miss.TRUNCATED
     (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
-     digest) = _HEAD.unpack_from(value, 0)
+     digest) = _HEAD.unpack_from(head, 0)
     if magic != MAGIC or fmt != FORMAT:
         return Miss.FORMAT
     if (root, key, rank, dtype, layers, size, hidden) != (
             chunk.root, chunk.chunk_hash, chunk.rank, int(chunk.dtype), chunk.num_layers,
             chunk.chunk_size, chunk.hidden_dim):
         return Miss.OTHER_CHUNK
-    if len(value) != chunk.value_bytes:
+    if length != chunk.value_bytes:
         return Miss.TRUNCATED
     want = np.ascontiguousarray(tokens, "<u4")
-    if want.tobytes() != value[HEADER_BYTES:HEADER_BYTES + 4 * size]:
+    if want.tobytes() != head[HEADER_BYTES:HEADER_BYTES + 4 * size]:
         return Miss.OTHER_TOKENS
-    if _digest(value) != digest or origin not in _ORIGINS:
-        return Miss.CORRUPT
-    return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
+    return pos0, origin, digest
 
 
 @dataclass(frozen=True)
@@ -241,11 +274,17 @@ def _digest(value: bytes | bytearray) -> bytes:
     """SHA-256 rather than BLAKE2b: CPUs hash it in hardware, 1.65 GB/s against 0.63 on the
     2-core VM (32 MiB), and a fetch checks every byte it reads. Unkeyed, it catches corruption
     and truncation, not a forger with write access to the remote (that needs a shared key)."""
+    return _hash(value).digest()[:DIGEST_BYTES]
+
+
+def _hash(head: bytes | bytearray) -> Any:
+    """SHA-256 begun over the first bytes of a value, less the digest field; a reader of the KV
+    apart goes on with ``update``."""
     h = hashlib.sha256()
-    view = memoryview(value)
+    view = memoryview(head)
     h.update(view[:_DIGEST_AT])
     h.update(view[HEADER_BYTES:])
-    return h.digest()[:DIGEST_BYTES]
+    return h
 
 
 class Breaker:
@@ -328,6 +367,120 @@ def parse_url(url: str) -> tuple[bool, bool, list[tuple[str, int]], int]:
     return cluster, tls, nodes, int(path or 0)
 
 
+class _BadReply(Exception):
+    """A piece's reply was not the bulk string asked for: an error line, bytes that are not RESP2,
+    or the connection closed mid-reply."""
+
+
+_LINE = 256  # bytes received for a reply's first line: ``$<n>\r\n`` fits with room to spare
+MAX_STREAMS = 64  # connections (and threads) one get_into may hold at once
+#: a smaller piece costs more in its round trip than it gains by going in parallel
+MIN_PIECE_BYTES = 1 << 16
+
+
+def _split(size: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of ``parts`` contiguous pieces of ``size`` bytes, fewer where a piece would
+    fall under MIN_PIECE_BYTES."""
+    parts = max(1, min(parts, size // MIN_PIECE_BYTES))
+    return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
+
+
+def _byte_view(dest: np.ndarray, size: int) -> memoryview:
+    if not (isinstance(dest, np.ndarray) and dest.dtype == np.uint8 and dest.nbytes == size
+            and dest.flags.c_contiguous and dest.flags.writeable):
+        raise ValueError(f"dest must be a writable C-contiguous uint8 array of {size} bytes")
+    return memoryview(dest).cast("B")
+
+
+def _buffered(conn: Any) -> bool:
+    """Whether redis-py's parser of ``conn`` holds received bytes it has not parsed: the hiredis
+    parser in its ``_reader``, the Python one (RESP2) in its ``_buffer``, a ``SocketBuffer``."""
+    reader = getattr(conn._parser, "_reader", None)
+    if reader is not None:
+        return bool(reader.has_data())
+    buffer = getattr(conn._parser, "_buffer", None)
+    return buffer is not None and buffer.unread_bytes() > 0
+
+
+def _getrange_into(pool: Any, key: str, start: int, dest: memoryview,
+                   seen: Callable[[memoryview], object] | None = None) -> int:
+    """``GETRANGE key start start+len(dest)-1`` on a connection of ``pool``, its reply received
+    into ``dest`` (``seen`` given each span of it as it comes in): the bytes the value had there.
+    A connection that fails is closed before it goes back (module docstring)."""
+    conn = pool.get_connection()
+    try:
+        if _buffered(conn):  # the pool checks it too: a stray byte would shift every reply after
+            raise _BadReply("a pooled connection holds bytes nobody read")
+        conn.send_command("GETRANGE", key, start, start + len(dest) - 1)
+        return _recv_bulk(conn._sock, dest, seen)
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _recv_bulk(sock: Any, dest: memoryview, seen: Callable[[memoryview], object] | None) -> int:
+    """One RESP2 bulk reply of at most ``len(dest)`` bytes, received into ``dest``: its length.
+
+    Raises:
+        _BadReply: an error line, another reply, a longer one, or the socket closed.
+        OSError: a receive failed or timed out (the socket's timeout).
+    """
+    line, early = _recv_line(sock)
+    if line[:1] == b"-":
+        raise _BadReply(line[1:].decode(errors="replace"))
+    if line[:1] != b"$" or not line[1:].isdigit() or int(line[1:]) > len(dest):
+        raise _BadReply(f"{line[:32]!r} for a bulk string of at most {len(dest)} bytes")
+    n = int(line[1:])
+    k = min(early.nbytes, n)
+    dest[:k] = early[:k]
+    if seen is not None:
+        seen(dest[:k])
+    _recv_exact(sock, dest[k:n], seen)
+    _recv_crlf(sock, early[k:])
+    return n
+
+
+def _recv_crlf(sock: Any, early: memoryview) -> None:
+    """The CRLF that ends a bulk string, of which ``early`` holds the bytes received already."""
+    if early.nbytes > 2:
+        raise _BadReply("bytes after the reply")
+    end = bytearray(2)
+    end[:early.nbytes] = early
+    _recv_exact(sock, memoryview(end)[early.nbytes:])
+    if end != b"\r\n":
+        raise _BadReply(f"{bytes(end)!r} after a bulk string")
+
+
+def _recv_line(sock: Any) -> tuple[bytes, memoryview]:
+    """A reply's first line, less its CRLF, and the bytes received after it. The socket holds
+    one reply at most, so nothing received here belongs to another."""
+    buf = bytearray(_LINE)
+    filled = 0
+    while (end := buf.find(b"\r\n", 0, filled)) < 0:
+        if filled == _LINE:
+            raise _BadReply(f"a reply line longer than {_LINE} bytes: {bytes(buf[:32])!r}")
+        filled += _recv_some(sock, memoryview(buf)[filled:])
+    return bytes(buf[:end]), memoryview(buf)[end + 2:filled]
+
+
+def _recv_exact(sock: Any, view: memoryview,
+                seen: Callable[[memoryview], object] | None = None) -> None:
+    while view.nbytes:
+        got = _recv_some(sock, view)
+        if seen is not None:  # while this runs, the kernel buffers what the server sends next
+            seen(view[:got])
+        view = view[got:]
+
+
+def _recv_some(sock: Any, view: memoryview) -> int:
+    got = sock.recv_into(view)
+    if got == 0:
+        raise _BadReply("the server closed the connection mid-reply")
+    return int(got)
+
+
 class RemoteTier:
     """One Redis/Valkey deployment (a server or a cluster) holding chunks.
 
@@ -365,7 +518,8 @@ class RemoteTier:
         common = dict(username=username, password=password, socket_timeout=timeout_s,
                       socket_connect_timeout=timeout_s, ssl=tls, protocol=2,
                       retry=Retry(NoBackoff(), 1 if cluster else 0))
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, _BadReply)
+        self._cluster = cluster
 
         def client(timeout: float) -> Any:
             kw = dict(common, socket_timeout=timeout)
@@ -381,6 +535,10 @@ class RemoteTier:
         self._make = {"main": lambda: client(timeout_s), "tail": lambda: client(timeout_s + block_s)}
         self._clients: dict[str, Any] = {}
         self._made = threading.Lock()
+        # get_into's pieces beyond the first (the caller reads that one): made on first use,
+        # remade larger when more streams are asked for, shut down by close()
+        self._workers: ThreadPoolExecutor | None = None
+        self._worker_count = 0
 
     def _client_of(self, which: str) -> Any:
         with self._made:
@@ -429,6 +587,98 @@ class RemoteTier:
             return Miss.UNAVAILABLE
         return decode(value, chunk, tokens)
 
+    def get_into(self, chunk: ChunkId, tokens: np.ndarray, dest: np.ndarray, streams: int = 1
+                 ) -> Fetched | Miss:
+        """Read one chunk with its KV straight into ``dest`` and check it as ``get`` does (module
+        docstring: the read path).
+
+        Args:
+            chunk: the chunk to read.
+            tokens: its ``chunk_size`` token ids.
+            dest: a writable C-contiguous uint8 array of ``chunk.kv_bytes`` bytes (a slab slot's
+                KV viewed as bytes); written to even on a miss, which leaves it undefined.
+            streams: the KV is read in this many contiguous pieces at once, each on its own
+                connection to the server that holds the key (fewer pieces where one would be
+                under MIN_PIECE_BYTES).
+
+        Returns:
+            ``Fetched`` whose ``kv`` is a flat byte view of ``dest``, or the ``Miss`` of the first
+            check that failed (UNAVAILABLE: an error, a timeout, or the breaker open).
+
+        Raises:
+            ValueError: ``dest`` is not such an array, or ``streams`` is not in
+                ``[1, MAX_STREAMS]``.
+        """
+        view = _byte_view(dest, chunk.kv_bytes)
+        if not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be in [1, {MAX_STREAMS}], got {streams}")
+        got = self._call(lambda: self._read_into(chunk, tokens, view, streams))
+        return Miss.UNAVAILABLE if got is _FAILED else got
+
+    def _read_into(self, chunk: ChunkId, tokens: np.ndarray, dest: memoryview, streams: int
+                   ) -> Fetched | Miss:
+        pipe = self._client_of("main").pipeline(transaction=False)
+        pipe.getrange(chunk.key, 0, chunk.kv_at - 1).strlen(chunk.key).exists(chunk.key)
+        value_head, length, exists = pipe.execute()
+        if not exists:
+            return Miss.ABSENT
+        head = _check_head(value_head, length, chunk, tokens)
+        if isinstance(head, Miss):
+            return head
+        pos0, origin, digest = head
+        h = _hash(value_head)
+        if not self._read_kv(chunk, dest, streams, h):
+            return Miss.TRUNCATED
+        if h.digest()[:DIGEST_BYTES] != digest or origin not in _ORIGINS:
+            return Miss.CORRUPT
+        return Fetched(dest, pos0, origin)
+
+    def _read_kv(self, chunk: ChunkId, dest: memoryview, streams: int, h: Any) -> bool:
+        """The KV of ``chunk`` into ``dest`` in ``streams`` pieces at once, hashed into ``h`` in
+        order: the first piece as it comes in (this thread receives it), the others once they are
+        in. False when a piece was short (the value was replaced since its head was read).
+        Returns or raises only once every piece is done with ``dest``."""
+        pool = self._pool_of(chunk.key)
+        pieces = _split(dest.nbytes, streams)
+
+        def piece(lo: int, hi: int, seen: Any = None) -> Callable[[], int]:
+            return lambda: _getrange_into(pool, chunk.key, chunk.kv_at + lo, dest[lo:hi], seen)
+
+        waits = [piece(*pieces[0], h.update)] + [f.result for f in self._submit(
+            [piece(lo, hi) for lo, hi in pieces[1:]])]
+        whole, error = True, None
+        for i, ((lo, hi), wait) in enumerate(zip(pieces, waits)):
+            try:
+                got = wait()
+                whole = whole and got == hi - lo
+            except Exception as e:  # noqa: BLE001 - raised below, once every piece is done
+                error = error or e
+            if i and whole and error is None:
+                h.update(dest[lo:hi])
+        if error is not None:
+            raise error
+        return whole
+
+    def _pool_of(self, key: str) -> Any:
+        """The connection pool of the server that holds ``key`` (in a cluster: its slot's master,
+        as the slot map the client holds says)."""
+        client = self._client_of("main")
+        if not self._cluster:
+            return client.connection_pool
+        return client.get_redis_connection(client.get_node_from_key(key)).connection_pool
+
+    def _submit(self, calls: list[Callable[[], int]]) -> list[Future[int]]:
+        if not calls:
+            return []
+        with self._made:  # submitted under the lock: a pool being replaced takes no new work
+            if self._worker_count < len(calls):
+                old, self._worker_count = self._workers, len(calls)
+                self._workers = ThreadPoolExecutor(len(calls), "kvblend-remote")
+                if old is not None:
+                    old.shutdown(wait=False)
+            assert self._workers is not None
+            return [self._workers.submit(call) for call in calls]
+
     def _call(self, call: Callable[[], Any]) -> Any:
         if not self.breaker.allow():
             return _FAILED
@@ -443,6 +693,9 @@ class RemoteTier:
     def close(self) -> None:
         with self._made:
             clients, self._clients = list(self._clients.values()), {}
+            workers, self._workers, self._worker_count = self._workers, None, 0
+        if workers is not None:
+            workers.shutdown()
         for c in clients:
             c.close()
 
@@ -456,4 +709,5 @@ class RemoteTier:
 _FAILED = object()
 
 __all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "encode", "decode",
-           "parse_record", "parse_url", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM"]
+           "parse_record", "parse_url", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM",
+           "MAX_STREAMS", "MIN_PIECE_BYTES"]
