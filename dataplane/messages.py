@@ -473,7 +473,7 @@ def frame(call_id: int, msg: _Msg) -> bytes:
 __all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
            "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
            "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
-           "StoreChunks", "RetrieveChunks", "LayersWritten", "PrefetchChunks", "Prefetching", "RotaryConfig", "Request", "Pong",
-           "InstanceInfo", "Registered",
+           "StoreChunks", "RetrieveChunks", "LayersWritten", "PrefetchChunks", "Prefetching",
+           "RotaryConfig", "Request", "Pong", "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
            "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]
