@@ -42,7 +42,7 @@ C = 256
 SIZES = {"2 MiB": (8, 256), "32 MiB": (32, 1024)}  # KV bytes of a chunk -> (layers, hidden), bf16
 STREAMS = (1, 4, 8)  # threads of the get rows, streams of the get_into rows
 AT_ONCE = 8  # chunks read at once, one stream each, in the last row
-Item = tuple[ChunkId, np.ndarray, bytes]  # a chunk, its token ids, its value
+Item = tuple[ChunkId, np.ndarray, memoryview]  # a chunk, its token ids, its value
 Row = tuple[str, Callable[[], None], Callable[[], None]]  # label, read every chunk, clean up
 
 

@@ -154,9 +154,10 @@ class ChunkId:
         return self.kv_at + self.kv_bytes
 
 
-def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) -> bytes:
+def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) -> memoryview:
     """The value of ``chunk``: its header, ``tokens`` (``chunk_size`` ids) and ``kv`` (any buffer
-    of ``kv_bytes`` bytes, ``[2, L, C, D]``).
+    of ``kv_bytes`` bytes, ``[2, L, C, D]``), as a read-only view of the one buffer it was built
+    in (redis-py sends a memoryview as it is: no copy of a value of megabytes).
 
     Raises:
         ValueError: the tokens or the KV do not fit the chunk's layout, the KV is not contiguous,
@@ -180,7 +181,7 @@ def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) 
     out[HEADER_BYTES:HEADER_BYTES + tokens.nbytes] = tokens.tobytes()
     out[chunk.kv_at:] = kv_view
     out[_DIGEST_AT:HEADER_BYTES] = _digest(out)
-    return bytes(out)
+    return memoryview(out).toreadonly()
 
 
 @dataclass(frozen=True)
@@ -546,7 +547,7 @@ class RemoteTier:
                 self._clients[which] = self._make[which]()
             return self._clients[which]
 
-    def put(self, chunk: ChunkId, value: bytes, publish: bool = True) -> bool:
+    def put(self, chunk: ChunkId, value: bytes | memoryview, publish: bool = True) -> bool:
         """Write one encoded chunk with the tier's TTL and, with ``publish``, add its record to
         the stream (one round trip: both go in one pipeline); False when the remote failed or
         the breaker is open (nothing raised: the remote tier only adds hits)."""

@@ -121,7 +121,7 @@ def test_what_get_into_refuses_to_fill(redis_url: str) -> None:
 def stored_values(items: list[tuple[ChunkId, np.ndarray, np.ndarray]]) -> dict[str, bytes]:
     """Values other than the first chunk's own, by name, to be stored under its key."""
     (cid, tokens, kv), (other, other_tokens, other_kv) = items[:2]
-    value = encode(cid, tokens, kv, 0, ORIGIN_STANDALONE)
+    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
     corrupt_kv, corrupt_head, bad_magic = bytearray(value), bytearray(value), bytearray(value)
     corrupt_kv[cid.kv_at + cid.kv_bytes // 2] ^= 1
     corrupt_head[40] ^= 1  # the root: a value of another namespace
@@ -299,7 +299,7 @@ def test_a_value_replaced_while_it_is_read_is_never_a_mix(
         relay: Relay, redis_url: str, background: Background,
         change: str, streams: int) -> None:
     (cid, tokens, kv), = chunks(1)
-    value = encode(cid, tokens, kv, 0, ORIGIN_STANDALONE)
+    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
     raw = redis.Redis.from_url(redis_url)
     with RemoteTier(relay.url, timeout_s=DEADLINE, breaker=Breaker(failures=100)) as tier:
         assert tier.put(cid, value)
