@@ -11,16 +11,25 @@ together with a callee from another file (``shm.slab`` calling ``shm.index`` cal
 ``shm.table``) keeps the callee's old code when only the callee's file changes, so an upgrade could
 run stale kernels against a new layout. So the folder gets a subfolder named by a digest of every
 source file of ``shm``: any change to any of them starts from an empty cache (the old subfolders
-are a few MiB each; deleting them is always safe).
+are a few MiB each; deleting them is always safe). The digest also covers the versions of numba
+and llvmlite: two environments sharing one folder (the project's venv and the vLLM venv, which
+pins another numba) must not read each other's kernels, whose LLVM bitcode the other cannot
+parse.
 """
 
 import hashlib
 import os
+from importlib import metadata
 from pathlib import Path
 
 
 def _sources_digest() -> str:
     h = hashlib.blake2b(digest_size=8)
+    for dist in ("numba", "llvmlite"):  # read without importing numba (not loaded yet)
+        try:
+            h.update(f"{dist}={metadata.version(dist)}\0".encode())
+        except metadata.PackageNotFoundError:
+            pass
     for path in sorted(Path(__file__).parent.glob("*.py")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()

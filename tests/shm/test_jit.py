@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOW = "import os, shm.table; print(os.environ['NUMBA_CACHE_DIR'])"
 
 
-def _cache_dir(root: Path, base: Path) -> Path:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(base), "PYTHONPATH": str(root)}
+def _cache_dir(root: Path, base: Path, *path: Path) -> Path:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(base),
+           "PYTHONPATH": os.pathsep.join(map(str, (root, *path)))}
     out = subprocess.run([sys.executable, "-c", SHOW], env=env, cwd=root, check=True,
                          capture_output=True, text=True, timeout=120)
     return Path(out.stdout.strip())
@@ -30,6 +31,18 @@ def test_a_change_to_any_kernel_source_gets_a_fresh_cache_folder(tmp_path: Path)
     with open(tree / "shm" / "table.py", "a") as f:
         f.write("# changed\n")
     assert _cache_dir(tree, base).parent == base and _cache_dir(tree, base) != first
+
+
+def test_another_numba_gets_another_folder(tmp_path: Path) -> None:
+    """The project's venv and the vLLM venv pin different numbas and share one cache base: a
+    kernel cached by one holds LLVM bitcode the other cannot parse, so each gets its own folder.
+    Another numba is stood in for by distribution metadata ahead of the real one on the path."""
+    fake = tmp_path / "fake"
+    info = fake / "numba-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: numba\nVersion: 0.0.1\n")
+    base = tmp_path / "numba"
+    assert _cache_dir(ROOT, base, fake) != _cache_dir(ROOT, base)
 
 
 def test_a_child_keeps_its_parents_folder(tmp_path: Path) -> None:
