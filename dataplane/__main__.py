@@ -30,6 +30,7 @@ from dataplane.transfer import Shared, open_fingerprints
 from shm.errors import ForeignObject
 from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
+from shm.remotes import wall_ms
 from shm.store import Store
 from shm.telemetry import Counter
 from shm.warm import warm
@@ -168,8 +169,7 @@ class Remote:
 
     def holds(self, store: Store) -> Callable[[np.ndarray], np.ndarray]:
         """The fingerprint sweep's question: is a chunk stored here or known remotely?"""
-        return lambda words: store.holds_hashes(words) | self.remotes.knows(
-            words, int(time.time() * 1000))
+        return lambda words: store.holds_hashes(words) | self.remotes.knows(words, wall_ms())
 
     def close(self, timeout: float) -> None:
         self.discovery.close(timeout)

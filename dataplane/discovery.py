@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -38,7 +36,7 @@ from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex
 from shm.hashing import Root
 from shm.header import ORIGIN_FINAL
-from shm.remotes import RemoteChunks
+from shm.remotes import RemoteChunks, wall_ms
 from shm.store import Store
 from shm.telemetry import Counter
 
@@ -57,18 +55,16 @@ class Discovery:
         remotes: this host's table of remote-known chunks.
         events: where the counts go, or None.
         retry_s: the wait after a failed read (the breaker adds its own cooldown).
-        clock_ms: wall-clock milliseconds (records carry Unix-time expiries).
     """
 
     def __init__(self, tier: RemoteTier, store: Store, fingerprints: FingerprintIndex,
-                 remotes: RemoteChunks, events: EventLog | None = None, retry_s: float = 1.0,
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 remotes: RemoteChunks, events: EventLog | None = None,
+                 retry_s: float = 1.0) -> None:
         self._tier, self._store, self._fps = tier, store, fingerprints
         self._remotes, self._events = remotes, events
-        self._retry_s, self._clock_ms = retry_s, clock_ms
+        self._retry_s = retry_s
         self._stop = threading.Event()
         self.last_id = "0"
-        self.counts = {"records": 0, "registered": 0, "malformed": 0}
         self._thread = threading.Thread(target=self._run, name="kvblend-discovery", daemon=True)
 
     def start(self) -> "Discovery":
@@ -98,7 +94,7 @@ class Discovery:
     def apply(self, records: list[Record | None]) -> int:
         """Enter ``records`` (None: one that did not parse) here; returns the fingerprint
         entries added."""
-        now = self._clock_ms()
+        now = wall_ms()  # records carry Unix-time expiries
         size = self._fps.chunk_size
         good = [r for r in records if r is not None and r.chunk.chunk_size == size
                 and r.expires_ms > now]
@@ -114,16 +110,15 @@ class Discovery:
         added = 0
         for r in good:
             if r.chunk.rank == 0:
-                added += self._register(r)
+                added += self._register(r, now)
         self._count("registered", added)
         return added
 
-    def _register(self, r: Record) -> int:
+    def _register(self, r: Record, now: int) -> int:
         """A fingerprint entry for ``r``'s chunk, unless its content is findable here already
         (a local copy, maybe under another chain of keys: re-pointing its entry would turn a
         local hit into a fetch)."""
         ns = Root(r.chunk.root)
-        now = self._clock_ms()
 
         def is_live(hashes: list[bytes]) -> list[bool]:  # rank 0's shard, here or remote
             here = self._store.contains_shards(ns.id, hashes, 1)[:, 0]
@@ -135,10 +130,7 @@ class Discovery:
                                   final=r.origin == ORIGIN_FINAL).new
 
     def _count(self, what: str, n: int) -> None:
-        if not n:
-            return
-        self.counts[what] += n
-        if self._events is not None:
+        if n and self._events is not None:
             self._events.add(_COUNTERS[what], n)
 
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from enum import Enum
 
@@ -30,7 +29,7 @@ import numpy as np
 from dataplane.remote import ChunkId, Fetched, Miss, RemoteTier
 from shm.errors import ShmError
 from shm.events import EventLog
-from shm.remotes import RemoteChunks
+from shm.remotes import RemoteChunks, wall_ms
 from shm.store import ChunkKey, Store
 from shm.telemetry import Counter
 
@@ -93,21 +92,17 @@ class Promoter:
         remotes: the table of remote-known chunks.
         events: where the counts go, or None.
         streams: promotions at once, each on a connection of its own.
-        clock_ms: wall-clock milliseconds (the table's expiries are Unix time).
     """
 
     def __init__(self, store: Store, tier: RemoteTier, remotes: RemoteChunks,
-                 events: EventLog | None = None, streams: int = 8,
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 events: EventLog | None = None, streams: int = 8) -> None:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self._store, self._tier, self._remotes, self._events = store, tier, remotes, events
-        self._clock_ms = clock_ms
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kvblend-promote")
         self._streams = streams
         self._lock = threading.Lock()
         self._flight: dict[ChunkKey, Future] = {}
-        self.counts = {"promoted": 0, "misses": 0}
 
     def start(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
               token_rows: np.ndarray) -> list[Future]:
@@ -122,7 +117,8 @@ class Promoter:
         away = [i for i in range(len(keys)) if not local[i]]
         if not away:
             return []
-        known = self._remotes_know([keys[i] for i in away])
+        known = self._remotes.knows([keys[i].chunk_hash for i in away], wall_ms(),
+                                    np.array([keys[i].rank for i in away])).tolist()
         # several chunks take a connection each; fewer split their KV over the rest
         per_chunk = max(1, self._streams // max(1, sum(known)))
         for i, ok in zip(away, known):
@@ -141,21 +137,10 @@ class Promoter:
         return futures
 
     def ensure(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
-               token_rows: np.ndarray) -> int:
+               token_rows: np.ndarray) -> None:
         """``start``, then wait until those promotions ended (each is bounded by the tier's
-        timeout); returns how many chunks were promoted or found local meanwhile."""
-        futures = self.start(class_id, root, keys, token_rows)
-        wait(futures)
-        return sum(1 for f in futures if not f.exception() and f.result() in Promoted)
-
-    def _remotes_know(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        now = self._clock_ms()
-        out = []
-        for rank in sorted({k.rank for k in keys}):
-            idx = [i for i, k in enumerate(keys) if k.rank == rank]
-            got = self._remotes.knows([keys[i].chunk_hash for i in idx], now, rank)
-            out.extend(zip(idx, got.tolist()))
-        return [ok for _, ok in sorted(out)]
+        timeout; a miss is the retrieve's failed chunk)."""
+        wait(self.start(class_id, root, keys, token_rows))
 
     def _one(self, class_id: int, key: ChunkKey, chunk: ChunkId, tokens: np.ndarray,
              streams: int) -> Promoted | Miss:
@@ -179,11 +164,7 @@ class Promoter:
         return got
 
     def _count(self, what: str | None) -> None:
-        if what is None:
-            return
-        with self._lock:
-            self.counts[what] += 1
-        if self._events is not None:
+        if what is not None and self._events is not None:
             self._events.add(Counter.REMOTE_PROMOTED_CHUNKS if what == "promoted"
                              else Counter.REMOTE_FETCH_MISSES)
 

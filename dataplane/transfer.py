@@ -59,6 +59,7 @@ from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from shm.remotes import wall_ms
 from shm.slab import EXISTS, FULL
 from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
 from shm.store import ChunkKey, Store
@@ -363,7 +364,7 @@ def forget_evicted(sh: Shared) -> int:
         return 0
     words = np.ascontiguousarray(evicted[:, :2])
     if sh.remotes is not None:  # a chunk the remote tier still holds stays findable
-        words = words[~sh.remotes.knows(words, int(time.time() * 1000))]
+        words = words[~sh.remotes.knows(words, wall_ms())]
     removed = sh.fingerprints.remove(words)
     if removed:
         sh.events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, removed)

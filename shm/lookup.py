@@ -13,7 +13,6 @@ not all here says ``location="remote"`` (its retrieve fetches them first).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ from shm.fingerprint import FingerprintIndex
 from shm.header import ORIGIN_STANDALONE, ORIGIN_UNKNOWN
 from shm.matches import ORIGINS, LookupResult, Match
 from shm.hashing import Namespace, as_tokens
-from shm.remotes import RemoteChunks
+from shm.remotes import RemoteChunks, wall_ms
 from shm.store import Store
 
 
@@ -53,7 +52,7 @@ def lookup(store: Store, fingerprints: FingerprintIndex, namespace: Namespace,
     """
     tokens = as_tokens(token_ids)
     chunk = fingerprints.chunk_size
-    now_ms = int(time.time() * 1000)
+    now_ms = wall_ms()
 
     def provenance(hashes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         pos, origin = store.provenance(namespace.id, hashes)

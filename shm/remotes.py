@@ -92,6 +92,12 @@ _KEY, _EXP = slice(0, 3), int(Slot.EXPIRES)
 _COUNT, _DIRTY, _SEQ = int(RemoteHdr.COUNT), int(RemoteHdr.DIRTY), int(RemoteHdr.SEQ)
 
 
+def wall_ms() -> int:
+    """Wall-clock milliseconds since the epoch: the clock of every expiry in the table (hosts
+    write them, so it is Unix time, not a monotonic clock)."""
+    return time.time_ns() // 1_000_000
+
+
 def segment_bytes(capacity: int) -> int:
     """Bytes of ``{prefix}_remote`` for ``capacity`` entries (96 per entry)."""
     return HEADER_BYTES + 2 * capacity * SLOT_WORDS * 8
@@ -194,7 +200,7 @@ class RemoteChunks:
             raise ValueError("ranks must be >= 0 and expires_ms > 0 (0 marks a free slot)")
         _, last = np.unique(rows[::-1, _KEY], axis=0, return_index=True)
         rows = rows[np.sort(n - 1 - last)]  # one row per key: its last
-        now = time.time_ns() // 1_000_000 if now_ms is None else int(now_ms)
+        now = wall_ms() if now_ms is None else int(now_ms)
         with self._guard(self._timeout):
             slot, hit, _ = self._probe(rows[:, _KEY])
             self._slots[slot[hit]] = rows[hit]
@@ -251,8 +257,9 @@ class RemoteChunks:
         found = self._found(np.repeat(words, world_size, axis=0), ranks)
         return (found[:, _EXP] > now_ms).reshape(len(words), world_size)
 
-    def knows(self, hashes: ChunkHashes, now_ms: int, rank: int = 0) -> np.ndarray:
-        """bool ``[n]``: (hash, ``rank``) is held and expires after ``now_ms``."""
+    def knows(self, hashes: ChunkHashes, now_ms: int, rank: Any = 0) -> np.ndarray:
+        """bool ``[n]``: (hash, ``rank``) is held and expires after ``now_ms``; ``rank`` is one
+        for all hashes or one per hash."""
         return self._found(hash_words(hashes).view(np.int64), rank)[:, _EXP] > now_ms
 
     def provenance(self, hashes: ChunkHashes, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
@@ -379,5 +386,5 @@ def _create(name: str, capacity: int) -> segment.Segment:
     return seg
 
 
-__all__ = ["RemoteChunks", "RemoteHdr", "Slot", "segment_bytes", "MAGIC", "VERSION", "HEADER_BYTES",
-           "SLOT_WORDS", "MIN_CAPACITY", "MAX_CAPACITY"]
+__all__ = ["RemoteChunks", "wall_ms", "RemoteHdr", "Slot", "segment_bytes", "MAGIC", "VERSION",
+           "HEADER_BYTES", "SLOT_WORDS", "MIN_CAPACITY", "MAX_CAPACITY"]
