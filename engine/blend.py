@@ -65,28 +65,39 @@ class Mode:
     ratio: float = 0.0
     check_layer: int = 1
     first: int = 0
+    sinks: int = 0
+    rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "naive", "cacheblend", "epic", "random"):
+        if self.kind not in ("full", "naive", "cacheblend", "epic", "random", "given"):
             raise ValueError(f"unknown mode {self.kind!r}")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"a recompute ratio lies in [0, 1], got {self.ratio}")
-        if self.check_layer < 0 or self.first < 0:
-            raise ValueError("check_layer and first must be >= 0")
+        if self.check_layer < 0 or self.first < 0 or self.sinks < 0:
+            raise ValueError("check_layer, first and sinks must be >= 0")
+        if self.rows and self.kind != "given":
+            raise ValueError("rows are for the given mode")
 
 
 FULL = Mode("full")
 NAIVE = Mode("naive")
 
 
-def cacheblend(ratio: float, check_layer: int = 1) -> Mode:
-    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``."""
-    return Mode("cacheblend", ratio=ratio, check_layer=check_layer)
+def cacheblend(ratio: float, check_layer: int = 1, sinks: int = 0) -> Mode:
+    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``;
+    ``sinks``: the first rows of every stored run are among them whatever their deviation."""
+    return Mode("cacheblend", ratio=ratio, check_layer=check_layer, sinks=sinks)
 
 
-def random_blend(ratio: float, seed: int = 0, check_layer: int = 1) -> Mode:
+def random_blend(ratio: float, seed: int = 0, check_layer: int = 1, sinks: int = 0) -> Mode:
     """A baseline for ``cacheblend``: recompute ``ratio`` of the chunk tokens drawn at random."""
-    return Mode("random", ratio=ratio, check_layer=check_layer, first=seed)
+    return Mode("random", ratio=ratio, check_layer=check_layer, first=seed, sinks=sinks)
+
+
+def given(rows: Any, check_layer: int = 1) -> Mode:
+    """Recompute the chunk rows ``rows`` (prompt positions) after ``check_layer``, chosen by the
+    caller: an oracle's selection, for measuring."""
+    return Mode("given", rows=tuple(int(r) for r in rows), check_layer=check_layer)
 
 
 def epic(first: int) -> Mode:
@@ -227,14 +238,19 @@ class BlendEngine:
 
     # -- storing ----------------------------------------------------------------------------
 
-    def precompute(self, doc: Any, first_position: int = 0) -> TransferResult:
+    def precompute(self, doc: Any, first_position: int = 0, prefix: Any = None
+                   ) -> TransferResult:
         """Prefill ``doc`` alone at positions ``first_position..`` and store its chunks
-        (``store_pre_computed``)."""
+        (``store_pre_computed``). ``prefix``: tokens prefilled before the document (at
+        ``first_position..``, the document after them) and not stored, such as the token a
+        prompt begins with: the document's first token is then not an attention sink."""
         ids = _ids(doc)
-        p = self._run(ids, FULL, positions=first_position)
-        self._to_buffer(p.cache, len(ids))
-        return self.client.store_pre_computed(self.inst, ids.numpy(), first_position=first_position,
-                                              cache_salt=self.salt).wait(timeout=120)
+        pre = ids[:0] if prefix is None else _ids(prefix)
+        p = self._run(torch.cat([pre, ids]), FULL, positions=first_position)
+        self._to_buffer(p.cache, len(ids), start=len(pre))
+        return self.client.store_pre_computed(
+            self.inst, ids.numpy(), first_position=first_position + len(pre),
+            cache_salt=self.salt).wait(timeout=120)
 
     def store_final(self, prompt: Any, prefill: Prefill) -> TransferResult:
         """Store a prefill's whole prompt (``store_final``): its KV attended to all of it."""
@@ -243,10 +259,12 @@ class BlendEngine:
         return self.client.store_final(self.inst, ids.numpy(), cache_salt=self.salt).wait(
             timeout=120)
 
-    def _to_buffer(self, cache: _Cache, n: int) -> None:
+    def _to_buffer(self, cache: _Cache, n: int, start: int = 0) -> None:
+        """The cache's rows ``start..start+n`` into the buffer's rows ``0..n``."""
+        rows = slice(start, start + n)
         for layer in range(self.layers):
-            self.kv[0, layer, :n] = cache.k[layer][0, :, :n].transpose(0, 1).reshape(n, -1)
-            self.kv[1, layer, :n] = cache.v[layer][0, :, :n].transpose(0, 1).reshape(n, -1)
+            self.kv[0, layer, :n] = cache.k[layer][0, :, rows].transpose(0, 1).reshape(n, -1)
+            self.kv[1, layer, :n] = cache.v[layer][0, :, rows].transpose(0, 1).reshape(n, -1)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
@@ -302,6 +320,7 @@ class BlendEngine:
         transfer: Transfer | None = None
         layerwise = False
         starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
+        heads = list(starts)  # where a stored run begins: its first rows are fake sinks
         if mode.kind != "full" and spans is None:
             matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
                                          standalone_only=standalone_only).matches
@@ -316,6 +335,9 @@ class BlendEngine:
                     failed = transfer.wait(timeout=120).failed
             starts = [m.cur_st for m in matches]
             chunk = [m.cur_ed - m.cur_st for m in matches]
+            heads = [m.cur_st for j, m in enumerate(matches)
+                     if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
+                     != (m.cur_st, m.old_st)]
         pos = torch.arange(positions, positions + n, device=self.device)[None]
         inner = self.model.model
         with torch.no_grad():
@@ -332,7 +354,7 @@ class BlendEngine:
                                         hit, failed)
                     times["load_wait"] += time.perf_counter() - w
                 if layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
-                    rows = self._rows(hit, mode, starts, chunk)
+                    rows = self._rows(hit, mode, starts, chunk, heads)
                     h = everything[:, rows]
                 r: Any = slice(0, n) if rows is None else rows  # a slice writes without a scatter
                 cache.rows = r
@@ -341,10 +363,10 @@ class BlendEngine:
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
                           cache=cache)
                 computed.append(n if rows is None else len(rows))
-                if (mode.kind in ("cacheblend", "random") and layer_idx == mode.check_layer
-                        and hit.any()):
+                if (mode.kind in ("cacheblend", "random", "given")
+                        and layer_idx == mode.check_layer and hit.any()):
                     w = time.perf_counter()
-                    chosen = self._select(cache, layer_idx, hit, mode)
+                    chosen = self._select(cache, layer_idx, hit, mode, heads)
                     times["select"] = time.perf_counter() - w
                     if len(chosen) < n:  # every row: keep transformers' own mask
                         rows, h = chosen, h[:, chosen]
@@ -392,24 +414,42 @@ class BlendEngine:
         want[-1] = True
         return want
 
-    def _rows(self, hit: np.ndarray, mode: Mode, starts: list[int], chunk: list[int]
-              ) -> torch.Tensor:
+    @staticmethod
+    def _sinks(hit: np.ndarray, mode: Mode, heads: list[int]) -> np.ndarray:
+        """The rows every mode computes (``_always``) and the first ``mode.sinks`` rows of every
+        stored run: alone, a document's first tokens draw the attention a prompt's first token
+        draws (an attention sink); inside a prompt they should not."""
+        want = BlendEngine._always(hit)
+        for s in heads:
+            if hit[s]:
+                want[s:s + mode.sinks] = True
+        return want
+
+    def _rows(self, hit: np.ndarray, mode: Mode, starts: list[int], chunk: list[int],
+              heads: list[int]) -> torch.Tensor:
         """The rows naive and epic compute in every layer."""
-        want = self._always(hit)
+        want = self._sinks(hit, mode, heads)
         if mode.kind == "epic":
             for s, c in zip(starts, chunk):
                 if hit[s]:
                     want[s:s + min(mode.first, c)] = True
         return torch.from_numpy(np.flatnonzero(want)).to(self.device)
 
-    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, mode: Mode) -> torch.Tensor:
-        """CacheBlend's selection at the check layer: the non-hit rows, the last row, and the top
-        ``ratio`` of hit rows by the L2 norm of their fresh KV minus the loaded KV (``random``:
-        that many hit rows drawn at random, seeded, as a baseline)."""
+    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, mode: Mode,
+                heads: list[int]) -> torch.Tensor:
+        """CacheBlend's selection at the check layer: the non-hit rows, the last row, the sink
+        rows, and hit rows up to ``ratio`` of them in all, those whose fresh KV deviates most
+        from the loaded KV (L2 norm of the K and V differences; ``random``: drawn at random,
+        seeded, as a baseline; ``given``: the mode's rows)."""
         n = len(hit)
-        hits = np.flatnonzero(hit)
-        take = math.ceil(mode.ratio * len(hits))
-        want = self._always(hit)
+        want = self._sinks(hit, mode, heads)
+        if mode.kind == "given":
+            rows = np.asarray(mode.rows, np.int64)
+            want[rows[(rows >= 0) & (rows < n)]] = True
+            return torch.from_numpy(np.flatnonzero(want)).to(self.device)
+        forced = want & hit
+        hits = np.flatnonzero(hit & ~forced)
+        take = min(len(hits), max(0, math.ceil(mode.ratio * hit.sum()) - int(forced.sum())))
         if take and mode.kind == "random":
             want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
         elif take:
@@ -438,4 +478,4 @@ def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
 
 
 __all__ = ["BlendEngine", "Mode", "Prefill", "FULL", "NAIVE", "cacheblend", "epic", "random_blend",
-           "model_rotary", "rotary_config"]
+           "given", "model_rotary", "rotary_config"]
