@@ -67,6 +67,9 @@ class Mode:
     first: int = 0
     sinks: int = 0
     rows: tuple[int, ...] = ()
+    score: str = "kv"
+    accumulate: bool = False
+    widen: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("full", "naive", "cacheblend", "epic", "random", "given"):
@@ -77,16 +80,39 @@ class Mode:
             raise ValueError("check_layer, first and sinks must be >= 0")
         if self.rows and self.kind != "given":
             raise ValueError("rows are for the given mode")
+        if self.score not in ("kv", "k", "v"):
+            raise ValueError(f"unknown deviation score {self.score!r}")
+        if self.widen < 1.0:
+            raise ValueError(f"widen is >= 1, got {self.widen}")
+
+    def steps(self) -> dict[int, float]:
+        """The layers after which a selection runs, and the share of chunk rows each keeps:
+        the check layer, and with ``widen`` > 1 (gradual filtering) a first, wider one there and
+        the final one a layer later, among the rows the first kept."""
+        if self.widen > 1.0:
+            return {self.check_layer: min(1.0, self.ratio * self.widen),
+                    self.check_layer + 1: self.ratio}
+        return {self.check_layer: self.ratio}
 
 
 FULL = Mode("full")
 NAIVE = Mode("naive")
 
 
-def cacheblend(ratio: float, check_layer: int = 1, sinks: int = 0) -> Mode:
-    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``;
-    ``sinks``: the first rows of every stored run are among them whatever their deviation."""
-    return Mode("cacheblend", ratio=ratio, check_layer=check_layer, sinks=sinks)
+def cacheblend(ratio: float, check_layer: int = 1, sinks: int = 0, score: str = "kv",
+               accumulate: bool = False, widen: float = 1.0) -> Mode:
+    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``.
+
+    Args:
+        sinks: the first rows of every stored run are among them whatever their deviation.
+        score: the deviation of ``kv`` (K and V), ``k`` or ``v`` alone.
+        accumulate: rank by the deviation summed over layers 1..check_layer (each layer's over
+            its mean) instead of the check layer's alone.
+        widen: gradual filtering: keep ``widen * ratio`` at the check layer, ``ratio`` of them
+            one layer later by that layer's deviation.
+    """
+    return Mode("cacheblend", ratio=ratio, check_layer=check_layer, sinks=sinks, score=score,
+                accumulate=accumulate, widen=widen)
 
 
 def random_blend(ratio: float, seed: int = 0, check_layer: int = 1, sinks: int = 0) -> Mode:
@@ -346,6 +372,8 @@ class BlendEngine:
             causal = _causal_mask(inner, everything, pos)
             rows: torch.Tensor | None = None  # None: every row
             computed = []
+            steps = mode.steps() if mode.kind in ("cacheblend", "random", "given") else {}
+            acc = torch.zeros(n, device=self.device)  # accumulated deviation
             h = everything
             for layer_idx, layer in enumerate(inner.layers[:self.layers]):
                 if starts and (layer_idx == 0 or layerwise):
@@ -363,13 +391,20 @@ class BlendEngine:
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
                           cache=cache)
                 computed.append(n if rows is None else len(rows))
-                if (mode.kind in ("cacheblend", "random", "given")
-                        and layer_idx == mode.check_layer and hit.any()):
+                if mode.accumulate and 1 <= layer_idx <= mode.check_layer and rows is None:
+                    d = self._deviation(cache, layer_idx, n, mode.score)
+                    acc += d / d.mean().clamp_min(1e-30)
+                if layer_idx in steps and hit.any():
                     w = time.perf_counter()
-                    chosen = self._select(cache, layer_idx, hit, mode, heads)
-                    times["select"] = time.perf_counter() - w
+                    among = hit.copy()
+                    if rows is not None:  # a second step picks among the rows the first kept
+                        among &= np.isin(np.arange(n), rows.cpu().numpy())
+                    chosen = self._select(cache, layer_idx, hit, among, mode, heads,
+                                          steps[layer_idx], acc if mode.accumulate else None)
+                    times["select"] += time.perf_counter() - w
                     if len(chosen) < n:  # every row: keep transformers' own mask
-                        rows, h = chosen, h[:, chosen]
+                        keep = chosen if rows is None else torch.searchsorted(rows, chosen)
+                        rows, h = chosen, h[:, keep]
             logits = self.model.lm_head(inner.norm(h))[0].float()
             last = torch.arange(n, device=self.device) if rows is None else rows
         if transfer is not None:
@@ -435,12 +470,25 @@ class BlendEngine:
                     want[s:s + min(mode.first, c)] = True
         return torch.from_numpy(np.flatnonzero(want)).to(self.device)
 
-    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, mode: Mode,
-                heads: list[int]) -> torch.Tensor:
-        """CacheBlend's selection at the check layer: the non-hit rows, the last row, the sink
-        rows, and hit rows up to ``ratio`` of them in all, those whose fresh KV deviates most
-        from the loaded KV (L2 norm of the K and V differences; ``random``: drawn at random,
-        seeded, as a baseline; ``given``: the mode's rows)."""
+    def _deviation(self, cache: _Cache, layer: int, n: int, score: str) -> torch.Tensor:
+        """Per row, the squared L2 distance of the fresh K and V (``score``) of ``layer`` from
+        the loaded ones."""
+        loaded_k, loaded_v = self._loaded(layer, n)
+        dev = torch.zeros(n, device=self.device)
+        if score in ("kv", "k"):
+            dev += ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2))
+        if score in ("kv", "v"):
+            dev += ((cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+        return dev
+
+    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, among: np.ndarray,
+                mode: Mode, heads: list[int], ratio: float,
+                dev: torch.Tensor | None = None) -> torch.Tensor:
+        """A selection step of CacheBlend: the rows every mode computes, the sink rows, and
+        chunk rows among the candidates (``among``: those still computed) up to ``ratio`` of
+        the chunk rows in all, those whose fresh KV deviates most from the loaded KV
+        (``_deviation``, or ``dev`` when given; ``random``: drawn at random, seeded, as a
+        baseline; ``given``: the mode's rows)."""
         n = len(hit)
         want = self._sinks(hit, mode, heads)
         if mode.kind == "given":
@@ -448,14 +496,13 @@ class BlendEngine:
             want[rows[(rows >= 0) & (rows < n)]] = True
             return torch.from_numpy(np.flatnonzero(want)).to(self.device)
         forced = want & hit
-        hits = np.flatnonzero(hit & ~forced)
-        take = min(len(hits), max(0, math.ceil(mode.ratio * hit.sum()) - int(forced.sum())))
+        hits = np.flatnonzero(among & ~forced)
+        take = min(len(hits), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
         if take and mode.kind == "random":
             want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
         elif take:
-            loaded_k, loaded_v = self._loaded(layer, n)
-            dev = ((cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
-                (cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+            if dev is None:
+                dev = self._deviation(cache, layer, n, mode.score)
             order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
                                   stable=True)
             want[hits[order[:take].cpu().numpy()]] = True

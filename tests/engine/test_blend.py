@@ -14,7 +14,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from dataplane.client import BlendClient
-from engine.blend import FULL, NAIVE, BlendEngine, cacheblend, epic, random_blend, rotary_config
+from engine.blend import (FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend,
+                          rotary_config)
 from tests.conftest import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
@@ -160,3 +161,40 @@ def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
     assert again.times["lookup"] == 0 and naive.times["lookup"] > 0
     with pytest.raises(ValueError, match="does not fit"):
         engine.prefill(np.zeros(513, np.int64), FULL)
+
+
+def test_the_selection_variants_compute_what_they_say(engine: BlendEngine) -> None:
+    a, b, prompt = docs_and_prompt(5)
+    assert engine.precompute(a).ok and engine.precompute(b).ok
+    hits, n = len(a) + len(b), len(prompt)
+    keep = int(np.ceil(0.25 * hits))
+    # gradual filtering: half the chunk rows after layer 0, a quarter of them after layer 1,
+    # among those the first step kept
+    wide = engine.prefill(prompt, cacheblend(0.5, check_layer=0))
+    gradual = engine.prefill(prompt, cacheblend(0.25, check_layer=0, widen=2.0))
+    assert gradual.computed == [n, n - hits + int(np.ceil(0.5 * hits)), n - hits + keep]
+    assert set(gradual.positions.tolist()) < set(wide.positions.tolist())
+    drawn = Mode("random", ratio=0.25, check_layer=0, widen=2.0, first=3)
+    assert set(engine.prefill(prompt, drawn).positions.tolist()) < set(
+        engine.prefill(prompt, Mode("random", ratio=0.5, check_layer=0, first=3)).positions.tolist())
+    # the first rows of each stored run (a, then b) are recomputed, within the same budget
+    sunk = engine.prefill(prompt, cacheblend(0.25, sinks=2))
+    runs = [5, 5 + len(a) + 7]
+    assert set(runs + [r + 1 for r in runs]) <= set(sunk.positions.tolist())
+    assert sunk.computed == engine.prefill(prompt, cacheblend(0.25)).computed
+    # the deviation summed over layers 1..1 ranks as layer 1's alone
+    assert np.array_equal(engine.prefill(prompt, cacheblend(0.25, accumulate=True)).positions,
+                          engine.prefill(prompt, cacheblend(0.25)).positions)
+    # V's deviation alone: the top rows by V's distance from the loaded V
+    by_v = engine.prefill(prompt, cacheblend(0.25, score="v"))
+    fresh = engine.prefill(prompt, FULL).cache
+    hit_rows = np.flatnonzero(by_v.hit)
+    dist = [float(((fresh.v[1][0, :, r].float() - engine.kv[1, 1, r].view(HKV, DH).float()) ** 2)
+                  .sum()) for r in hit_rows]
+    top = hit_rows[np.argsort(dist, kind="stable")[::-1][:keep]]
+    assert sorted(by_v.positions.tolist()) == sorted(np.flatnonzero(~by_v.hit).tolist() +
+                                                     top.tolist())
+    with pytest.raises(ValueError, match="score"):
+        cacheblend(0.25, score="q")
+    with pytest.raises(ValueError, match="widen"):
+        cacheblend(0.25, widen=0.5)
