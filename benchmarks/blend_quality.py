@@ -14,13 +14,24 @@ prompt; no stored chunk covers the continuation, so every mode computes it, and 
 predictions are scored: NLL (nats per token) and top-1 agreement with full prefill. Windows do
 not overlap; each prompt has its own cache salt.
 
-Modes (``engine.blend``): ``full``; ``naive`` (only the rows no chunk filled); ``cacheblend r``
-(every row up to check layer 1, then the top r of chunk rows by KV deviation); ``random r`` (r
-drawn at random, seeded per prompt); ``oracle r`` (the top r by the true deviation: the distance
-between the loaded KV and full prefill's, summed over layers, each layer's scaled by its mean);
-``epic k`` (the first k rows of every chunk); ``+sink`` (the first row of every stored run
-recomputed, within the same budget); ``[prefixed]`` (on the prefixed store). The recompute share
-is the measured share of chunk rows computed after the check layer.
+Modes (``engine.blend``), each selection family at each of ``--ratios`` (``--families``):
+
+- ``full``; ``naive`` (only the rows no chunk filled);
+- ``cacheblend r``: every row up to check layer 1, then the top r of chunk rows by K and V
+  deviation; ``check2``/``check3``: the same at check layer 2 or 3; ``-sum``: the deviation
+  summed over layers 1..check; ``-v``/``-k``: V's or K's deviation alone; ``gradual1``/``2``:
+  2r kept at the check layer, r of them a layer later; ``+sink``: the first row of every stored
+  run recomputed, within the same budget;
+- ``random r``: r drawn at random, seeded per prompt (the baseline at the same cost);
+- ``oracle r``: the top r by the true deviation: the distance between the loaded KV and full
+  prefill's, summed over layers, each layer's over its mean (the ceiling of a one-check
+  selection);
+- ``epic k``: the first k rows of every chunk; ``naive+sink``: naive and each run's first row;
+- ``[prefixed]``: on the prefixed store.
+
+``recomputed`` is the measured share of chunk rows computed after the last selection;
+``compute`` the share of chunk rows computed averaged over layers (the check layers compute
+every row).
 
 Output: a table per length (NLL, agreement, recompute share, gap closed with a bootstrap 95 %
 interval over prompts), where the selected rows sit in their chunk, ``--json`` (every number)
@@ -62,25 +73,41 @@ from tests import realmodel  # noqa: E402
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1 << 30))  # row offsets within a chunk
 
 
-def selections(ratios: list[float], doc_tokens: int) -> dict[str, tuple[str, Callable[..., Mode]]]:
-    """Every mode but full and naive: name -> (store, mode factory ``(seed, oracle rows)``)."""
+Factory = Callable[[float, int, Callable[[float], np.ndarray]], Mode]  # (ratio, seed, oracle)
+FAMILIES: dict[str, tuple[str, Factory]] = {  # name -> (store, mode at a ratio)
+    "cacheblend": ("plain", lambda r, s, o: cacheblend(r)),
+    "random": ("plain", lambda r, s, o: random_blend(r, seed=s)),
+    "oracle": ("plain", lambda r, s, o: given(o(r))),
+    "cacheblend+sink": ("plain", lambda r, s, o: cacheblend(r, sinks=1)),
+    "check2": ("plain", lambda r, s, o: cacheblend(r, 2)),
+    "check3": ("plain", lambda r, s, o: cacheblend(r, 3)),
+    "check2-sum": ("plain", lambda r, s, o: cacheblend(r, 2, accumulate=True)),
+    "check2-v": ("plain", lambda r, s, o: cacheblend(r, 2, score="v")),
+    "check2-k": ("plain", lambda r, s, o: cacheblend(r, 2, score="k")),
+    "gradual1": ("plain", lambda r, s, o: cacheblend(r, 1, widen=2.0)),
+    "gradual2": ("plain", lambda r, s, o: cacheblend(r, 2, widen=2.0)),
+    "cacheblend [prefixed]": ("prefixed", lambda r, s, o: cacheblend(r)),
+    "random [prefixed]": ("prefixed", lambda r, s, o: random_blend(r, seed=s)),
+    "check2 [prefixed]": ("prefixed", lambda r, s, o: cacheblend(r, 2)),
+}
+SURVEY = "cacheblend,random,oracle,cacheblend [prefixed],random [prefixed]"
+
+
+def selections(families: list[str], ratios: list[float], doc_tokens: int, extras: bool
+               ) -> dict[str, tuple[str, Callable[..., Mode]]]:
+    """Every mode but full and naive: name -> (store, mode factory ``(seed, oracle rows)``);
+    ``extras``: epic, the sink rows alone and naive on the prefixed store too."""
     out: dict[str, tuple[str, Callable[..., Mode]]] = {}
     for r in ratios:
-        pct = f"{r:.0%}"
-        out[f"cacheblend {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r))
-        out[f"random {pct}"] = ("plain", lambda s, o, r=r: random_blend(r, seed=s))
-        out[f"oracle {pct}"] = ("plain", lambda s, o, r=r: given(o(r)))
-        out[f"cacheblend {pct} [prefixed]"] = ("prefixed", lambda s, o, r=r: cacheblend(r))
-        out[f"random {pct} [prefixed]"] = ("prefixed", lambda s, o, r=r: random_blend(r, seed=s))
-        if 0.05 < r < 0.2:
-            out[f"cacheblend+sink {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r, sinks=1))
-            out[f"cacheblend-check2 {pct}"] = ("plain", lambda s, o, r=r: cacheblend(r, 2))
-            out[f"cacheblend-check2 {pct} [prefixed]"] = ("prefixed",
-                                                         lambda s, o, r=r: cacheblend(r, 2))
-    for k in (16, max(1, round(0.15 * doc_tokens))):
-        out[f"epic {k}"] = ("plain", lambda s, o, k=k: epic(k))
-    out["naive+sink"] = ("plain", lambda s, o: Mode("naive", sinks=1))
-    out["naive [prefixed]"] = ("prefixed", lambda s, o: NAIVE)
+        for fam in families:
+            store, make = FAMILIES[fam]
+            name = fam.replace(" [", f" {r:.0%} [") if "[" in fam else f"{fam} {r:.0%}"
+            out[name] = (store, lambda s, o, make=make, r=r: make(r, s, o))
+    if extras:
+        for k in (16, max(1, round(0.15 * doc_tokens))):
+            out[f"epic {k}"] = ("plain", lambda s, o, k=k: epic(k))
+        out["naive+sink"] = ("plain", lambda s, o: Mode("naive", sinks=1))
+        out["naive [prefixed]"] = ("prefixed", lambda s, o: NAIVE)
     return out
 
 
@@ -135,14 +162,16 @@ def one_prompt(engine: BlendEngine, text: np.ndarray, start: int, n_ctx: int, do
     at = naive.positions[(naive.positions > n_ctx) & (naive.positions < len(prompt) - 1)]
     oracle = oracle_rows(true_deviation(engine, full, len(prompt)), hit)
     full_nll, full_top = scored(full, prompt, at)
-    out = {"full": {"nll": full_nll, "agree": 1.0, "share": 1.0}}
+    out = {"full": {"nll": full_nll, "agree": 1.0, "share": 1.0, "compute": 1.0}}
     runs = [("naive", "plain", lambda s, o: NAIVE), *((k, *v) for k, v in modes.items())]
     for name, store, make in runs:
         engine.salt = f"{tag}-{store}"
         p = naive if name == "naive" else engine.prefill(prompt, make(seed, oracle))
         nll, top = scored(p, prompt, at)
+        always = int((~hit).sum())
         out[name] = {"nll": nll, "agree": float((top == full_top).mean()),
                      "share": float(hit[p.positions].sum() / max(1, hit.sum())),
+                     "compute": float((np.mean(p.computed) - always) / max(1, hit.sum())),
                      "where": where(p, hit, doc).tolist()}
     return out
 
@@ -172,7 +201,8 @@ def summarize(rows: list[dict[str, dict[str, Any]]], seed: int) -> dict[str, dic
     for name in rows[0]:
         s: dict[str, Any] = {"nll": mean_ci([r[name]["nll"] for r in rows]),
                              "agree": mean_ci([r[name]["agree"] for r in rows]),
-                             "share": float(np.mean([r[name]["share"] for r in rows]))}
+                             "share": float(np.mean([r[name]["share"] for r in rows])),
+                             "compute": float(np.mean([r[name]["compute"] for r in rows]))}
         if name not in ("full", "naive"):
             s["closed"] = closed(rows, name, rng)
             counts = np.sum([r[name]["where"] for r in rows], axis=0)
@@ -184,15 +214,15 @@ def summarize(rows: list[dict[str, dict[str, Any]]], seed: int) -> dict[str, dic
 def print_table(n_ctx: int, prompts: int, summary: dict[str, dict[str, Any]], secs: float) -> None:
     gap = summary["naive"]["nll"][0] - summary["full"]["nll"][0]
     print(f"\n## {n_ctx:,} tokens, {prompts} prompts, naive - full = {gap:.3f} nats ({secs:.0f} s)")
-    print("| mode | NLL | top-1 agreement | recomputed | gap closed [95 % CI] | "
+    print("| mode | NLL | top-1 agreement | recomputed | compute | gap closed [95 % CI] | "
           "rows at offset 0 / 1-3 / 4-15 / 16-63 / 64+ |")
-    print("|---|---:|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---:|---|---|")
     for name, s in summary.items():
         c = s.get("closed")
         cl = "" if c is None else f"{c[0]:.2f} [{c[1]:.2f}, {c[2]:.2f}]"
         w = " / ".join(f"{x:.2f}" for x in s.get("where", []))
         print(f"| {name} | {s['nll'][0]:.3f} ± {s['nll'][1]:.3f} | {s['agree'][0]:.3f} | "
-              f"{s['share']:.3f} | {cl} | {w} |", flush=True)
+              f"{s['share']:.3f} | {s['compute']:.3f} | {cl} | {w} |", flush=True)
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -200,8 +230,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    families = ("cacheblend", "random", "oracle", "cacheblend [prefixed]", "random [prefixed]",
-                "cacheblend-check2 [prefixed]")
+    families = list(dict.fromkeys(_family(k) for s in results["lengths"].values() for k in s
+                                  if "%" in k))
     fig, axes = plt.subplots(1, len(results["lengths"]), figsize=(5 * len(results["lengths"]), 4.2),
                              sharey=True, squeeze=False)
     for ax, (n_ctx, summary) in zip(axes[0], results["lengths"].items()):
@@ -215,8 +245,9 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax.fill_between(x, lo, hi, alpha=0.2, color=line.get_color())
         for k, s in summary.items():
             if k.startswith(("epic", "naive+", "naive [")):
-                ax.errorbar([s["share"]], [s["closed"][0]], fmt="s", label=k,
-                            yerr=[[s["closed"][0] - s["closed"][1]], [s["closed"][2] - s["closed"][0]]])
+                c = s["closed"]
+                ax.errorbar([s["share"]], [c[0]], yerr=[[c[0] - c[1]], [c[2] - c[0]]], fmt="s",
+                            label=k)
         ax.axhline(0, color="grey", lw=0.5)
         ax.axhline(1, color="grey", lw=0.5, ls="--")
         ax.set_title(f"{int(n_ctx):,} tokens, {results['prompts'][n_ctx]} prompts")
@@ -244,6 +275,8 @@ def main() -> None:
     p.add_argument("--doc-tokens", type=int, default=256)
     p.add_argument("--continuation", type=int, default=128)
     p.add_argument("--ratios", default="0.05,0.08,0.15,0.3")
+    p.add_argument("--families", default=SURVEY, help=f"of {', '.join(FAMILIES)}")
+    p.add_argument("--no-extras", action="store_true", help="no epic, naive+sink, naive [prefixed]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every number here (after each length)")
     p.add_argument("--plot", help="draw the closed share against the recompute share here (PNG)")
@@ -260,7 +293,8 @@ def main() -> None:
     tokens = realmodel.heldout_tokens(tok)
     print(f"# {args.model} in {args.dtype} on {args.device}; held-out text {len(tokens):,} "
           f"tokens; start token {start}", flush=True)
-    modes = selections([float(x) for x in args.ratios.split(",")], args.doc_tokens)
+    modes = selections(args.families.split(","), [float(x) for x in args.ratios.split(",")],
+                       args.doc_tokens, not args.no_extras)
     results: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "args": vars(args),
                                "lengths": {}, "prompts": {}}
     prefix = f"kvquality_{os.getpid()}"

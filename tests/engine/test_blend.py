@@ -175,8 +175,9 @@ def test_the_selection_variants_compute_what_they_say(engine: BlendEngine) -> No
     assert gradual.computed == [n, n - hits + int(np.ceil(0.5 * hits)), n - hits + keep]
     assert set(gradual.positions.tolist()) < set(wide.positions.tolist())
     drawn = Mode("random", ratio=0.25, check_layer=0, widen=2.0, first=3)
+    first_step = Mode("random", ratio=0.5, check_layer=0, first=3)
     assert set(engine.prefill(prompt, drawn).positions.tolist()) < set(
-        engine.prefill(prompt, Mode("random", ratio=0.5, check_layer=0, first=3)).positions.tolist())
+        engine.prefill(prompt, first_step).positions.tolist())
     # the first rows of each stored run (a, then b) are recomputed, within the same budget
     sunk = engine.prefill(prompt, cacheblend(0.25, sinks=2))
     runs = [5, 5 + len(a) + 7]
