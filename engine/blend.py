@@ -120,6 +120,10 @@ def random_blend(ratio: float, seed: int = 0, check_layer: int = 1, sinks: int =
     return Mode("random", ratio=ratio, check_layer=check_layer, first=seed, sinks=sinks)
 
 
+DEFAULT = cacheblend(0.15)
+"""The engine's default mode (``docs/blend.md`` has the measurements it was chosen by)."""
+
+
 def given(rows: Any, check_layer: int = 1) -> Mode:
     """Recompute the chunk rows ``rows`` (prompt positions) after ``check_layer``, chosen by the
     caller: an oracle's selection, for measuring."""
@@ -524,5 +528,5 @@ def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
                               cache=None, position_ids=pos)
 
 
-__all__ = ["BlendEngine", "Mode", "Prefill", "FULL", "NAIVE", "cacheblend", "epic", "random_blend",
-           "given", "model_rotary", "rotary_config"]
+__all__ = ["BlendEngine", "Mode", "Prefill", "DEFAULT", "FULL", "NAIVE", "cacheblend", "epic",
+           "random_blend", "given", "model_rotary", "rotary_config"]
