@@ -1,4 +1,4 @@
-"""Accuracy of blended prefill on a task a pretrained model solves: recall of a fact among documents.
+"""Accuracy of blended prefill on a task a pretrained model solves: finding a fact among documents.
 
 Model: SmolLM2-135M-Instruct (``tests/realmodel.py``), cast to ``--dtype``. Text: the held-out
 filler of ``tests/realmodel.py`` (this project's own sources and docs, newer than the model).
@@ -6,32 +6,38 @@ filler of ``tests/realmodel.py`` (this project's own sources and docs, newer tha
 Prompt: a start token (the tokenizer's BOS, computed, never stored), then ``D`` documents of
 ``--doc-tokens`` each (a multiple of 256, so that every token of a document is in a stored chunk),
 then a question. A document is a window of filler lines with one fact sentence inserted at a line
-start, "The access code of project Falcon is 4829." (project names and 4-digit codes drawn from a
-seeded RNG, all distinct within a prompt). Each document is prefilled alone and stored
-(``BlendEngine.precompute``); every prompt has its own cache salt, so it finds its own documents
-only. Tasks (``--tasks``):
+start, "The <kind> of project <Name> is <4-digit number>.": one document's fact is of the asked
+kind, "The access code of project Falcon is 4829.", every other one of another kind ("The room
+number of project Orion is 5513.", ...); names, kinds and numbers drawn from a seeded RNG, all
+distinct within a prompt. Each document is prefilled alone and stored (``BlendEngine.precompute``);
+every prompt has its own cache salt, so it finds its own documents only. Tasks (``--tasks``):
 
-- ``recall``: every document holds one fact; the question asks for the code of the project whose
-  fact sits in document ``i % D`` of prompt ``i``: "Question: what is the access code of project
-  Falcon? Answer: The access code of project Falcon is". The question has to find the one fact
-  among ``D`` alike.
-- ``split``: as ``recall``, and the asked fact is cut by a document boundary: document ``k`` ends
-  with "The access code of project Falcon is", document ``k + 1`` begins with " 4829." (``k = i %
-  (D - 1)``). The code's KV says whose code it is only through attention across the two documents,
-  which each document alone lacks: what blending has to restore.
+- ``recall``: the access code sits in document ``i % D`` of prompt ``i``; the question: "Question:
+  what is the access code of project Falcon? Answer: The access code of project Falcon is". It has
+  to find the one access code among ``D`` facts, wherever it sits.
+- ``split``: the access code is cut by a document boundary: document ``k`` ends with "The access
+  code of project Falcon is", document ``k + 1`` begins with " 4829." (``k = i % (D - 1)``; every
+  document holds a fact of another kind as well). The code's KV says whose code it is only
+  through attention across the two documents, which each document alone lacks: what blending has
+  to restore (and what epic's first rows of a chunk cover by construction).
+
+(With facts of the same kind in the other documents, a 135M model finds the right one only about
+half the time with full prefill at 8 documents: too weak a baseline to measure blending against.)
 
 Scoring: exact match of greedy decoding. The prompt and the answer's tokens (" 4829") are prefilled
 together in each mode (they are in no stored chunk, so every mode computes them); the answer is
 right when the argmax after the prompt and after each answer token is the next answer token and the
-argmax after the last digit is not a digit: exactly when greedy decoding would write " 4829" and
-then no further digit. One prefill per mode instead of one per decoded token; ``--decode`` also
-decodes greedily (``BlendEngine.generate``) and counts the prompts where the two disagree.
+argmax after the last digit is not a digit: when greedy decoding would write " 4829" and then no
+further digit (up to rounding: the answer's rows are computed together rather than one at a time).
+One prefill per mode instead of one per decoded token; ``--decode`` also decodes greedily
+(``BlendEngine.generate``) and counts the prompts where the two disagree.
 
 Modes: full, naive, cacheblend at each ``--ratios``, cacheblend 15 % with the first row of every
 stored document recomputed (``sinks=1``), random selection at 15 %, epic(16). Per mode: accuracy
 with its 95 % Wilson interval over the prompts; ``recomputed``: the share of the stored tokens the
 last layer recomputed; ``compute``: the rows computed over all layers, as a share of full prefill's.
-A markdown table per task and document count; ``--json PATH`` writes the results.
+A markdown table per task and document count; ``--json PATH`` writes the results, with each
+prompt's outcome per mode and the document its fact sits in (for paired comparisons).
 
 Usage::
 
@@ -59,8 +65,8 @@ sys.path.insert(0, HERE)
 
 from blend_ttft import start_service  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
-from engine.blend import (FULL, NAIVE, BlendEngine, Mode, Prefill, cacheblend, epic,  # noqa: E402
-                          random_blend)
+from engine.blend import (DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill,  # noqa: E402
+                          cacheblend, epic, random_blend)
 from shm.names import destroy  # noqa: E402
 from tests import realmodel  # noqa: E402
 
@@ -70,6 +76,9 @@ NAMES = ("Falcon Orion Cobalt Juniper Maple Granite Harbor Willow Summit Ember A
          "Glacier Hazel Indigo Jasper Lotus Meadow Nova Onyx Pioneer Quartz Raven Sierra Tundra "
          "Violet Zephyr Comet Lantern Marble Nebula Osprey Pebble Saffron Thistle Walnut Yarrow "
          "Badger Canyon Dolphin Fern Heron Iris Kestrel Lynx Mistral Otter Prairie Sparrow").split()
+ASKED_RELATION = "access code"
+OTHER_RELATIONS = ("room number", "ticket number", "order number", "phone extension",
+                   "badge number", "invoice number")
 MARGIN = 16  # tokens of filler kept before and after an inserted fact
 
 
@@ -116,37 +125,43 @@ def document(rng: np.random.Generator, filler: Filler, n: int, fact: np.ndarray)
 
 
 def make_item(rng: np.random.Generator, filler: Filler, tokenizer: Any, task: str, n_docs: int,
-              doc_tokens: int, index: int, distractors: int = 99) -> Item:
+              doc_tokens: int, index: int) -> Item:
+    """Prompt ``index`` of ``task`` (module docstring): ``n_docs`` documents and a question."""
     names = [str(x) for x in rng.choice(NAMES, n_docs + 1, replace=False)]
     codes = [str(x) for x in rng.choice(np.arange(1000, 10000), n_docs + 1, replace=False)]
-    facts = [encode(tokenizer, f"\nThe access code of project {a} is {c}.\n")
-             for a, c in zip(names, codes)]
-    k0 = index % n_docs if task == "recall" else -1
-    keep = set(rng.permutation([i for i in range(n_docs) if i != k0])[:distractors].tolist()) | {k0}
-    facts = [f if i in keep else f[:0] for i, f in enumerate(facts)]
+    relations = [OTHER_RELATIONS[j % len(OTHER_RELATIONS)]
+                 for j in rng.permutation(n_docs + 1)]  # every other fact of another kind
     if task == "recall":
         k = ask = index % n_docs
-        docs = [document(rng, filler, doc_tokens, f) for f in facts[:n_docs]]
     else:  # the asked fact (the extra name) across documents k and k + 1
         k, ask = index % (n_docs - 1), n_docs
-        head = encode(tokenizer, f"\nThe access code of project {names[ask]} is")
+    relations[ask] = ASKED_RELATION
+    facts = [encode(tokenizer, f"\nThe {r} of project {a} is {c}.\n")
+             for r, a, c in zip(relations, names, codes)]
+    if task == "recall":
+        docs = [document(rng, filler, doc_tokens, f) for f in facts[:n_docs]]
+    else:
+        head = encode(tokenizer, f"\nThe {ASKED_RELATION} of project {names[ask]} is")
         tail = encode(tokenizer, f" {codes[ask]}.\n")
         docs = [document(rng, filler, doc_tokens - len(head) * (i == k) - len(tail) * (i == k + 1),
                          facts[i]) for i in range(n_docs)]
         docs[k] = np.concatenate([docs[k], head])
         docs[k + 1] = np.concatenate([tail, docs[k + 1]])
-    question = encode(tokenizer, f"\nQuestion: what is the access code of project {names[ask]}? "
-                                 f"Answer: The access code of project {names[ask]} is")
+    question = encode(tokenizer, f"\nQuestion: what is the {ASKED_RELATION} of project "
+                                 f"{names[ask]}? Answer: The {ASKED_RELATION} of project "
+                                 f"{names[ask]} is")
     assert all(len(d) == doc_tokens for d in docs)
     return Item(docs, question, codes[ask], k)
 
 
 def modes(ratios: list[float], seed: int) -> dict[str, Mode]:
-    out: dict[str, Mode] = {"full": FULL, "naive": NAIVE}
+    out: dict[str, Mode] = {"full": FULL, "naive": NAIVE, "default": DEFAULT}
     out.update({f"cacheblend {r:.0%}": cacheblend(r) for r in ratios})
-    out["cacheblend 15% +sink"] = cacheblend(0.15, sinks=1)
+    out["check2 15%"] = cacheblend(0.15, 2)
+    out["gradual1 15%"] = cacheblend(0.15, 1, widen=2.0)
     out["random 15%"] = random_blend(0.15, seed=seed)
     out["epic 16"] = epic(16)
+    out["naive+sink"] = Mode("naive", sinks=1)
     return out
 
 
@@ -194,7 +209,8 @@ def run_setting(engine: BlendEngine, tokenizer: Any, filler: Filler, task: str, 
     for d in "0123456789":
         digits[encode(tokenizer, d)] = True
     bos = np.asarray([tokenizer.bos_token_id], np.int64)
-    right = {m: 0 for m in mode_set}
+    outcomes: dict[str, list[int]] = {m: [] for m in mode_set}
+    targets = []
     recomputed: dict[str, list[float]] = {m: [] for m in mode_set}
     compute: dict[str, list[float]] = {m: [] for m in mode_set}
     disagree = short = 0
@@ -207,6 +223,7 @@ def run_setting(engine: BlendEngine, tokenizer: Any, filler: Filler, task: str, 
         engine.salt = f"{task}-{n_docs}-{i}"  # each prompt finds its own documents only
         for doc in item.docs:
             assert engine.precompute(doc, prefix=bos if args.bos_prefix else None).ok
+        targets.append(item.target)
         prompt = np.concatenate([bos, *item.docs, item.question])
         answer = encode(tokenizer, f" {item.code}")
         for name, mode in mode_set.items():
@@ -216,18 +233,19 @@ def run_setting(engine: BlendEngine, tokenizer: Any, filler: Filler, task: str, 
             if args.decode:
                 disagree += ok != decoded(engine, tokenizer, prompt, item.code, len(answer) + 1,
                                           mode)
-            right[name] += ok
+            outcomes[name].append(int(ok))
             a, b = shares(p, engine.layers)
             recomputed[name].append(a)
             compute[name].append(b)
     n = args.prompts
     result = {"task": task, "docs": n_docs, "tokens": 1 + n_docs * args.doc_tokens,
-              "prompts": n, "seconds": round(time.monotonic() - t0, 1), "modes": {}}
-    for name in mode_set:
-        lo, hi = wilson(right[name], n)
-        result["modes"][name] = {"correct": right[name], "accuracy": right[name] / n,
-                                 "ci95": [lo, hi], "recomputed": float(np.mean(recomputed[name])),
-                                 "compute": float(np.mean(compute[name]))}
+              "prompts": n, "seconds": round(time.monotonic() - t0, 1), "targets": targets,
+              "modes": {}}
+    for name, hits in outcomes.items():
+        lo, hi = wilson(sum(hits), n)
+        result["modes"][name] = {"correct": sum(hits), "accuracy": sum(hits) / n, "ci95": [lo, hi],
+                                 "recomputed": float(np.mean(recomputed[name])),
+                                 "compute": float(np.mean(compute[name])), "outcomes": hits}
     if args.decode:
         result["forced_vs_decoded_disagreements"] = disagree
     if short:
@@ -259,7 +277,7 @@ def main() -> None:
     p.add_argument("--docs", default="4,8", help="document counts")
     p.add_argument("--doc-tokens", type=int, default=256)
     p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--ratios", default="0.05,0.15,0.30")
+    p.add_argument("--ratios", default="0.05,0.08,0.15,0.30")
     p.add_argument("--bos-prefix", action="store_true",
                    help="prefill each document behind the start token (not stored)")
     p.add_argument("--decode", action="store_true",
@@ -271,8 +289,8 @@ def main() -> None:
     tasks = args.tasks.split(",")
     if args.doc_tokens % 256 or args.doc_tokens < 256:
         p.error("--doc-tokens must be a multiple of 256 (a stored chunk)")
-    if any(t not in TASKS for t in tasks) or min(docs) < 2:
-        p.error(f"--tasks among {TASKS}; at least 2 documents")
+    if any(t not in TASKS for t in tasks) or not 2 <= min(docs) <= max(docs) < len(NAMES):
+        p.error(f"--tasks among {TASKS}; 2 to {len(NAMES) - 1} documents")
     model, tokenizer = realmodel.load(DTYPES[args.dtype], args.device)
     filler = load_filler(tokenizer)
     cfg = model.config
