@@ -63,11 +63,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from blend_ttft import start_service  # noqa: E402
+from blend_ttft import served  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
 from engine.blend import (FULL, NAIVE, BlendEngine, Mode, Prefill, cacheblend, epic,  # noqa: E402
                           given, random_blend)
-from shm.names import destroy  # noqa: E402
 from tests import realmodel  # noqa: E402
 
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1 << 30))  # row offsets within a chunk
@@ -301,33 +300,27 @@ def main() -> None:
     kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
         model.config.hidden_size // model.config.num_attention_heads) * dtype.itemsize
     storage = int(3 * (max(lengths) + args.continuation) * kv_bytes / (1 << 20)) + 256
-    proc, url = start_service(prefix, args.device, storage)
-    try:
-        with BlendClient(url) as client:
-            engine = BlendEngine(model, client, args.model,
-                                 num_tokens=max(lengths) + args.continuation + 8)
-            for n_ctx in lengths:
-                width = n_ctx + args.continuation
-                count = min(args.prompts, len(tokens) // width)
-                rows, t0 = [], time.monotonic()
-                for i in range(count):
-                    text = tokens[i * width:(i + 1) * width]
-                    rows.append(one_prompt(engine, text, start, n_ctx, args.doc_tokens, modes,
-                                           args.seed + i, f"{n_ctx}-{i}"))
-                    if (i + 1) % 10 == 0:
-                        print(f"# {n_ctx}: {i + 1} prompts, {time.monotonic() - t0:.0f} s",
-                              flush=True)
-                summary = summarize(rows, args.seed)
-                results["lengths"][n_ctx], results["prompts"][n_ctx] = summary, count
-                print_table(n_ctx, count, summary, time.monotonic() - t0)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
-            engine.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        destroy(prefix)
+    with served(prefix, args.device, storage) as url, BlendClient(url) as client:
+        engine = BlendEngine(model, client, args.model,
+                             num_tokens=max(lengths) + args.continuation + 8)
+        for n_ctx in lengths:
+            width = n_ctx + args.continuation
+            count = min(args.prompts, len(tokens) // width)
+            rows, t0 = [], time.monotonic()
+            for i in range(count):
+                text = tokens[i * width:(i + 1) * width]
+                rows.append(one_prompt(engine, text, start, n_ctx, args.doc_tokens, modes,
+                                       args.seed + i, f"{n_ctx}-{i}"))
+                if (i + 1) % 10 == 0:
+                    print(f"# {n_ctx}: {i + 1} prompts, {time.monotonic() - t0:.0f} s",
+                          flush=True)
+            summary = summarize(rows, args.seed)
+            results["lengths"][n_ctx], results["prompts"][n_ctx] = summary, count
+            print_table(n_ctx, count, summary, time.monotonic() - t0)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+        engine.close()
     if args.plot:
         plot(json.loads(json.dumps(results)), args.plot)
 

@@ -32,8 +32,9 @@ further digit (up to rounding: the answer's rows are computed together rather th
 One prefill per mode instead of one per decoded token; ``--decode`` also decodes greedily
 (``BlendEngine.generate``) and counts the prompts where the two disagree.
 
-Modes: full, naive, cacheblend at each ``--ratios``, cacheblend 15 % with the first row of every
-stored document recomputed (``sinks=1``), random selection at 15 %, epic(16). Per mode: accuracy
+Modes: full, naive, the engine's default (``engine.blend.DEFAULT``), cacheblend at each
+``--ratios``, cacheblend 15 % checked at layer 2 and with gradual filtering, random selection at
+15 %, epic(16), naive with the first row of every stored document recomputed. Per mode: accuracy
 with its 95 % Wilson interval over the prompts; ``recomputed``: the share of the stored tokens the
 last layer recomputed; ``compute``: the rows computed over all layers, as a share of full prefill's.
 A markdown table per task and document count; ``--json PATH`` writes the results, with each
@@ -63,11 +64,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from blend_ttft import start_service  # noqa: E402
+from blend_ttft import served  # noqa: E402
 from dataplane.client import BlendClient  # noqa: E402
 from engine.blend import (DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill,  # noqa: E402
                           cacheblend, epic, random_blend)
-from shm.names import destroy  # noqa: E402
 from tests import realmodel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -305,26 +305,21 @@ def main() -> None:
     mode_set = modes([float(x) for x in args.ratios.split(",")], args.seed)
     results = []
     prefix = f"kvtask_{os.getpid()}"
-    proc, url = start_service(prefix, args.device, storage)
-    try:
-        with BlendClient(url) as client:
-            engine = BlendEngine(model, client, "smollm2-135m",
-                                 num_tokens=1 + max(docs) * args.doc_tokens + 128)
-            for task in tasks:
-                for n_docs in docs:
-                    results.append(run_setting(engine, tokenizer, filler, task, n_docs, args,
-                                               mode_set))
-                    print(table(results[-1]), flush=True)
-            engine.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        destroy(prefix)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": "SmolLM2-135M-Instruct", "device": device, "dtype": args.dtype,
-                       "doc_tokens": args.doc_tokens, "bos_prefix": args.bos_prefix,
-                       "seed": args.seed, "results": results}, f, indent=2)
+    with served(prefix, args.device, storage) as url, BlendClient(url) as client:
+        engine = BlendEngine(model, client, "smollm2-135m",
+                             num_tokens=1 + max(docs) * args.doc_tokens + 128)
+        for task in tasks:
+            for n_docs in docs:
+                results.append(run_setting(engine, tokenizer, filler, task, n_docs, args,
+                                           mode_set))
+                print(table(results[-1]), flush=True)
+                if args.json:  # after each setting: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump({"model": "SmolLM2-135M-Instruct", "device": device,
+                                   "dtype": args.dtype, "doc_tokens": args.doc_tokens,
+                                   "bos_prefix": args.bos_prefix, "seed": args.seed,
+                                   "results": results}, f, indent=2)
+        engine.close()
 
 
 if __name__ == "__main__":

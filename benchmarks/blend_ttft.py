@@ -24,12 +24,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -92,6 +94,18 @@ def start_service(prefix: str, backend: str, storage_mb: int) -> tuple[subproces
             proc.kill()
             raise TimeoutError("kvblend serve did not become ready in 600 s")
         time.sleep(0.2)  # a poll interval with a deadline
+
+
+@contextlib.contextmanager
+def served(prefix: str, backend: str, storage_mb: int) -> Iterator[str]:
+    """``start_service`` for a block: its URL; stopped and its shared memory removed after."""
+    proc, url = start_service(prefix, backend, storage_mb)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        destroy(prefix)
 
 
 def median_ms(values: list[float]) -> float:
