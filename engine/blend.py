@@ -416,8 +416,9 @@ class BlendEngine:
                     among = hit.copy()
                     if rows is not None:  # a second step picks among the rows the first kept
                         among &= np.isin(np.arange(n), rows.cpu().numpy())
+                    summed = mode.accumulate and layer_idx == mode.check_layer
                     chosen = self._select(cache, layer_idx, hit, among, mode, heads,
-                                          steps[layer_idx], acc if mode.accumulate else None)
+                                          steps[layer_idx], acc if summed else None)
                     times["select"] += time.perf_counter() - w
                     if len(chosen) < n:  # every row: keep transformers' own mask
                         keep = chosen if rows is None else torch.searchsorted(rows, chosen)
