@@ -179,10 +179,10 @@ def model_rotary(model: Any) -> RotaryConfig:
     config, with the frequencies of its rotary module's ``inv_freq`` buffer, in the buffer's dtype.
 
     ``model.to(torch.bfloat16)`` also casts that buffer, so the model rotates with frequencies
-    rounded to bf16 (up to 0.33 % off; at position 4,096 a pair's angle moves by up to 1.8 rad):
-    K turned with the exact frequencies of ``theta`` would sit at other angles than the model's
-    own, further off the further a chunk moves. Every scaling is in the buffer already. A buffer
-    of lower precision than float32 is reported once per dtype in the log.
+    rounded to bf16 (for rope theta 1e5 up to 0.33 % off: at position 4,096 a pair's angle moves
+    by up to 5.7 rad). K turned with the exact frequencies of ``theta`` would sit at other angles
+    than the model's own, further off the further a chunk moves. Every scaling is in the buffer
+    already. A buffer of lower precision than float32 is reported once per dtype in the log.
 
     Raises:
         ValueError: a rotary type kvblend does not turn (``rotary_config``), or a rotary module
