@@ -124,9 +124,7 @@ def true_deviation(engine: BlendEngine, full: Prefill, n: int) -> torch.Tensor:
     full prefill's: the squared distance per layer over that layer's mean, summed over layers."""
     total = torch.zeros(n, device=engine.kv.device)
     for layer in range(engine.layers):
-        loaded_k, loaded_v = engine._loaded(layer, n)
-        d = ((full.cache.k[layer][0, :, :n].float() - loaded_k.float()) ** 2).sum((0, 2)) + (
-            (full.cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
+        d = engine.deviation(full.cache, layer, n)
         total += d / d.mean().clamp_min(1e-30)
     return total
 

@@ -390,7 +390,7 @@ class BlendEngine:
             rows: torch.Tensor | None = None  # None: every row
             computed = []
             steps = mode.steps() if mode.kind in ("cacheblend", "random", "given") else {}
-            acc = torch.zeros(n, device=self.device)  # accumulated deviation
+            acc = torch.zeros(n, device=self.device) if mode.accumulate else None
             h = everything
             for layer_idx, layer in enumerate(inner.layers[:self.layers]):
                 if starts and (layer_idx == 0 or layerwise):
@@ -408,17 +408,17 @@ class BlendEngine:
                 h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
                           cache=cache)
                 computed.append(n if rows is None else len(rows))
-                if mode.accumulate and 1 <= layer_idx <= mode.check_layer and rows is None:
-                    d = self._deviation(cache, layer_idx, n, mode.score)
+                if acc is not None and 1 <= layer_idx <= mode.check_layer and rows is None:
+                    d = self.deviation(cache, layer_idx, n, mode.score)
                     acc += d / d.mean().clamp_min(1e-30)
                 if layer_idx in steps and hit.any():
                     w = time.perf_counter()
                     among = hit.copy()
                     if rows is not None:  # a second step picks among the rows the first kept
                         among &= np.isin(np.arange(n), rows.cpu().numpy())
-                    summed = mode.accumulate and layer_idx == mode.check_layer
+                    summed = acc if layer_idx == mode.check_layer else None
                     chosen = self._select(cache, layer_idx, hit, among, mode, heads,
-                                          steps[layer_idx], acc if summed else None)
+                                          steps[layer_idx], summed)
                     times["select"] += time.perf_counter() - w
                     if len(chosen) < n:  # every row: keep transformers' own mask
                         keep = chosen if rows is None else torch.searchsorted(rows, chosen)
@@ -488,9 +488,9 @@ class BlendEngine:
                     want[s:s + min(mode.first, c)] = True
         return torch.from_numpy(np.flatnonzero(want)).to(self.device)
 
-    def _deviation(self, cache: _Cache, layer: int, n: int, score: str) -> torch.Tensor:
-        """Per row, the squared L2 distance of the fresh K and V (``score``) of ``layer`` from
-        the loaded ones."""
+    def deviation(self, cache: _Cache, layer: int, n: int, score: str = "kv") -> torch.Tensor:
+        """Per row ``[0, n)``, the squared L2 distance of ``cache``'s K and V (``score``) of
+        ``layer`` from the KV the buffer holds (loaded by the last retrieve)."""
         loaded_k, loaded_v = self._loaded(layer, n)
         dev = torch.zeros(n, device=self.device)
         if score in ("kv", "k"):
@@ -505,7 +505,7 @@ class BlendEngine:
         """A selection step of CacheBlend: the rows every mode computes, the sink rows, and
         chunk rows among the candidates (``among``: those still computed) up to ``ratio`` of
         the chunk rows in all, those whose fresh KV deviates most from the loaded KV
-        (``_deviation``, or ``dev`` when given; ``random``: drawn at random, seeded, as a
+        (``deviation``, or ``dev`` when given; ``random``: drawn at random, seeded, as a
         baseline; ``given``: the mode's rows)."""
         n = len(hit)
         want = self._sinks(hit, mode, heads)
@@ -520,7 +520,7 @@ class BlendEngine:
             want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
         elif take:
             if dev is None:
-                dev = self._deviation(cache, layer, n, mode.score)
+                dev = self.deviation(cache, layer, n, mode.score)
             order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
                                   stable=True)
             want[hits[order[:take].cpu().numpy()]] = True
