@@ -17,21 +17,13 @@ from dataplane import rotary
 from dataplane.client import BlendClient
 from engine.blend import BlendEngine, model_rotary, rotary_config
 from tests.conftest import remove_prefix
+from tests.scalings import SCALINGS
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 L, HKV, DH, V = 2, 2, 64, 1000
 N = 8 * CHUNK  # the document
 SHIFTS = (256, 4096, 30_000)
 TOLERANCE = {torch.bfloat16: 0.01, torch.float16: 0.002}  # bf16 keeps 8 bits, fp16 11
-SCALINGS = {
-    "none": {"rope_type": "default", "rope_theta": 100000.0},
-    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192},
-    "yarn": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-             "original_max_position_embeddings": 32768, "beta_fast": 32.0, "beta_slow": 1.0},
-}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

@@ -35,7 +35,13 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def engine(model: Path, url: str | None = None, mode: str = "prefix",
            prefix_caching: bool = False, **extra: Any) -> Any:
+    import sys
     from vllm import LLM
+    # vLLM 0.32's CPU worker scans every loaded module for Triton kernels and fails on llvmlite's
+    # function wrappers: a test module that imported numba (the data plane's CPU kernels) first
+    # breaks every engine after it with an AttributeError far from the cause
+    assert "llvmlite.binding" not in sys.modules, \
+        "numba was imported in this process before vLLM started: keep tests/vllm free of it"
     kw: dict[str, Any] = {}
     if url is not None:
         kw["kv_transfer_config"] = {

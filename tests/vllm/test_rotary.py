@@ -19,7 +19,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 
 from dataplane import rotary  # noqa: E402
 from engine.blend import rotary_config  # noqa: E402
-from tests.engine.test_rotation import SCALINGS  # noqa: E402
+from tests.scalings import SCALINGS  # noqa: E402
 
 MAX_POSITION = 1 << 17
 POSITIONS = np.array([0, 1, 255, 4096, 30_000, MAX_POSITION - 1])
