@@ -53,6 +53,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -460,28 +461,10 @@ class BlendEngine:
         return tuple(self.kv[kv, layer, :n].reshape(n, self.kv_heads, self.head_dim)
                      .transpose(0, 1) for kv in (0, 1))  # type: ignore[return-value]
 
-    @staticmethod
-    def _always(hit: np.ndarray) -> np.ndarray:
-        """The rows every mode computes: those no chunk filled, and the last."""
-        want = ~hit
-        want[-1] = True
-        return want
-
-    @staticmethod
-    def _sinks(hit: np.ndarray, mode: Mode, heads: list[int]) -> np.ndarray:
-        """The rows every mode computes (``_always``) and the first ``mode.sinks`` rows of every
-        stored run: alone, a document's first tokens draw the attention a prompt's first token
-        draws (an attention sink); inside a prompt they should not."""
-        want = BlendEngine._always(hit)
-        for s in heads:
-            if hit[s]:
-                want[s:s + mode.sinks] = True
-        return want
-
     def _rows(self, hit: np.ndarray, mode: Mode, starts: list[int], chunk: list[int],
               heads: list[int]) -> torch.Tensor:
         """The rows naive and epic compute in every layer."""
-        want = self._sinks(hit, mode, heads)
+        want = sink_rows(hit, mode, heads)
         if mode.kind == "epic":
             for s, c in zip(starts, chunk):
                 if hit[s]:
@@ -502,33 +485,62 @@ class BlendEngine:
     def _select(self, cache: _Cache, layer: int, hit: np.ndarray, among: np.ndarray,
                 mode: Mode, heads: list[int], ratio: float,
                 dev: torch.Tensor | None = None) -> torch.Tensor:
-        """A selection step of CacheBlend: the rows every mode computes, the sink rows, and
-        chunk rows among the candidates (``among``: those still computed) up to ``ratio`` of
-        the chunk rows in all, those whose fresh KV deviates most from the loaded KV
-        (``deviation``, or ``dev`` when given; ``random``: drawn at random, seeded, as a
-        baseline; ``given``: the mode's rows)."""
-        n = len(hit)
-        want = self._sinks(hit, mode, heads)
-        if mode.kind == "given":
-            rows = np.asarray(mode.rows, np.int64)
-            want[rows[(rows >= 0) & (rows < n)]] = True
-            return torch.from_numpy(np.flatnonzero(want)).to(self.device)
-        forced = want & hit
-        hits = np.flatnonzero(among & ~forced)
-        take = min(len(hits), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
-        if take and mode.kind == "random":
-            want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
-        elif take:
-            if dev is None:
-                dev = self.deviation(cache, layer, n, mode.score)
-            order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
-                                  stable=True)
-            want[hits[order[:take].cpu().numpy()]] = True
-        return torch.from_numpy(np.flatnonzero(want)).to(self.device)
+        """A selection step (``select_rows``), by this layer's ``deviation`` unless ``dev``."""
+        def deviation() -> torch.Tensor:
+            return self.deviation(cache, layer, len(hit), mode.score) if dev is None else dev
+        return torch.from_numpy(select_rows(hit, among, mode, heads, ratio, deviation)).to(
+            self.device)
 
     def close(self) -> None:
         """Unregister the engine's buffer."""
         self.client.unregister(self.inst)
+
+
+def _always(hit: np.ndarray) -> np.ndarray:
+    """The rows every mode computes: those no chunk filled, and the last."""
+    want = ~hit
+    want[-1] = True
+    return want
+
+
+def sink_rows(hit: np.ndarray, mode: Mode, heads: list[int]) -> np.ndarray:
+    """The rows every mode computes (those no chunk filled, and the last) and the first
+    ``mode.sinks`` rows of every stored run (``heads``: where each begins): alone, a document's
+    first tokens draw the attention a prompt's first token draws (an attention sink); inside a
+    prompt they should not."""
+    want = _always(hit)
+    for s in heads:
+        if hit[s]:
+            want[s:s + mode.sinks] = True
+    return want
+
+
+def select_rows(hit: np.ndarray, among: np.ndarray, mode: Mode, heads: list[int], ratio: float,
+                deviation: Callable[[], torch.Tensor]) -> np.ndarray:
+    """A selection step of CacheBlend, the rows (sorted prompt positions) computed after it: the
+    rows every mode computes and the sink rows (``sink_rows``), and chunk rows among the
+    candidates (``among``: those still computed) up to ``ratio`` of the chunk rows in all, those
+    whose fresh KV deviates most from the loaded KV (``deviation()``, per row, called only when a
+    row is to be ranked; ``random``: drawn at random, seeded, as a baseline; ``given``: the mode's
+    rows). The reference engine and the vLLM connector both select with it.
+    """
+    n = len(hit)
+    want = sink_rows(hit, mode, heads)
+    if mode.kind == "given":
+        rows = np.asarray(mode.rows, np.int64)
+        want[rows[(rows >= 0) & (rows < n)]] = True
+        return np.flatnonzero(want)
+    forced = want & hit
+    hits = np.flatnonzero(among & ~forced)
+    take = min(len(hits), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
+    if take and mode.kind == "random":
+        want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
+    elif take:
+        dev = deviation()
+        order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
+                              stable=True)
+        want[hits[order[:take].cpu().numpy()]] = True
+    return np.flatnonzero(want)
 
 
 def _ids(tokens: Any) -> torch.Tensor:
@@ -543,4 +555,4 @@ def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
 
 
 __all__ = ["BlendEngine", "Mode", "Prefill", "DEFAULT", "FULL", "NAIVE", "cacheblend", "epic",
-           "random_blend", "given", "model_rotary", "rotary_config"]
+           "random_blend", "given", "model_rotary", "rotary_config", "select_rows", "sink_rows"]
