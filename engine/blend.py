@@ -45,6 +45,8 @@ NOTE: the layer loop calls the model's decoder layers with this module's cache o
 transformers' cache (the attention calls ``cache.update(k, v, layer_idx)``, which writes the
 computed rows and returns every row's K and V), so attention, MLP and norms are transformers' own
 code: the engine blends whatever model shares the Llama module names (Llama, Mistral, Qwen2/3).
+The cache goes in positionally: transformers 5.25 names that argument ``cache``, the 5.19 that
+vLLM 0.32 pins ``past_key_values``.
 """
 
 from __future__ import annotations
@@ -343,8 +345,7 @@ class BlendEngine:
         cache.rows, cache.length = pos[0], position + 1
         with torch.no_grad():
             for layer in inner.layers[:self.layers]:
-                h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos,
-                          cache=cache)
+                h = layer(h, None, pos, cache, position_embeddings=pe)
             return self.model.lm_head(inner.norm(h))[0, -1].float()
 
     def _run(self, ids: torch.Tensor, mode: Mode, positions: int = 0, extra: int = 0,
@@ -406,8 +407,7 @@ class BlendEngine:
                 cache.rows = r
                 mask = causal if rows is None else (pos[0, None, :] <= pos[0, r][:, None])[None, None]
                 pe = (cos[:, r], sin[:, r])
-                h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos[:, r],
-                          cache=cache)
+                h = layer(h, mask, pos[:, r], cache, position_embeddings=pe)
                 computed.append(n if rows is None else len(rows))
                 if acc is not None and 1 <= layer_idx <= mode.check_layer and rows is None:
                     d = self.deviation(cache, layer_idx, n, mode.score)
@@ -550,8 +550,7 @@ def _ids(tokens: Any) -> torch.Tensor:
 def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
     """transformers' own mask of a whole prefill (None where the attention uses is_causal)."""
     from transformers.masking_utils import create_causal_mask
-    return create_causal_mask(config=inner.config, inputs_embeds=embeds, attention_mask=None,
-                              cache=None, position_ids=pos)
+    return create_causal_mask(inner.config, embeds, None, None, pos)
 
 
 __all__ = ["BlendEngine", "Mode", "Prefill", "DEFAULT", "FULL", "NAIVE", "cacheblend", "epic",

@@ -113,6 +113,24 @@ class BlendLoad:
     block_ids: list[int]
 
 
+@dataclass
+class Blended:
+    """What the loop did for one request.
+
+    Attributes:
+        first: match indexes not loaded by layer 0 (their rows were computed, as gaps).
+        late: match indexes that failed after layer 0 (their rows hold KV the loop could not
+            trust: the caller reports them as load errors).
+        rows: the positions computed in the last layer (gaps and selected chunk rows).
+        computed: rows computed, summed over the layers.
+    """
+
+    first: set[int]
+    late: set[int]
+    rows: np.ndarray
+    computed: int
+
+
 def gaps(matches: list[Match], start: int, end: int) -> list[tuple[int, int]]:
     """The spans of ``[start, end)`` no match covers, in order."""
     out, at = [], start
@@ -218,8 +236,7 @@ def hit_rows(load: BlendLoad, failed: set[int]) -> tuple[np.ndarray, list[int]]:
 
 def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad, mode: Mode,
           wait_layer: Callable[[int], list[int]],
-          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-          ) -> tuple[set[int], set[int]]:
+          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Blended:
     """Run the loop (module docstring) for one request.
 
     Args:
@@ -229,9 +246,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
         reduce: sums a tensor over the tensor-parallel ranks (None: one rank).
 
     Returns:
-        Match indexes that failed by layer 0 (their rows were computed, as gaps), and those that
-        failed after it (their chunks' rows hold KV the loop could not trust: the caller reports
-        them as load errors).
+        What was computed, and which chunks failed (``Blended``).
     """
     inner = model.model
     device = next(model.parameters()).device
@@ -252,6 +267,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
     h, residual = inner.embed_tokens(ids[rows]), None
     steps = mode.steps() if mode.kind in ("cacheblend", "random", "given") else {}
     late: set[int] = set()
+    computed = 0
     for i, layer in enumerate(inner.layers):
         if i:
             late |= set(wait_layer(i)) - first
@@ -262,6 +278,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
                            mode.score if i in steps and hit.any() else None)
         with _StandIn(layer.self_attn, stand):
             h, residual = layer(rows, h, residual)
+        computed += len(rows)
         caches[i].write(blk[rows], slot[rows], k[rows], v[rows])
         if stand.dev is not None:
             dev = torch.zeros(n, device=device)
@@ -273,7 +290,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
             chosen = chosen[(chosen >= load.local) & (chosen < claim)]
             keep = torch.searchsorted(rows, torch.as_tensor(chosen, device=device))
             rows, h, residual = rows[keep], h[keep], residual[keep]
-    return first, late
+    return Blended(first, late, rows.cpu().numpy(), computed)
 
 
-__all__ = ["BlendLoad", "PagedLayer", "blend", "check_model", "gaps", "hit_rows"]
+__all__ = ["Blended", "BlendLoad", "PagedLayer", "blend", "check_model", "gaps", "hit_rows"]

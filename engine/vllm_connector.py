@@ -504,14 +504,15 @@ class KVBlendConnector(KVConnectorBase_V1):
                 continue
             self._loading.append((load, t, layerwise))
 
-    def _blend(self, load: Load) -> None:
+    def _blend(self, load: Load) -> vllm_blend.Blended | None:
         """Retrieve a blend-mode load and run the layer loop on it (``engine.vllm_blend``), done
-        before vLLM's forward; whatever fails is reported as load errors (vLLM recomputes)."""
+        before vLLM's forward; whatever fails is reported as load errors (vLLM recomputes).
+        What the loop did, or None where it failed."""
         S = self.block_size
         everything = {load.block_ids[b] for b in range(load.local // S, (load.claim - 1) // S + 1)}
         if self._model is None:
             self._load_errors |= everything
-            return
+            return None
         layerwise = len(load.matches) <= MAX_LAYER_GROUP_MATCHES
         t: Transfer | None = None
         try:
@@ -529,11 +530,11 @@ class KVBlendConnector(KVConnectorBase_V1):
             if self.world_size > 1:
                 from vllm.distributed import tensor_model_parallel_all_reduce as reduce
             with torch.inference_mode():
-                first, late = vllm_blend.blend(
+                done = vllm_blend.blend(
                     self._model, self._paged, S,
                     vllm_blend.BlendLoad(load.token_ids, load.claim, load.local, load.matches,
                                          load.block_ids), self.blend_mode, wait_layer, reduce)
-            late |= set(t.wait(timeout=WAIT_S).failed) - first
+            done.late |= set(t.wait(timeout=WAIT_S).failed) - done.first
         except Exception as exc:  # noqa: BLE001 - anything: vLLM recomputes, never wrong KV kept
             log.warning("kvblend blend of request %s failed, recomputed: %r", load.req_id, exc)
             if t is not None:
@@ -542,11 +543,12 @@ class KVBlendConnector(KVConnectorBase_V1):
                 except DataPlaneError:
                     pass
             self._load_errors |= everything
-            return
-        if late:
+            return None
+        if done.late:
             log.info("request %s: %d of %d chunks not loaded, recomputed", load.req_id,
-                     len(late), len(load.matches))
-            self._load_errors.update(self._blocks_of(load, sorted(late)))
+                     len(done.late), len(load.matches))
+            self._load_errors.update(self._blocks_of(load, sorted(done.late)))
+        return done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:

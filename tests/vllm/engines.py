@@ -34,7 +34,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def engine(model: Path, url: str | None = None, mode: str = "prefix",
-           prefix_caching: bool = False, **extra: Any) -> Any:
+           prefix_caching: bool = False, llm: dict[str, Any] | None = None, **extra: Any) -> Any:
+    """A vLLM engine over ``model``, with the (probed) connector to ``url`` in ``mode`` where
+    given; ``llm``: arguments of ``vllm.LLM`` over the defaults; ``extra``: more of the
+    connector's ``kv_connector_extra_config``."""
     import sys
     from vllm import LLM
     # vLLM 0.32's CPU worker scans every loaded module for Triton kernels and fails on llvmlite's
@@ -48,17 +51,29 @@ def engine(model: Path, url: str | None = None, mode: str = "prefix",
             "kv_connector": "ProbedConnector", "kv_connector_module_path": "tests.vllm.probe",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"url": url, "mode": mode, **extra}}
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=4096,
-               enforce_eager=True, kv_cache_memory_bytes=64 << 20, block_size=BLOCK,
-               enable_prefix_caching=prefix_caching, **kw)
+    kw = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 4096,
+          "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "block_size": BLOCK,
+          "enable_prefix_caching": prefix_caching, **kw, **(llm or {})}
+    return LLM(model=str(model), **kw)
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], dict]:
+    """Greedy tokens, and what the connector reported."""
+    tokens, params, _ = generate_all(llm, [prompt], max_tokens)[0]
+    return tokens, params
+
+
+def generate_all(llm: Any, prompts: list[list[int]], max_tokens: int = 16, logprobs: int = 0
+                 ) -> list[tuple[list[int], dict, dict[int, float]]]:
+    """Per prompt, run together: greedy tokens, what the connector reported, and the first
+    token's top ``logprobs`` (token -> log probability)."""
     from vllm import SamplingParams
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0]
-    return list(out.outputs[0].token_ids), dict((out.kv_transfer_params or {}).get("kvblend", {}))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            logprobs=logprobs or None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), dict((o.kv_transfer_params or {}).get("kvblend", {})),
+             {t: lp.logprob for t, lp in (o.outputs[0].logprobs or [{}])[0].items()})
+            for o in outs]
 
 
 def close(llm: Any) -> None:

@@ -1,6 +1,7 @@
 """The connector as vLLM loads it, with what the tests look at kept aside (nothing replaced):
-the worker's caches, each load's blocks, the load errors reported; and a fault on request, the
-service's chunks cleared between the scheduler's lookup and the worker's load."""
+the worker's caches, each load's blocks, each blend's claim, gaps and rows, the preempted
+requests' stores, the load errors reported; and a fault on request, the service's chunks cleared
+between the scheduler's lookup and the worker's load."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from engine.vllm_connector import KVBlendConnector, KVBlendMetadata
 
-SEEN: dict[str, Any] = {"caches": None, "loads": [], "errors": set()}
+SEEN: dict[str, Any] = {"caches": None, "loads": [], "errors": set(), "blends": [],
+                        "preempted": []}
 
 
 class ProbedConnector(KVBlendConnector):
@@ -28,6 +30,17 @@ class ProbedConnector(KVBlendConnector):
         SEEN["loads"].extend((ld.req_id, list(ld.block_ids), [m.cur_st for m in ld.matches])
                              for ld in meta.loads)
         super().start_load_kv(forward_context, **kwargs)
+
+    def _blend(self, load: Any) -> Any:
+        done = super()._blend(load)
+        SEEN["blends"].append((load.req_id, load.claim, list(load.gaps), done))
+        return done
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        super().handle_preemptions(kv_connector_metadata)
+        for req_id in kv_connector_metadata.preempted:  # (request, a store of it ran, it is done)
+            t = self._saving.get(req_id)
+            SEEN["preempted"].append((req_id, req_id in self._saving, t is None or t.done()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = super().get_block_ids_with_load_errors()
