@@ -90,7 +90,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from dataplane.client import BlendClient, Transfer
-from dataplane.errors import DataPlaneError, DataPlaneUnavailable
+from dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable
 from dataplane.messages import MAX_LAYER_GROUP_MATCHES
 from engine import vllm_blend, vllm_plugin
 from engine.blend import DEFAULT, Mode, cacheblend, rotary_config
@@ -102,6 +102,10 @@ log = logging.getLogger("kvblend.vllm")
 MODES = ("prefix", "blend")
 WAIT_S = 120.0  # a layer or a whole load not copied by then fails the step
 RETRY_S = 10.0  # kvblend unreachable: the next connection attempt after this long
+# A CPU cache is shared page by page (``BlendClient.share_cpu_tensor``): it must own its pages.
+# glibc gives an allocation its own mapping above its mmap threshold, which is at most 32 MiB;
+# below, it may sit on the heap beside other allocations, whose bytes would then be moved too.
+MIN_CPU_CACHE_BYTES = 32 << 20
 
 
 @dataclass
@@ -428,8 +432,11 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._take_model()
         try:
             self._register()
-        except DataPlaneError:
+        except DataPlaneUnavailable:
             pass  # warned; vLLM computes until kvblend answers
+        except DataPlaneError as exc:
+            log.warning("vLLM's KV cache is not registered with kvblend, vLLM computes every "
+                        "token: %s", exc)
 
     def _register(self) -> int:
         """The instance of vLLM's caches in kvblend, registered on first need.
@@ -441,6 +448,12 @@ class KVBlendConnector(KVConnectorBase_V1):
             client = self.client
             layers = list(self._caches.values())
             if not layers[0].is_cuda:
+                size = layers[0].untyped_storage().nbytes()
+                if size < MIN_CPU_CACHE_BYTES:
+                    raise BadRequest(f"vLLM's CPU KV cache of {size} bytes may share its memory "
+                                     f"pages with other allocations; kvblend shares caches of "
+                                     f"{MIN_CPU_CACHE_BYTES} bytes or more (raise "
+                                     "kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE)")
                 client.share_cpu_tensor(layers[0])  # every layer: one allocation
             rank = 0
             if self.world_size > 1:

@@ -12,11 +12,11 @@ VOCAB = 512
 BLOCK = 128
 
 
-def save_model(path: Path) -> Path:
+def save_model(path: Path, layers: int = 2, hidden: int = 128, kv_heads: int = 2) -> Path:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                       pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(0)

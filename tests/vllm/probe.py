@@ -40,7 +40,7 @@ class ProbedConnector(KVBlendConnector):
         super().handle_preemptions(kv_connector_metadata)
         for req_id in kv_connector_metadata.preempted:  # (request, a store of it ran, it is done)
             t = self._saving.get(req_id)
-            SEEN["preempted"].append((req_id, req_id in self._saving, t is None or t.done()))
+            SEEN["preempted"].append((req_id, t is not None, t is None or t.done()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = super().get_block_ids_with_load_errors()

@@ -35,7 +35,8 @@ TOLERANCE = 2e-3  # float32 through two attention implementations
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_model(tmp_path_factory.mktemp("tiny-llama"))
+    """4 layers: the default selects after layers 1 and 2, and layers 2 and 3 use what it kept."""
+    return save_model(tmp_path_factory.mktemp("tiny-llama"), layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +174,18 @@ def test_chunks_evicted_before_the_load_are_computed_as_gaps(
     assert tokens_ == alone["a stored 300-token system prompt"][0]
 
 
-def test_a_preempted_request_s_store_completes_before_its_blocks_are_reused(
-        model: Path, service: Service) -> None:
-    prompts = [tokens(300, 40 + i) for i in range(6)]
-    small = {"kv_cache_memory_bytes": 2 << 20, "max_model_len": 1024}  # 16 blocks of 128
+def test_preempted_requests_stores_complete_and_hold_their_own_kv(
+        tmp_path: Path, service: Service) -> None:
+    """Eight requests in a cache of 40 blocks: vLLM preempts running requests whose prompt store
+    was issued; each store is complete once ``handle_preemptions`` returned (before vLLM reuses
+    the blocks), and holds the prompt's own KV (another engine loading it generates the same).
+    NOTE: on the CPU data plane these small stores are done within microseconds, before any
+    preemption: this test cannot see the wait itself, only its outcome. The cache is 40 MB: one
+    smaller than glibc's largest mmap threshold (32 MB) can sit on the heap, which kvblend does
+    not share (docs/vllm.md)."""
+    model = save_model(tmp_path / "wide", hidden=512, kv_heads=4)  # 1 MB per block of 128
+    prompts = [tokens(300, 40 + i) for i in range(8)]
+    small = {"kv_cache_memory_bytes": 40 << 20, "max_model_len": 1024}
     plain = engine(model, llm=small)
     try:
         want = [t for t, _, _ in generate_all(plain, prompts, 500)]
@@ -187,10 +196,15 @@ def test_a_preempted_request_s_store_completes_before_its_blocks_are_reused(
         got = generate_all(llm, prompts, 500)
     finally:
         close(llm)
-    assert probe.SEEN["preempted"], "no request was preempted: the cache is not small enough"
-    assert any(stored for _, stored, _ in probe.SEEN["preempted"])
+    assert any(stored for _, stored, _ in probe.SEEN["preempted"]), probe.SEEN["preempted"]
     assert all(done for _, _, done in probe.SEEN["preempted"])
     assert [t for t, _, _ in got] == want
-    assert all(p["stored"] for _, p, _ in got)
     with BlendClient(service.url) as client:
         assert all(len(client.lookup(p, str(model)).matches) == 1 for p in prompts)
+    probe.SEEN["loads"] = []
+    again = engine(model, service.url, "prefix", llm=small)
+    try:
+        assert [t for t, _, _ in generate_all(again, prompts, 500)] == want
+    finally:
+        close(again)
+    assert len(probe.SEEN["loads"]) >= len(prompts)  # every prompt loaded its stored chunk
