@@ -93,6 +93,7 @@ from dataplane.client import BlendClient, Transfer
 from dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable
 from dataplane.messages import MAX_LAYER_GROUP_MATCHES
 from engine import vllm_blend, vllm_plugin
+from engine.vllm_stats import KVBlendPromMetrics, KVBlendStats
 from engine.blend import DEFAULT, Mode, cacheblend, rotary_config
 from shm.hashing import Namespace, chunk_hashes
 from shm.matches import Match
@@ -273,6 +274,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._saving: dict[str, Transfer | None] = {}
         self._finished: set[str] = set()
+        self._stats = KVBlendStats()
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -391,9 +393,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         matches = [m for m in req.matches if start <= m.cur_st < end]
         if not matches:
             return
-        load = Load(req_id, req.token_ids, matches, req.block_ids, req.cache_salt)
+        load = Load(req_id, req.token_ids, matches, req.block_ids, req.cache_salt, end, start)
         if self.mode == "blend":
-            load.claim, load.local = end, start
             load.gaps = vllm_blend.gaps(matches, start, end)
             load.ratio = self.blend_mode.ratio
         meta.loads.append(load)
@@ -515,6 +516,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 log.warning("kvblend retrieve of request %s failed: %s", load.req_id, exc)
                 self._load_errors.update(self._blocks_of(load, range(len(load.matches))))
                 continue
+            self._stats.add(loads=1, loaded_tokens=load.claim - load.local)
             self._loading.append((load, t, layerwise))
 
     def _blend(self, load: Load) -> vllm_blend.Blended | None:
@@ -557,6 +559,9 @@ class KVBlendConnector(KVConnectorBase_V1):
                     pass
             self._load_errors |= everything
             return None
+        self._stats.add(loads=1, loaded_tokens=load.claim - load.local,
+                        gap_tokens=sum(e - s for s, e in load.gaps), recomputed_rows=done.computed,
+                        blend_layers=len(self._paged))
         if done.late:
             log.info("request %s: %d of %d chunks not loaded, recomputed", load.req_id,
                      len(done.late), len(load.matches))
@@ -616,6 +621,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 self._saving[save.req_id] = self.client.store_final(
                     self._register(), save.token_ids, block_table=save.block_ids,
                     cache_salt=save.cache_salt)
+                self._stats.add(stores=1)
             except DataPlaneError as exc:
                 log.warning("kvblend store of request %s failed: %s", save.req_id, exc)
                 self._saving[save.req_id] = None
@@ -643,7 +649,25 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        self._stats.add(load_errors=len(errors))
         return errors
+
+    def get_kv_connector_stats(self) -> KVBlendStats | None:
+        """The counters since vLLM last asked (``engine.vllm_stats``)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVBlendStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBlendStats:
+        return KVBlendStats() if data is None else KVBlendStats(data=dict(data))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVBlendPromMetrics:
+        return KVBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for t in self._saving.values():

@@ -1,7 +1,7 @@
 """CacheBlend inside a real vLLM (CPU) with a real ``kvblend serve``: blend mode claims every
 stored chunk through gaps, recomputes with vLLM's own modules (100 %: vLLM's own output; the
-default share: the reference engine's rows and logits), and survives what a service meets:
-kvblend down at start, chunks evicted before the load, preemption while a store runs."""
+default share: the reference engine's rows and logits), counts in vLLM's metrics, and survives
+what a service meets: kvblend down at start, chunks evicted before the load, preemption."""
 
 from __future__ import annotations
 
@@ -144,6 +144,24 @@ def test_the_default_selection_is_the_reference_engine_s(
     finally:
         ref.close()  # type: ignore[attr-defined]
         client.close()
+
+
+def test_the_connector_s_counters_are_in_vllm_s_metrics(
+        model: Path, service: Service, stored: None) -> None:
+    prompt, claim, _ = SHAPES["a 5-token preamble"]
+    llm = engine(model, service.url, "blend", llm={"disable_log_stats": False})
+    try:
+        generate(llm, prompt, 4)
+        got = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:kvblend_")}
+    finally:
+        close(llm)
+    chunk_rows = claim - 5
+    # layers 0 and 1 compute every row; layer 2 the gap and 30 % of the chunk rows, layer 3 15 %
+    rows = 2 * claim + (5 + math.ceil(0.30 * chunk_rows)) + (5 + math.ceil(0.15 * chunk_rows))
+    assert got == {"vllm:kvblend_loads": 1, "vllm:kvblend_loaded_tokens": claim,
+                   "vllm:kvblend_gap_tokens": 5, "vllm:kvblend_recomputed_rows": rows,
+                   "vllm:kvblend_blend_layers": 4, "vllm:kvblend_load_errors": 0,
+                   "vllm:kvblend_stores": 0}
 
 
 def test_vllm_serves_when_kvblend_is_down_at_start(model: Path, alone: dict) -> None:
