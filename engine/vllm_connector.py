@@ -49,6 +49,12 @@ every chunk it loaded was prefix-exact, so stored KV is always what a full prefi
 kvblend down when vLLM starts, or gone later: vLLM serves, computing everything; the connector
 tries to connect again at most every ``retry_s`` seconds (default 10) and claims once it did.
 
+Tensor parallelism: every rank's worker retrieves its own shard and runs the loop on the same
+rows; a chunk counts as loaded only if every rank loaded it, and the deviation is summed over the
+ranks before the selection, so every rank keeps the same rows and vLLM's collectives inside the
+layers stay in step (``engine.vllm_blend``). Its counters reach vLLM's stats and metrics
+(``engine.vllm_stats``).
+
 Per step (one scheduler and one worker instance per engine; the plan is ``KVBlendMetadata``)::
 
     scheduler                                       worker
@@ -70,7 +76,8 @@ Per step (one scheduler and one worker instance per engine; the plan is ``KVBlen
 vLLM's caches are registered with the data plane as they are, no staging copy: on CPU each layer
 is ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K of a block and head transposed, then V:
 ``dataplane.paged``'s ``cpu_kt``), and the memory vLLM allocated is moved into a kvblend shm
-segment in place (``BlendClient.share_cpu_tensor``); on CUDA the FlashAttention (``[2, blocks,
+segment in place (``BlendClient.share_cpu_tensor``; a cache under 32 MiB, which may share pages
+with other allocations, is not registered); on CUDA the FlashAttention (``[2, blocks,
 block_size, kv_heads, head_dim]``) and FlashInfer layouts are shared by CUDA IPC.
 """
 
