@@ -44,13 +44,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.blend import Mode, select_rows
-from shm.matches import Match
+
+if TYPE_CHECKING:
+    from shm.matches import Match
 
 QUERY_BLOCK = 512  # query rows per attention product: bounds the scores to 512 x claim per head
 LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt")
