@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dataplane.paged import placements
 from engine.blend import Mode, select_rows
 
 if TYPE_CHECKING:
@@ -59,41 +60,30 @@ LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt")
 
 
 class PagedLayer:
-    """One layer of vLLM's paged KV cache, read and written by block and slot.
+    """One layer of vLLM's paged KV cache, read and written by block and slot: K and V as
+    ``[blocks, block_size, kv_heads, head_dim]`` strided views of the layer's tensor, where
+    ``dataplane.paged.placements`` (the one table of the layouts the data plane copies) puts
+    them. Reads and writes take ``[n, kv_heads, head_dim]`` rows."""
 
-    Layouts (``dataplane.paged`` draws them): ``flash_attn`` ``[2, B, S, H, Dh]``, ``flashinfer``
-    ``[B, 2, S, H, Dh]``, ``cpu_kt`` ``[B, H, S, 2 * Dh]`` (of a block and head, K transposed
-    ``[Dh, S]``, then V ``[S, Dh]``). Reads and writes take ``[n, H, Dh]`` rows.
-    """
-
-    def __init__(self, cache: torch.Tensor, layout: str) -> None:
-        self.kt = layout == "cpu_kt"
-        if layout == "flash_attn":
-            self._k, self._v = cache[0], cache[1]
-        elif layout == "flashinfer":
-            self._k, self._v = cache[:, 0], cache[:, 1]
-        elif layout == "cpu_kt":
-            B, H, S, D2 = cache.shape
-            flat = cache.view(B, H, S * D2)
-            self._k = flat[:, :, :S * D2 // 2].view(B, H, D2 // 2, S)
-            self._v = flat[:, :, S * D2 // 2:].view(B, H, S, D2 // 2)
-        else:
+    def __init__(self, cache: torch.Tensor, layout: str, block_size: int, kv_heads: int,
+                 head_dim: int) -> None:
+        if layout not in LAYOUTS:
             raise ValueError(f"no blending over vLLM's {layout!r} cache layout: one of "
                              f"{', '.join(LAYOUTS)}")
+        B = cache.shape[1] if layout == "flash_attn" else cache.shape[0]
+        shape = (B, block_size, kv_heads, head_dim)
+        self._k, self._v = (
+            cache.as_strided(shape, (p.block, p.token, p.head, p.dim),
+                             cache.storage_offset() + p.offset)
+            for p in placements(layout, B, block_size, kv_heads, head_dim))
 
     def read(self, blk: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kt:
-            return self._k[blk, :, :, slot], self._v[blk, :, slot, :]
         return self._k[blk, slot], self._v[blk, slot]
 
     def write(self, blk: torch.Tensor, slot: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        if self.kt:
-            self._k[blk, :, :, slot] = k
-            self._v[blk, :, slot, :] = v
-        else:
-            self._k[blk, slot] = k
-            self._v[blk, slot] = v
+        self._k[blk, slot] = k
+        self._v[blk, slot] = v
 
 
 @dataclass
@@ -225,13 +215,12 @@ def hit_rows(load: BlendLoad, failed: set[int]) -> tuple[np.ndarray, list[int]]:
     n = len(load.token_ids)
     hit = np.zeros(n, bool)
     heads = []
-    for j, m in enumerate(load.matches):
-        if j in failed:
-            continue
-        hit[m.cur_st:min(m.cur_ed, load.claim)] = True
+    for j, m in enumerate(load.matches):  # heads as the reference engine's: failed or not
         prev = load.matches[j - 1] if j else None
         if prev is None or (prev.cur_ed, prev.old_ed) != (m.cur_st, m.old_st):
             heads.append(m.cur_st)
+        if j not in failed:
+            hit[m.cur_st:min(m.cur_ed, load.claim)] = True
     hit[:load.local] = False
     return hit, heads
 

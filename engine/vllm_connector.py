@@ -486,8 +486,8 @@ class KVBlendConnector(KVConnectorBase_V1):
             try:
                 vllm_blend.check_model(model)
                 self._paged = [vllm_blend.PagedLayer(
-                    self._caches[layer.self_attn.attn.layer_name], self._layout)
-                    for layer in model.model.layers]
+                    self._caches[layer.self_attn.attn.layer_name], self._layout, self.block_size,
+                    *self._geometry) for layer in model.model.layers]
             except (ValueError, KeyError) as exc:
                 why = f"this model is not blended: {exc!r}"
         if why is not None:
