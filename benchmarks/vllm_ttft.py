@@ -24,7 +24,7 @@ likelihood of the continuation (vLLM's prompt logprobs), and the share of the na
 each mode closes, with a 95 % bootstrap CI over the prompts. Blend runs before prefix mode: a
 prefix-mode prompt is stored, and blend mode would then find the prompt's own chunks.
 
-Usage::
+Usage (in a venv with ``pip install -e '.[vllm-bench]'``: vLLM, and what loads the GGUF)::
 
     python benchmarks/vllm_ttft.py                     # 6 documents, 10 prompts per shape
     python benchmarks/vllm_ttft.py --docs 4 --prompts 4 --json out.json
