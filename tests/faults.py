@@ -176,6 +176,15 @@ def processes_of(prefix: str) -> list[int]:
             (flag in _read(f"/proc/{p}/cmdline") + b"\0" or env in _read(f"/proc/{p}/environ"))]
 
 
+def describe(pid: int) -> str:
+    """A process's command line, parent and signal masks (``/proc/<pid>/status``)."""
+    argv = _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+    status = _read(f"/proc/{pid}/status").decode(errors="replace").splitlines()
+    masks = [line.replace("\t", " ") for line in status
+             if line.split(":")[0] in ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "SigCgt")]
+    return f"pid {pid} [{argv[:160]}] " + ", ".join(masks)
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -403,6 +412,7 @@ class Trial:
         exit_s: supervisor trials: kill to the last of its children gone (None: not by the
             deadline).
         leftovers: processes of the prefix alive past the deadline (supervisor trials).
+        left_as: each leftover's command line and signal state (``describe``), to tell why.
         acks_down: stores acknowledged between the kill and ready (the data path does not go
             through the API).
     """
@@ -415,6 +425,7 @@ class Trial:
     client_s: float | None = None
     exit_s: float | None = None
     leftovers: int = 0
+    left_as: list[str] = field(default_factory=list)
     acks_down: int = 0
     check: Check = field(default_factory=Check)
 
@@ -433,7 +444,8 @@ class Trial:
                 f"ready {s(self.ready_s)} ({self.acks_down} acks meanwhile), next ack "
                 f"{s(self.client_s)}; checked {c.chunks} chunks:"
                 f" lost {c.lost}, torn {c.torn}, unfindable {c.unfindable}"
-                + (f", LEFTOVERS {self.leftovers}" if self.leftovers else ""))
+                + (f", LEFTOVERS {self.leftovers}: {'; '.join(self.left_as)}"
+                   if self.leftovers else ""))
 
 
 @dataclass
@@ -711,7 +723,7 @@ class FaultTrials:
         if within(lambda: not any(pid_alive(p) for p in children), CHILD_EXIT_DEADLINE):
             trial.exit_s = time.monotonic() - t_kill
         left = processes_of(self.prefix)
-        trial.leftovers = len(left)
+        trial.leftovers, trial.left_as = len(left), [describe(p) for p in left]
         for pid in left:  # so that the new service can start
             _kill(pid)
         within(lambda: not any(pid_alive(p) for p in left), CHILD_EXIT_DEADLINE)
