@@ -390,6 +390,7 @@ class BlendEngine:
             cos, sin = inner.rotary_emb(everything, position_ids=pos)
             causal = _causal_mask(inner, everything, pos)
             rows: torch.Tensor | None = None  # None: every row
+            picked: torch.Tensor | None = None  # the chunk rows the last step kept
             computed = []
             steps = mode.steps() if mode.kind in ("cacheblend", "random", "given") else {}
             acc = torch.zeros(n, device=self.device) if mode.accumulate else None
@@ -414,16 +415,16 @@ class BlendEngine:
                     acc += d / d.mean().clamp_min(1e-30)
                 if layer_idx in steps and hit.any():
                     w = time.perf_counter()
-                    among = hit.copy()
-                    if rows is not None:  # a second step picks among the rows the first kept
-                        among &= np.isin(np.arange(n), rows.cpu().numpy())
+                    # a later step picks among the rows the one before picked
+                    among = hit if picked is None else picked
                     summed = acc if layer_idx == mode.check_layer else None
-                    chosen = self._select(cache, layer_idx, hit, among, mode, heads,
-                                          steps[layer_idx], summed)
+                    sel = self._select(cache, layer_idx, hit, among, mode, heads,
+                                       steps[layer_idx], summed)
                     times["select"] += time.perf_counter() - w
-                    if len(chosen) < n:  # every row: keep transformers' own mask
-                        keep = chosen if rows is None else torch.searchsorted(rows, chosen)
-                        rows, h = chosen, h[:, keep]
+                    picked = sel.picked
+                    if len(sel.rows) < n:  # every row: keep transformers' own mask
+                        keep = sel.rows if rows is None else torch.searchsorted(rows, sel.rows)
+                        rows, h = sel.rows, h[:, keep]
             logits = self.model.lm_head(inner.norm(h))[0].float()
             last = torch.arange(n, device=self.device) if rows is None else rows
         if transfer is not None:
@@ -482,14 +483,13 @@ class BlendEngine:
             dev += ((cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
         return dev
 
-    def _select(self, cache: _Cache, layer: int, hit: np.ndarray, among: np.ndarray,
-                mode: Mode, heads: list[int], ratio: float,
-                dev: torch.Tensor | None = None) -> torch.Tensor:
+    def _select(self, cache: _Cache, layer: int, hit: np.ndarray,
+                among: np.ndarray | torch.Tensor, mode: Mode, heads: list[int], ratio: float,
+                dev: torch.Tensor | None = None) -> Selection:
         """A selection step (``select_rows``), by this layer's ``deviation`` unless ``dev``."""
         def deviation() -> torch.Tensor:
             return self.deviation(cache, layer, len(hit), mode.score) if dev is None else dev
-        return torch.from_numpy(select_rows(hit, among, mode, heads, ratio, deviation)).to(
-            self.device)
+        return select_rows(hit, among, mode, heads, ratio, deviation, self.device)
 
     def close(self) -> None:
         """Unregister the engine's buffer."""
@@ -515,32 +515,63 @@ def sink_rows(hit: np.ndarray, mode: Mode, heads: list[int]) -> np.ndarray:
     return want
 
 
-def select_rows(hit: np.ndarray, among: np.ndarray, mode: Mode, heads: list[int], ratio: float,
-                deviation: Callable[[], torch.Tensor]) -> np.ndarray:
-    """A selection step of CacheBlend, the rows (sorted prompt positions) computed after it: the
-    rows every mode computes and the sink rows (``sink_rows``), and chunk rows among the
-    candidates (``among``: those still computed) up to ``ratio`` of the chunk rows in all, those
-    whose fresh KV deviates most from the loaded KV (``deviation()``, per row, called only when a
-    row is to be ranked; ``random``: drawn at random, seeded, as a baseline; ``given``: the mode's
-    rows). The reference engine and the vLLM connector both select with it.
+@dataclass(frozen=True)
+class Selection:
+    """What a selection step keeps (``select_rows``), on the deviation's device.
+
+    Attributes:
+        rows: the sorted prompt positions computed after the step.
+        picked: the chunk rows it ranked and kept: the candidates of a later step.
+    """
+
+    rows: torch.Tensor
+    picked: torch.Tensor
+
+
+def select_rows(hit: np.ndarray, among: np.ndarray | torch.Tensor, mode: Mode, heads: list[int],
+                ratio: float, deviation: Callable[[], torch.Tensor], device: torch.device,
+                span: tuple[int, int] | None = None) -> Selection:
+    """A selection step of CacheBlend: the rows every mode computes and the sink rows
+    (``sink_rows``), and chunk rows among the candidates up to ``ratio`` of the chunk rows in all,
+    those whose fresh KV deviates most from the loaded KV (``deviation()``, per row, called only
+    when a row is to be ranked; ``random``: drawn at random, seeded, as a baseline; ``given``: the
+    mode's rows). The reference engine and the vLLM connector both select with it.
+
+    Candidates (``among``): a host mask of rows (a first step), or the ``picked`` rows of the step
+    before (a later one; those are hit rows, no sink rows). Ties rank the lower row first. Only rows
+    in ``span`` are returned (vLLM computes its claim only). The ranking, the top-k and the rows
+    stay on ``device``: nothing waits for the device but ``random``'s draw among earlier picks.
     """
     n = len(hit)
     want = sink_rows(hit, mode, heads)
+    lo, hi = span if span is not None else (0, n)
+    none = torch.zeros(0, dtype=torch.long, device=device)
+
+    def rows_of(picked: torch.Tensor) -> Selection:
+        fixed = np.flatnonzero(want)
+        fixed = fixed[(fixed >= lo) & (fixed < hi)]
+        rows = torch.from_numpy(fixed).to(device, non_blocking=True)
+        return Selection(torch.sort(torch.cat([rows, picked])).values if len(picked) else rows,
+                         picked)
+
     if mode.kind == "given":
         rows = np.asarray(mode.rows, np.int64)
         want[rows[(rows >= 0) & (rows < n)]] = True
-        return np.flatnonzero(want)
+        return rows_of(none)
     forced = want & hit
-    hits = np.flatnonzero(among & ~forced)
-    take = min(len(hits), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
-    if take and mode.kind == "random":
-        want[np.random.default_rng(mode.first).choice(hits, take, replace=False)] = True
-    elif take:
-        dev = deviation()
-        order = torch.argsort(dev[torch.from_numpy(hits).to(dev.device)], descending=True,
-                              stable=True)
-        want[hits[order[:take].cpu().numpy()]] = True
-    return np.flatnonzero(want)
+    if isinstance(among, np.ndarray):
+        cand = torch.from_numpy(np.flatnonzero(among & ~forced)).to(device, non_blocking=True)
+    else:
+        cand = among
+    take = min(len(cand), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
+    if not take:
+        return rows_of(none)
+    if mode.kind == "random":
+        hits = cand.cpu().numpy()
+        return rows_of(torch.from_numpy(np.sort(np.random.default_rng(mode.first).choice(
+            hits, take, replace=False))).to(device))
+    order = torch.argsort(deviation()[cand], descending=True, stable=True)
+    return rows_of(torch.sort(cand[order[:take]]).values)
 
 
 def _ids(tokens: Any) -> torch.Tensor:
@@ -554,4 +585,5 @@ def _causal_mask(inner: Any, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
 
 
 __all__ = ["BlendEngine", "Mode", "Prefill", "DEFAULT", "FULL", "NAIVE", "cacheblend", "epic",
-           "random_blend", "given", "model_rotary", "rotary_config", "select_rows", "sink_rows"]
+           "random_blend", "given", "model_rotary", "rotary_config", "select_rows", "Selection",
+           "sink_rows"]

@@ -263,6 +263,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
     steps = mode.steps() if mode.kind in ("cacheblend", "random", "given") else {}
     late: set[int] = set()
     computed = 0
+    picked: torch.Tensor | None = None  # the chunk rows the last selection step kept
     for i, layer in enumerate(inner.layers):
         if i:
             late |= set(wait_layer(i)) - first
@@ -280,10 +281,14 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
             dev[rows] = stand.dev
             if reduce is not None:
                 dev = reduce(dev)
-            among = hit & np.isin(np.arange(n), rows.cpu().numpy())
-            chosen = select_rows(hit, among, mode, heads, steps[i], lambda: dev)
-            chosen = chosen[(chosen >= load.local) & (chosen < claim)]
-            keep = torch.searchsorted(rows, torch.as_tensor(chosen, device=device))
+            if picked is None:  # a first step: the hit rows this request computes
+                among = hit & (np.arange(n) >= load.local) & (np.arange(n) < claim)
+            else:               # a later one: those the step before picked
+                among = picked
+            sel = select_rows(hit, among, mode, heads, steps[i], lambda: dev, device,
+                              span=(load.local, claim))
+            picked = sel.picked
+            keep = torch.searchsorted(rows, sel.rows)
             rows, h, residual = rows[keep], h[keep], residual[keep]
     return Blended(first, late, rows.cpu().numpy(), computed)
 
