@@ -245,6 +245,35 @@ def slot_offset(h, classes, obj, s):
 
 
 @numba.njit(cache=True)
+def check_headers(page_bytes, spp, classes, obj, slab, c, slots, keys, tokens, out):
+    """Per pinned slot (ids < 0: none): 0 when it is of class ``c`` and its header holds the
+    magic, class, ``keys[k]`` and the token ids ``tokens[k]``; 2 when of another class; 3 when
+    the header or the tokens differ. ``out`` keeps its value (the caller's "not pinned") for ids
+    < 0. The answers are ``shm.slots``' VERIFIED, OTHER_LAYOUT and OTHER_TOKENS."""
+    words = slab.view(np.int64)
+    ids = slab.view(np.uint32)
+    C = tokens.shape[1]
+    for k in range(len(slots)):
+        s = slots[k]
+        if s < 0:
+            continue
+        if obj[s, CLASS] != c:
+            out[k] = 2
+            continue
+        off = (s // spp) * page_bytes + (s % spp) * classes[c, C_SLOT_BYTES]
+        w = off // 8
+        ok = (words[w + S_MAGIC] == SLOT_MAGIC and words[w + S_CLASS] == c
+              and words[w + S_K0] == keys[k, 0] and words[w + S_K1] == keys[k, 1]
+              and words[w + S_NS] == keys[k, 2] and words[w + S_RANK] == keys[k, 3])
+        t = (off + SLOT_HDR_BYTES) // 4
+        j = 0
+        while ok and j < C:
+            ok = ids[t + j] == tokens[k, j]
+            j += 1
+        out[k] = 0 if ok else 3
+
+
+@numba.njit(cache=True)
 def reserve(h, classes, pages, obj, table, c, k0, k1, ns, rank, pid, slab, tokens, ev, evn):
     """Reserve a slot of class ``c`` for a key and write its slot header (key, state, token ids):
     the slot id, EXISTS when the key is already reserved or committed, FULL when nothing is free

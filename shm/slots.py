@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shm import index, slab
-from shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, SlotHdr
+from shm.header import SLOT_HDR_BYTES, SlotHdr
 from shm.keys import ChunkKey, key_words
 from shm.layout import ChunkClass
 
@@ -124,28 +124,17 @@ class SlotMap:
               token_rows: np.ndarray) -> np.ndarray:
         """int8 per slot (-1: none): ``VERIFIED`` when of class ``class_id``, holding ``keys[i]``
         and exactly the token ids ``token_rows[i]`` (uint32 ``[n, C]``), read from the slot
-        headers in one gather; else ``NOT_PINNED``, ``OTHER_LAYOUT`` or ``OTHER_TOKENS``."""
-        slots = np.asarray(slots, np.int64)
+        headers in one compiled pass (``shm.slab.check_headers``); else ``NOT_PINNED``,
+        ``OTHER_LAYOUT`` or ``OTHER_TOKENS``."""
         out = np.full(len(slots), NOT_PINNED, np.int8)
-        ok = slots >= 0
-        if not ok.any():
+        if not len(slots):
             return out
-        out[ok & (self._obj[np.where(ok, slots, 0), index.CLASS] != class_id)] = OTHER_LAYOUT
-        ok &= out == NOT_PINNED
-        out[ok] = OTHER_TOKENS
-        hb = self._chunk_class(class_id).header_bytes
-        start = np.where(ok, self.kv_offsets(np.where(ok, slots, 0)) - hb, 0)
-        ok &= start >= 0
-        start = np.where(ok, start, 0)
-        words = self._slab.view(np.int64)[(start // 8)[:, None] + np.arange(len(SlotHdr))]
-        ok &= (words[:, SlotHdr.MAGIC] == SLOT_MAGIC) & (words[:, SlotHdr.CLASS] == class_id)
-        ok &= (words[:, SlotHdr.K0:SlotHdr.RANK + 1] == key_words(keys)).all(axis=1)
-        if ok.any():
-            C = token_rows.shape[1]
-            have = self._slab.view(np.uint32)[((start + SLOT_HDR_BYTES) // 4)[:, None]
-                                              + np.arange(C)]
-            ok &= (have == token_rows).all(axis=1)
-        out[ok] = VERIFIED
+        rows = np.asarray(token_rows)
+        ids = np.ascontiguousarray(rows, np.uint32)
+        slab.check_headers(self._page_bytes, self._spp, self._classes, self._obj, self._slab,
+                           class_id, np.asarray(slots, np.int64), key_words(keys), ids, out)
+        if rows.dtype != np.uint32:  # ids that do not fit uint32 match no stored token
+            out[(out == VERIFIED) & (ids != rows).any(axis=1)] = OTHER_TOKENS
         return out
 
     def _locate(self, slot: int) -> tuple[_Geometry, int]:

@@ -64,6 +64,7 @@ def test_a_written_slot_header_reads_back_by_its_names(shm_prefix: str) -> None:
 
     from shm.hashing import Namespace, chunk_hashes
     from shm.layout import ChunkClass, DType, KVLayout
+    from shm.slots import OTHER_TOKENS
     from shm.store import ChunkKey, Store, StoreConfig
     with Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
                                             min_slot_bytes=4096)) as st:
@@ -84,5 +85,15 @@ def test_a_written_slot_header_reads_back_by_its_names(shm_prefix: str) -> None:
         assert st.verify_pinned(cid, np.array([slot, -1]), [key, key],
                                 np.stack([tokens, tokens])).tolist() == [True, False]
         assert not st.verify_pinned(cid, np.array([slot]), [key], (tokens + 1)[None]).any()
+        # every word of the key is compared: another rank, namespace or hash half fails
+        others = [ChunkKey(key.namespace_id, key.chunk_hash, 0),
+                  ChunkKey(key.namespace_id + 1, key.chunk_hash, 1),
+                  ChunkKey(key.namespace_id, key.chunk_hash[:8] + bytes(8), 1),
+                  ChunkKey(key.namespace_id, bytes(8) + key.chunk_hash[8:], 1)]
+        assert st.check_pinned(cid, np.array([slot] * 4), others,
+                               np.stack([tokens] * 4)).tolist() == [OTHER_TOKENS] * 4
+        wide = tokens.astype(np.int64)
+        wide[3] += 1 << 32  # the same uint32 bits, another token id
+        assert st.check_pinned(cid, np.array([slot]), [key], wide[None]).tolist() == [OTHER_TOKENS]
         st.unpin_slots(np.array([slot]))
         st.unlink()
