@@ -70,6 +70,7 @@ def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:
     if single is not None:
         single.commit()
     pinned = store.pin_slots(keys)
+    store.check_pinned(cid, pinned, keys, rows)
     store.unpin_slots(pinned)
     store.contains_key(keys[0])
     fps.register_prepared(fps.prepare(ns, tokens, hashes))

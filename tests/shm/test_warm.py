@@ -58,7 +58,11 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
     query.setflags(write=tokens.flags.writeable)
     found = lookup(store, fps, ns, query)
     keys = [ChunkKey(ns.id, m.chunk_hash, 0) for m in found.matches]
-    store.unpin_slots(store.pin_slots(keys))
+    pinned = store.pin_slots(keys)
+    if keys:  # the retrieve's check, token rows gathered from the prompt as the data plane does
+        cur = np.array([m.cur_st for m in found.matches])
+        store.check_pinned(cid, pinned, keys, query[cur[:, None] + np.arange(C)])
+    store.unpin_slots(pinned)
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
 store.reclaim()
