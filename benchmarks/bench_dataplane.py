@@ -14,6 +14,7 @@ Usage::
 
     python benchmarks/bench_dataplane.py --backend cuda          # Llama-3-8B-like and small layouts
     python benchmarks/bench_dataplane.py --backend cpu --layouts small
+    python benchmarks/bench_dataplane.py --backend cpu --layouts tiny   # the per-call work alone
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from shm.fingerprint import FingerprintIndex  # noqa: E402
 from shm.names import destroy  # noqa: E402
 from shm.store import Store, StoreConfig  # noqa: E402
 
-LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128), "2mib": (16, 128)}  # (L, D), bfloat16
+# (L, D), bfloat16; "tiny" chunks (8 KiB) time the per-call work itself, not the bytes
+LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128), "2mib": (16, 128), "tiny": (1, 8)}
 IN_FLIGHT = 4  # calls sent back to back by the "x4" ops
 CHUNK = 256
 
@@ -252,7 +254,7 @@ def main() -> None:
     print(f"# device: {device}")
     limit_name = "pinned copy_" if args.backend == "cuda" else "memcpy"
     print(f"{'layout':<9} {'chunk MiB':>9} {'op':<11} {'dataplane GB/s':>12} "
-          f"{limit_name + ' GB/s':>17} {'ratio':>6}")
+          f"{limit_name + ' GB/s':>17} {'ratio':>6} {'ms a call':>9}")
     events = EventLog.open(prefix)
     try:
         with BlendClient(dataplane_address=default_address(prefix)) as client:
@@ -281,8 +283,11 @@ def main() -> None:
                           f"{1e3 * plain:.1f} ms unturned ({turned / plain - 1:+.1%})", flush=True)
                 chunk_mib = case.nbytes / args.chunks / (1 << 20)
                 for op in got:
-                    print(f"{name:<9} {chunk_mib:>9.1f} {op:<11} {got[op] / 1e9:>12.2f} "
-                          f"{limits[op] / 1e9:>17.2f} {got[op] / limits[op]:>6.3f}", flush=True)
+                    # the op's time; x4: a call's share of the four
+                    ms = 1e3 * case.nbytes * (2 if op == "both" else 1) / got[op]
+                    print(f"{name:<9} {chunk_mib:>9.3f} {op:<11} {got[op] / 1e9:>12.2f} "
+                          f"{limits[op] / 1e9:>17.2f} {got[op] / limits[op]:>6.3f} {ms:>9.3f}",
+                          flush=True)
                 for op in ("store", "retrieve"):
                     if op + "_2d" in limits:
                         lim = limits[op + "_2d"]

@@ -33,7 +33,8 @@ The first batch of a call is small (about ``Tuning.first_bytes``): its copies st
 one is reserved or pinned; each batch is twice the one before, so the copies already queued keep
 the GPU busy while the next batch is reserved or pinned (measured on a 2-core VM: hashing and
 reserving the other 504 chunks of a 512-chunk call at once took 5 ms or more, while the first
-batch's 16 MiB take 0.3 ms to cross PCIe). No per-chunk Python object is built past the chunk keys.
+batch's 16 MiB take 0.3 ms to cross PCIe). No per-chunk Python object is built: a call's keys are
+the store's int64 words (``shm.keys.batch_words``), made into objects only for the remote tier.
 
 It does not own threads or sockets (``dataplane.server``) or how bytes move (``dataplane.backend``).
 """
@@ -62,7 +63,8 @@ from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from shm.remotes import wall_ms
 from shm.slab import EXISTS, FULL
 from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
-from shm.store import ChunkKey, Store
+from shm.keys import batch_words, keys_of
+from shm.store import Store
 from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd, RetrieveStart,
                            StoreEnd, StoreStart)
 
@@ -153,8 +155,9 @@ def _batches(n: int, chunk_bytes: int, first_bytes: int, most: int | None = None
     return out
 
 
-def _keys(ns_id: int, hashes: list[bytes], rank: int) -> list[ChunkKey]:
-    return [ChunkKey(ns_id, h, rank) for h in hashes]
+def _keys(ns_id: int, hashes: list[bytes], rank: int) -> np.ndarray:
+    """The chunks' keys as the store's int64 ``[n, 4]`` words: no object per chunk."""
+    return batch_words(ns_id, hashes, rank)
 
 
 def _drain(buf: "InstanceBuffer") -> None:
@@ -243,18 +246,20 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     origin = ORIGIN_STANDALONE if msg.kind is StoreKind.PRE_COMPUTED else ORIGIN_FINAL
     rows = tokens[:n * C].reshape(n, C)
     slots = np.full(n, EXISTS, np.int64)
-    keys: list[ChunkKey] = []
+    keys = np.zeros((n, 4), np.int64)
     hashes: list[bytes] = []
     groups: list[tuple[int, int, Any]] = []
-    done = 0  # chunks [0, done) are committed (or were lost to reclaim)
+    done = 0      # chunks [0, done) are committed (or were lost to reclaim)
+    reserved = 0  # chunks [0, reserved) went through reserve_slots
     try:
         buf.begin(msg.event)
         # a layer-wise store reserves every chunk at once, then copies group by group
         batches = [(0, n)] if msg.layer_groups else _batches(n, chunk_bytes, sh.tuning.first_bytes)
         for lo, hi in batches:
             hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
-            keys += _keys(ns.id, hashes[lo:hi], inst.rank)
+            keys[lo:hi] = _keys(ns.id, hashes[lo:hi], inst.rank)
             slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
+            reserved = hi
             ours = lo + np.flatnonzero(slots[lo:hi] >= 0)  # others exist already or found no room
             store.set_positions(slots[ours], msg.first_position + C * ours, origin)
             if msg.layer_groups:
@@ -287,10 +292,9 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
                 done = b
     except BaseException:
         _drain(buf)
-        k = len(keys)
-        if (slots[done:k] >= 0).any():
+        if (slots[done:reserved] >= 0).any():
             try:
-                store.abort_slots(slots[done:k], keys[done:k])
+                store.abort_slots(slots[done:reserved], keys[done:reserved])
             except ShmError:
                 pass  # reclaimed meanwhile: nothing of ours to give back
         raise
@@ -298,7 +302,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     failed = np.flatnonzero(slots == FULL).tolist()
     if sh.writebehind is not None and copied:
         ours = np.flatnonzero(slots >= 0)
-        sh.writebehind.offer(inst.class_id, ns.root, [keys[i] for i in ours], rows[ours])
+        sh.writebehind.offer(inst.class_id, ns.root, keys_of(keys[ours]), rows[ours])
     skipped = n - copied - len(failed)
     forget_evicted(sh)
     reg = _register_fingerprints(sh, inst, hashes, prepared, origin == ORIGIN_FINAL)
@@ -417,7 +421,7 @@ def prefetch(sh: Shared, inst: "Instance", msg: PrefetchChunks) -> int:
     ns = _namespace(inst, msg.cache_salt)
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
     cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, len(msg.matches))
-    return len(sh.promoter.start(inst.class_id, ns.root, keys,
+    return len(sh.promoter.start(inst.class_id, ns.root, keys_of(keys),
                                  tokens[cur[:, None] + np.arange(C)]))
 
 
@@ -456,7 +460,8 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     sh.events.record(RetrieveStart(**base))
     keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
     if sh.promoter is not None and n:  # remote matches first become local (a miss fails below)
-        sh.promoter.ensure(inst.class_id, ns.root, keys, tokens[cur[:, None] + np.arange(C)])
+        sh.promoter.ensure(inst.class_id, ns.root, keys_of(keys),
+                           tokens[cur[:, None] + np.arange(C)])
     slots = np.full(n, -1, np.int64)
     why = np.full(n, NOT_PINNED, np.int8)  # per match: VERIFIED (copied) or why not
     held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
@@ -523,7 +528,7 @@ class _Turn:
 
 
 def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
-                  tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
+                  tokens: np.ndarray, keys: np.ndarray, cur: np.ndarray, C: int,
                   slots: np.ndarray, why: np.ndarray,
                   held: list[tuple[int, int, Any]], turn: _Turn | None = None) -> None:
     """Pin, check and copy batch by batch; a batch is unpinned once the next one is copying."""
@@ -547,7 +552,7 @@ def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: Retr
 
 
 def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
-                    tokens: np.ndarray, keys: list[ChunkKey], cur: np.ndarray, C: int,
+                    tokens: np.ndarray, keys: np.ndarray, cur: np.ndarray, C: int,
                     slots: np.ndarray, why: np.ndarray, held: list[tuple[int, int, Any]],
                     progress: Callable[[LayersReady], None], turn: _Turn | None = None) -> None:
     """Pin every match (one batch), then copy group by group of layers, announcing each."""
@@ -573,7 +578,7 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
         progress(LayersReady(instance_id=inst.id, layers=bounds[g + 1], failed=failed))
 
 
-def _pin(store: Store, buf: "InstanceBuffer", keys: list[ChunkKey], slots: np.ndarray,
+def _pin(store: Store, buf: "InstanceBuffer", keys: np.ndarray, slots: np.ndarray,
          held: list[tuple[int, int, Any]]) -> tuple[np.ndarray, bool]:
     """Pin ``keys`` (slot per key, -1 where not stored); when the pin table is full, give back
     the batches this call still holds and try once more; still full: nothing of this batch is

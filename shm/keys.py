@@ -43,8 +43,21 @@ class ChunkKey:
         return self._words
 
 
-def key_words(keys: Sequence[ChunkKey]) -> np.ndarray:
-    """Keys as an int64 ``[n, 4]`` array for the kernels."""
+Keys = Sequence[ChunkKey] | np.ndarray
+"""Keys of a batch: ``ChunkKey`` objects, or already their int64 ``[n, 4]`` words (``key_words``:
+the data plane's calls build no object per chunk)."""
+
+
+def key_words(keys: Keys) -> np.ndarray:
+    """Keys as an int64 ``[n, 4]`` array for the kernels (words are taken as they are).
+
+    Raises:
+        ValueError: an array that is not int64 ``[n, 4]``.
+    """
+    if isinstance(keys, np.ndarray):
+        if keys.dtype != np.int64 or keys.ndim != 2 or keys.shape[1] != 4:
+            raise ValueError(f"key words are int64 [n, 4], got {keys.dtype} {keys.shape}")
+        return np.ascontiguousarray(keys)
     if len(keys) == 1:
         return np.array([keys[0].words()], np.int64)
     out = np.empty((len(keys), 4), np.int64)
@@ -81,9 +94,25 @@ def hashes_among(held: np.ndarray, words: np.ndarray) -> np.ndarray:
     return out
 
 
+def batch_words(namespace_id: int, chunk_hashes: Sequence[bytes], rank: int) -> np.ndarray:
+    """The words of the keys ``(namespace_id, h, rank)`` of every hash, without key objects."""
+    words = np.empty((len(chunk_hashes), 4), np.int64)
+    words[:, :2] = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(-1, 2)
+    words[:, 2], words[:, 3] = signed64(namespace_id), rank
+    return words
+
+
+def keys_of(words: np.ndarray) -> list[ChunkKey]:
+    """The ``ChunkKey`` objects of int64 ``[n, 4]`` key words (``key_words``' inverse)."""
+    return [ChunkKey(ns & ((1 << 64) - 1), int(k0).to_bytes(8, "little", signed=True)
+                     + int(k1).to_bytes(8, "little", signed=True), rank)
+            for k0, k1, ns, rank in np.asarray(words, np.int64).tolist()]
+
+
 def signed64(u: int) -> int:
     """An unsigned 64-bit number as the signed int64 word holding the same bits."""
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-__all__ = ["ChunkKey", "key_words", "shard_words", "hashes_among", "signed64"]
+__all__ = ["ChunkKey", "Keys", "key_words", "batch_words", "keys_of", "shard_words",
+           "hashes_among", "signed64"]

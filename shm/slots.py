@@ -20,14 +20,14 @@ A slot (slot id ``s`` in page ``s // spp`` at index ``s % spp``, byte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from shm import index, slab
 from shm.header import SLOT_HDR_BYTES, SlotHdr
-from shm.keys import ChunkKey, key_words
+from shm.keys import Keys, key_words
 from shm.layout import ChunkClass
 
 SLOT_HDR_WORDS = SLOT_HDR_BYTES // 8
@@ -120,7 +120,7 @@ class SlotMap:
         """Each pinned or committed slot's first-token position (``SlotHdr.POS0``)."""
         return self._slab.view(np.int64)[self._words(slots, SlotHdr.POS0)]
 
-    def check(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+    def check(self, class_id: int, slots: np.ndarray, keys: Keys,
               token_rows: np.ndarray) -> np.ndarray:
         """int8 per slot (-1: none): ``VERIFIED`` when of class ``class_id``, holding ``keys[i]``
         and exactly the token ids ``token_rows[i]`` (uint32 ``[n, C]``), read from the slot

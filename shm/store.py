@@ -46,7 +46,7 @@ from shm.evicted import LIMIT as EVICTED_LIMIT
 from shm.evicted import EvictedKeys
 from shm.hashing import as_tokens
 from shm.header import HEADER_WORDS, ORIGIN_FINAL, ORIGIN_STANDALONE, Hdr
-from shm.keys import ChunkKey, hashes_among, key_words, shard_words
+from shm.keys import ChunkKey, Keys, hashes_among, key_words, shard_words
 from shm.layout import ChunkClass
 from shm.lock import FileLock, Guarded, pid_alive
 from shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
@@ -256,7 +256,7 @@ class Store:
                             f"({self.chunk_class(class_id)})")
         return None if s == slab.EXISTS else Reservation(self, int(s), class_id, key)
 
-    def reserve_slots(self, class_id: int, keys: Sequence[ChunkKey], token_ids: np.ndarray,
+    def reserve_slots(self, class_id: int, keys: Keys, token_ids: np.ndarray,
                       timeout: float | None = None) -> np.ndarray:
         """Reserve one slot per key in one critical section (the data plane's batch path).
 
@@ -309,7 +309,7 @@ class Store:
         if not ok:
             raise ShmError(f"reservation of slot {res.slot} is no longer held by this process")
 
-    def commit_slots(self, slots: np.ndarray, keys: Sequence[ChunkKey]) -> None:
+    def commit_slots(self, slots: np.ndarray, keys: Keys) -> None:
         """Commit the reserved slots (entries < 0 are skipped) in one critical section.
 
         Raises:
@@ -324,7 +324,7 @@ class Store:
     def abort(self, res: Reservation) -> None:
         self.abort_slots(np.array([res.slot]), [res.key])
 
-    def abort_slots(self, slots: np.ndarray, keys: Sequence[ChunkKey]) -> None:
+    def abort_slots(self, slots: np.ndarray, keys: Keys) -> None:
         """Give reserved slots back (entries < 0 are skipped).
 
         Raises:
@@ -348,13 +348,13 @@ class Store:
         slots = self.pin_slots(keys, timeout)
         return [None if s < 0 else PinnedChunk(self, int(s), k) for s, k in zip(slots, keys)]
 
-    def pin_slots(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> np.ndarray:
+    def pin_slots(self, keys: Keys, timeout: float | None = None) -> np.ndarray:
         """Pin each key's committed object; int64 slot ids, -1 where it is not stored.
 
         Raises:
             CapacityError: the pin table cannot take the new pins (nothing was pinned).
         """
-        if not keys:
+        if not len(keys):
             return np.zeros(0, np.int64)
         words = key_words(keys)
         with self._guard(timeout):
@@ -426,7 +426,7 @@ class Store:
         """(byte offset in the slab, bytes) of a slot's KV data, for DMA engines."""
         return self._slots.region(slot)
 
-    def verify_pinned(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+    def verify_pinned(self, class_id: int, slots: np.ndarray, keys: Keys,
                       token_rows: np.ndarray) -> np.ndarray:
         """Boolean per slot the caller pinned (-1: none): the slot is of layout class
         ``class_id``, holds ``keys[i]`` and exactly the token ids ``token_rows[i]`` (uint32
@@ -434,7 +434,7 @@ class Store:
         """
         return self.check_pinned(class_id, slots, keys, token_rows) == VERIFIED
 
-    def check_pinned(self, class_id: int, slots: np.ndarray, keys: Sequence[ChunkKey],
+    def check_pinned(self, class_id: int, slots: np.ndarray, keys: Keys,
                      token_rows: np.ndarray) -> np.ndarray:
         """``verify_pinned`` saying why, int8 per slot: ``shm.slots.VERIFIED``, ``NOT_PINNED``
         (-1), ``OTHER_LAYOUT`` (a slot of another layout class) or ``OTHER_TOKENS``."""

@@ -16,6 +16,7 @@ from dataplane.backend import InstanceBuffer
 from dataplane.messages import ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks, StoreKind
 from shm.events import EventLog
 from shm.hashing import Namespace, chunk_hashes
+from shm.keys import keys_of
 from shm.layout import ChunkClass, DType, KVLayout
 from shm.store import ChunkKey, Store
 from tests.dataplane.conftest import CHUNK, create_store
@@ -109,8 +110,8 @@ def test_commits_each_group_only_after_its_copies_completed(
     commits: list[list[int]] = []
     real_commit = shared.store.commit_slots
 
-    def commit_slots(slots: np.ndarray, keys: list[ChunkKey]) -> None:
-        hashes = [k.chunk_hash for k in keys]
+    def commit_slots(slots: np.ndarray, keys: np.ndarray) -> None:
+        hashes = [k.chunk_hash for k in keys_of(keys)]  # the call's keys are words
         idx = [all_hashes.index(h) for h, s in zip(hashes, slots) if s >= 0]
         assert set(idx) <= buf.done, "a chunk was committed before its copy completed"
         commits.append(idx)
