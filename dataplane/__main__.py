@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pydantic
 
-from dataplane import cpu_rotary, default_address
+from dataplane import cpu_rotary, default_address, segments
 from dataplane.backend import make_engine
 from dataplane.server import DataPlane
 from dataplane.settings import DataPlaneSettings
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     warm(prefix)  # before the first real call: the store's and index's kernels, then K's turn
     cpu_rotary.warm()
+    segments.warm()  # a paged CUDA call's segment table
     log.info("kernels ready in %.2f s", time.monotonic() - t0)
     store = Store.open(prefix)
     fingerprints = open_fingerprints(prefix, settings.chunk_size)

@@ -197,20 +197,12 @@ def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: 
         chunk_at: where each chunk's ``[2, L, C, token_bytes]`` starts.
         to_slab: gather (engine -> chunks) when True, else scatter.
     """
-    n, C = at.block.shape
-    new = np.ones(at.block.shape, bool)  # a run starts at a chunk's first token or a new block
-    new[:, 1:] = np.diff(at.block, axis=1) != 0  # in one block, positions are slots in order
-    chunk, start = np.nonzero(new)
-    count = np.diff(np.append(chunk * C + start, n * C))                       # [R]
-    layer = np.arange(first, last)[None, :, None]                              # [1, l, 1]
-    kv = np.arange(2)[:, None, None]                                           # [2, 1, 1]
-    engine = (layers[layer] + kv_at[kv] + at.block[chunk, start] * block_bytes[kv]
-              + at.slot[chunk, start] * token_bytes)                            # [2, l, R]
-    stage = chunk_at[chunk] + ((kv * num_layers + layer) * C + start) * token_bytes
-    shape = np.broadcast_shapes(engine.shape, stage.shape)
-    dst, src = (stage, engine) if to_slab else (engine, stage)
-    return np.stack([np.broadcast_to(dst, shape).ravel(), np.broadcast_to(src, shape).ravel(),
-                     np.broadcast_to(count * token_bytes, shape).ravel()], axis=1)
+    from dataplane.segments import segments  # numba: the data plane's alone
+    return segments(np.ascontiguousarray(at.block, np.int64),
+                    np.ascontiguousarray(at.slot, np.int64), np.asarray(layers, np.int64),
+                    np.asarray(kv_at, np.int64), np.asarray(block_bytes, np.int64),
+                    int(token_bytes), int(num_layers), int(first), int(last),
+                    np.asarray(chunk_at, np.int64), bool(to_slab))
 
 
 class BlockTableCalls:

@@ -279,3 +279,45 @@ def _mapping_of(address: int) -> str:
             if lo <= address < hi:
                 return line
     raise AssertionError(f"{address:#x} is not mapped")
+
+
+def spec_segments(at: paged.Slots, layers: np.ndarray, kv_at: np.ndarray,
+                  block_bytes: np.ndarray, token_bytes: int, num_layers: int, first: int,
+                  last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
+    """``run_segments``' rows written with numpy: runs start at a chunk's first token and where
+    the block changes; rows K then V, layer by layer, run by run."""
+    n, C = at.block.shape
+    new = np.ones(at.block.shape, bool)
+    new[:, 1:] = np.diff(at.block, axis=1) != 0
+    chunk, start = np.nonzero(new)
+    count = np.diff(np.append(chunk * C + start, n * C))
+    layer = np.arange(first, last)[None, :, None]
+    kv = np.arange(2)[:, None, None]
+    engine = (layers[layer] + kv_at[kv] + at.block[chunk, start] * block_bytes[kv]
+              + at.slot[chunk, start] * token_bytes)
+    stage = chunk_at[chunk] + ((kv * num_layers + layer) * C + start) * token_bytes
+    shape = np.broadcast_shapes(engine.shape, stage.shape)
+    dst, src = (stage, engine) if to_slab else (engine, stage)
+    return np.stack([np.broadcast_to(dst, shape).ravel(), np.broadcast_to(src, shape).ravel(),
+                     np.broadcast_to(count * token_bytes, shape).ravel()], axis=1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_segment_rows_are_the_specification(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    S, C, L = int(rng.choice([1, 16, 32])), int(rng.choice([16, 64, 256])), 6
+    n = int(rng.integers(0, 6))
+    blocks = (n + 2) * C // S + 4
+    ids = rng.permutation(blocks).astype("<i4")
+    table = paged.BlockTable(ids.tobytes(), S, blocks)
+    starts = rng.integers(0, table.num_tokens - C, n)  # any offset, overlapping or not
+    at = table.chunk_slots(starts, C)
+    first = int(rng.integers(0, L))
+    last = int(rng.integers(first + 1, L + 1))
+    args = (at, rng.integers(1 << 30, 1 << 40, L), rng.integers(0, 1 << 20, 2),
+            rng.integers(1, 1 << 16, 2), int(rng.integers(1, 4096)), L, first, last,
+            rng.integers(1 << 30, 1 << 40, n))
+    for to_slab in (True, False):
+        got = paged.run_segments(*args, to_slab=to_slab)
+        want = spec_segments(*args, to_slab=to_slab)
+        assert got.shape == want.shape and np.array_equal(got, want)
