@@ -65,7 +65,7 @@ WORKDIR /home/kvblend
 # numba keys its cache by CPU model and features as well: on another CPU the service compiles
 # once at its first start (before /readyz turns 200) and adds to this cache, which the runtime
 # user owns.
-RUN python3 -c "from shm.warm import warm; from dataplane import cpu_rotary; warm('kvblend'); cpu_rotary.warm()"
+RUN python3 -c "from dataplane import kernels; kernels.warm('kvblend')"
 
 EXPOSE 8780
 # Stopping drains: the API finishes its requests, then the data plane its queued copies (up to

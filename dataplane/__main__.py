@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pydantic
 
-from dataplane import cpu_rotary, default_address, segments
+from dataplane import default_address, kernels
 from dataplane.backend import make_engine
 from dataplane.server import DataPlane
 from dataplane.settings import DataPlaneSettings
@@ -33,7 +32,6 @@ from shm.fingerprint import FingerprintIndex
 from shm.remotes import wall_ms
 from shm.store import Store
 from shm.telemetry import Counter
-from shm.warm import warm
 
 if TYPE_CHECKING:
     from dataplane.discovery import Discovery
@@ -86,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = settings.shm_prefix
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    t0 = time.monotonic()
-    warm(prefix)  # before the first real call: the store's and index's kernels, then K's turn
-    cpu_rotary.warm()
-    segments.warm()  # a paged CUDA call's segment table
-    log.info("kernels ready in %.2f s", time.monotonic() - t0)
+    log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
     store = Store.open(prefix)
     fingerprints = open_fingerprints(prefix, settings.chunk_size)
     events = EventLog.open(prefix)

@@ -60,10 +60,10 @@ from shm.events import EventLog
 from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
 from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
 from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from shm.keys import batch_words, keys_of
 from shm.remotes import wall_ms
 from shm.slab import EXISTS, FULL
 from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
-from shm.keys import batch_words, keys_of
 from shm.store import Store
 from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd, RetrieveStart,
                            StoreEnd, StoreStart)

@@ -1,0 +1,28 @@
+"""Every compiled kernel the data plane runs, warmed in one call: at its start-up
+(``dataplane.__main__``) and in the image's build step (``Dockerfile``), from this one list.
+
+It owns the list, not the kernels: the store's and fingerprint index's (``shm.warm``), the CPU turn
+of K (``dataplane.cpu_rotary``) and the paged segment table (``dataplane.segments``).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def warm(prefix: str) -> float:
+    """Compile (or load from numba's cache) every kernel; returns the seconds taken.
+
+    Args:
+        prefix: the service's prefix (``shm.warm`` builds its scratch store beside it).
+    """
+    from dataplane import cpu_rotary, segments
+    from shm.warm import warm as warm_store
+    t0 = time.monotonic()
+    warm_store(prefix)  # the store's and index's kernels, then K's turn and the segment table
+    cpu_rotary.warm()
+    segments.warm()
+    return time.monotonic() - t0
+
+
+__all__ = ["warm"]
