@@ -218,8 +218,12 @@ class BlockTableCalls:
         return self._table.num_tokens
 
     def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
+        from dataplane.segments import first_bad  # numba: the data plane's alone
         assert self._table is not None, "bind() comes first"
-        self._table.chunk_slots(np.unique(np.asarray(token_starts, np.int64)), chunk_size)
+        t, starts = self._table, np.ascontiguousarray(token_starts, np.int64)
+        if first_bad(t.ids, t.block_size, t.num_blocks, starts, chunk_size) >= 0:
+            t.chunk_slots(starts, chunk_size)  # raises, naming what is wrong
+            raise AssertionError("first_bad and chunk_slots disagree")  # the test holds them equal
 
 
 __all__ = ["placements", "check", "buffer_extents", "run_segments", "BlockTable",

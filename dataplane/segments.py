@@ -1,5 +1,6 @@
 """The segment table of a paged copy, in compiled code: ``(dst, src, nbytes)`` rows between an
-engine's blocks and chunks in the slab's layout, for a range of layers of every chunk at once.
+engine's blocks and chunks in the slab's layout, for a range of layers of every chunk at once; and
+the check that a call's chunks have slots in its block table.
 
 This module owns the loops that ``dataplane.paged.run_segments`` (which says what the rows are)
 runs; it is imported by the data plane only, when a paged CUDA call first needs a table, so an
@@ -54,11 +55,29 @@ def segments(block, slot, layers, kv_at, block_bytes, token_bytes, num_layers, f
     return out
 
 
+@numba.njit(cache=True)
+def first_bad(ids, block_size, num_blocks, starts, count):
+    """The index of the first start whose ``count`` tokens pass the block table's end or touch a
+    block outside ``[0, num_blocks)`` (``dataplane.paged.BlockTable.chunk_slots`` refuses both);
+    -1 when none does."""
+    total = len(ids) * block_size
+    for k in range(len(starts)):
+        s = starts[k]
+        if s < 0 or s + count > total:
+            return k
+        if count > 0:
+            for b in range(s // block_size, (s + count - 1) // block_size + 1):
+                if ids[b] < 0 or ids[b] >= num_blocks:
+                    return k
+    return -1
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) the kernel before the first paged call."""
     one = np.zeros((1, 1), np.int64)
     two = np.zeros(2, np.int64)
     segments(one, one, np.zeros(1, np.int64), two, two, 2, 1, 0, 1, np.zeros(1, np.int64), True)
+    first_bad(np.zeros(1, np.int64), 16, 1, np.zeros(1, np.int64), 16)
 
 
-__all__ = ["segments", "warm"]
+__all__ = ["segments", "first_bad", "warm"]

@@ -321,3 +321,27 @@ def test_segment_rows_are_the_specification(seed: int) -> None:
         got = paged.run_segments(*args, to_slab=to_slab)
         want = spec_segments(*args, to_slab=to_slab)
         assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_compiled_check_refuses_exactly_what_chunk_slots_refuses(seed: int) -> None:
+    from dataplane.errors import OutOfRange
+    from dataplane.segments import first_bad
+    rng = np.random.default_rng(seed)
+    S, nb = int(rng.choice([1, 4, 16])), 40
+    ids = rng.integers(-2, nb + 3, int(rng.integers(1, 30))).astype("<i4")  # holes, ids past nb
+    table = paged.BlockTable(ids.tobytes(), S, nb)
+    for _ in range(50):
+        count = int(rng.integers(0, 3 * S + 2))
+        starts = rng.integers(-2, table.num_tokens + 2, int(rng.integers(1, 4))).astype(np.int64)
+        bad = first_bad(table.ids, S, nb, starts, count)
+        try:
+            table.chunk_slots(starts, count)
+            refused = False
+        except OutOfRange:
+            refused = True
+        assert (bad >= 0) == refused, (starts, count)
+        if bad >= 0:  # the start it names is refused alone, and the ones before it are not
+            with pytest.raises(OutOfRange):
+                table.chunk_slots(starts[bad:bad + 1], count)
+            table.chunk_slots(starts[:bad], count)
