@@ -78,6 +78,7 @@ class Case:
         self.T = chunks * CHUNK
         self.nbytes = 2 * L * self.T * D * 2
         self.rng = np.random.default_rng(0)
+        self.drawn: list[np.ndarray] = []  # tokens of the next stores (``draw``)
         self.L, self.D = L, D
         self.kv = [self._buffer(L, D) for _ in range(2)]
         self.inst = [client.register_kv_cache(kv, model_name=model) for kv in self.kv]
@@ -104,8 +105,7 @@ class Case:
         self.drawn = [self.fresh() for _ in range(k)]
 
     def take(self) -> np.ndarray:
-        drawn = getattr(self, "drawn", None)
-        return drawn.pop() if drawn else self.fresh()
+        return self.drawn.pop() if self.drawn else self.fresh()
 
     def store(self, inst: int = 1) -> None:
         tokens = self.take()

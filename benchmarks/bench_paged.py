@@ -97,9 +97,11 @@ def main() -> None:
             def draw(k: int = 1) -> None:  # untimed: fresh tokens for the next k stores
                 drawn[:] = [rng.integers(0, 2**31, N) for _ in range(k)]
 
+            def take() -> np.ndarray:
+                return drawn.pop() if drawn else rng.integers(0, 2**31, N)
+
             def store() -> None:
-                fresh = drawn.pop() if drawn else rng.integers(0, 2**31, N)
-                with client.store_pre_computed(reg[0], fresh, block_table=tables[0]) as t:
+                with client.store_pre_computed(reg[0], take(), block_table=tables[0]) as t:
                     done = t.wait()  # the with block gives the call's CUDA events back for reuse
                 assert done.ok and done.copied == N // CHUNK, done
 
@@ -129,9 +131,7 @@ def main() -> None:
                     assert t.wait().ok
 
             def stores_in_flight() -> None:
-                calls = [client.store_pre_computed(reg[0], drawn.pop() if drawn else
-                                                   rng.integers(0, 2**31, N),
-                                                   block_table=tables[0])
+                calls = [client.store_pre_computed(reg[0], take(), block_table=tables[0])
                          for _ in range(IN_FLIGHT)]
                 assert all(c.wait().copied == N // CHUNK for c in calls)
                 for c in calls:

@@ -68,15 +68,19 @@ def key_words(keys: Keys) -> np.ndarray:
     return out
 
 
+def batch_words(namespace_id: int, chunk_hashes: Sequence[bytes], rank: int) -> np.ndarray:
+    """The words of the keys ``(namespace_id, h, rank)`` of every hash, without key objects."""
+    words = np.empty((len(chunk_hashes), 4), np.int64)
+    words[:, :2] = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(-1, 2)
+    words[:, 2], words[:, 3] = signed64(namespace_id), rank
+    return words
+
+
 def shard_words(namespace_id: int, chunk_hashes: Sequence[bytes], world_size: int) -> np.ndarray:
     """The keys of every rank's shard of each chunk, int64 ``[len(chunk_hashes) * world_size, 4]``
     (chunk-major), built without ``ChunkKey`` objects."""
-    n = len(chunk_hashes)
-    words = np.empty((n * world_size, 4), np.int64)
-    raw = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(n, 2)
-    words[:, :2] = np.repeat(raw, world_size, axis=0)
-    words[:, 2] = signed64(namespace_id)
-    words[:, 3] = np.tile(np.arange(world_size), n)
+    words = np.repeat(batch_words(namespace_id, chunk_hashes, 0), world_size, axis=0)
+    words[:, 3] = np.tile(np.arange(world_size), len(chunk_hashes))
     return words
 
 
@@ -92,14 +96,6 @@ def hashes_among(held: np.ndarray, words: np.ndarray) -> np.ndarray:
     for i in np.flatnonzero(hi - lo > 1):  # one k0 in several objects: compare all their k1
         out[i] = bool((k1[lo[i]:hi[i]] == words[i, 1]).any())
     return out
-
-
-def batch_words(namespace_id: int, chunk_hashes: Sequence[bytes], rank: int) -> np.ndarray:
-    """The words of the keys ``(namespace_id, h, rank)`` of every hash, without key objects."""
-    words = np.empty((len(chunk_hashes), 4), np.int64)
-    words[:, :2] = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(-1, 2)
-    words[:, 2], words[:, 3] = signed64(namespace_id), rank
-    return words
 
 
 def keys_of(words: np.ndarray) -> list[ChunkKey]:
