@@ -92,6 +92,12 @@ class InstanceBuffer(abc.ABC):
         """``to_slab_many`` of layers ``[first, last)`` only (a layer-wise store)."""
         raise BadRequest(f"{type(self).__name__} has no layer-wise store")
 
+    def layer_copies(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                     to_slab: bool) -> "LayerCopies":
+        """The copies of one layer-wise call, made group of layers by group (``LayerCopies``):
+        what every group of the call shares is prepared once."""
+        return LayerCopies(self, token_starts, chunk_size, slab_offsets, to_slab)
+
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
         """Turn K of layers ``[first, last)`` of each chunk in place, after the copies enqueued
@@ -123,6 +129,29 @@ class InstanceBuffer(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the mapping (the engine's buffer itself is the engine's)."""
+
+
+class LayerCopies:
+    """The chunks of one layer-wise store (``to_slab``) or retrieve, copied group of layers by
+    group: ``copy(first, last)`` enqueues layers ``[first, last)`` of every chunk; ``close()``
+    after the last group. This one calls ``to_slab_layers`` or ``from_slab_layers`` per group;
+    a backend may prepare once what the groups share (``dataplane.cuda_paged``)."""
+
+    def __init__(self, buf: InstanceBuffer, token_starts: list[int], chunk_size: int,
+                 slab_offsets: list[int], to_slab: bool) -> None:
+        self.buf, self.token_starts, self.chunk_size = buf, token_starts, chunk_size
+        self.slab_offsets, self.to_slab = slab_offsets, to_slab
+
+    def copy(self, first: int, last: int) -> None:
+        if self.to_slab:
+            self.buf.to_slab_layers(self.token_starts, self.chunk_size, self.slab_offsets,
+                                    first, last)
+        else:
+            self.buf.from_slab_layers(self.slab_offsets, self.chunk_size, self.token_starts,
+                                      first, last)
+
+    def close(self) -> None:
+        pass
 
 
 class CopyEngine(abc.ABC):
@@ -168,4 +197,4 @@ def _cuda_present() -> bool:
     return bool(torch.cuda.is_available())
 
 
-__all__ = ["InstanceBuffer", "CopyEngine", "make_engine"]
+__all__ = ["InstanceBuffer", "LayerCopies", "CopyEngine", "make_engine"]

@@ -25,7 +25,9 @@ copy against 86-89 % and 18-24 %.
 A group of layers of a layer-wise retrieve skips the staging: where the device may use the slab's
 host address (``cudaDevAttrCanUseHostPointerForRegisteredMem``), one scatter kernel reads the
 group's rows of every chunk straight from their slots over PCIe (the copier's direct form,
-86-89 % of a pinned copy standalone) instead of two DMAs a chunk and a kernel.
+86-89 % of a pinned copy standalone) instead of two DMAs a chunk and a kernel. The segment table
+is built and uploaded once per call, for one layer; every layer is that table shifted
+(``_DirectLayers``), so a group costs the CPU one kernel launch a layer.
 
 NOTE: the staging area is two halves used in turn, so a batch's gather (store) or DMAs (retrieve)
 on a side stream overlap the other half's DMAs or scatter on the instance's stream. Events order
@@ -47,9 +49,10 @@ import numpy as np
 import torch
 
 from dataplane import paged
+from dataplane.backend import LayerCopies
 from dataplane.cuda import D2H, H2D, CudaBuffer
 from dataplane.errors import BadRequest
-from dataplane.gather import SegmentCopier
+from dataplane.gather import SegmentCopier, Table
 from dataplane.messages import PagedBuffer
 from shm.layout import KVLayout
 
@@ -192,6 +195,12 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
                               self.stream)
             freed[b % 2] = self._after(self.stream)
 
+    def layer_copies(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                     to_slab: bool) -> LayerCopies:
+        if not self._slab_mapped:
+            return super().layer_copies(token_starts, chunk_size, slab_offsets, to_slab)
+        return _DirectLayers(self, token_starts, chunk_size, slab_offsets, to_slab)
+
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
         # K of layer l starts at its allocation's K offset; a token's row at block*block_bytes +
@@ -210,6 +219,44 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
                 cupy.cuda.runtime.ipcCloseMemHandle(base)
             self._bases = []
             self._staging = None
+
+
+class _DirectLayers(LayerCopies):
+    """A layer-wise call's groups, each copied by the direct kernel from one segment table:
+    the table of the first group's first layer is built and uploaded once, and every layer is
+    that table shifted (the engine's side by the layer's base address, the slot's side by
+    ``l * C`` token rows), one kernel launch a layer. A whole-cache group takes the staged path."""
+
+    buf: CudaPagedBuffer
+
+    def __init__(self, buf: CudaPagedBuffer, token_starts: list[int], chunk_size: int,
+                 slab_offsets: list[int], to_slab: bool) -> None:
+        super().__init__(buf, token_starts, chunk_size, slab_offsets, to_slab)
+        self._table: Table | None = None
+        self._layer = 0  # the layer the table was built for
+
+    def copy(self, first: int, last: int) -> None:
+        buf = self.buf
+        if (first, last) == (0, buf.layout.num_layers) or not self.token_starts:
+            super().copy(first, last)
+            return
+        if self._table is None:
+            slots = buf._slab + np.asarray(self.slab_offsets, np.int64)
+            self._table = buf._copier.upload(
+                buf._segments(self.token_starts, self.chunk_size, first, first + 1, slots,
+                              self.to_slab), buf.stream)
+            self._layer = first
+        row = self.chunk_size * buf._row
+        for layer in range(first, last):
+            engine = int(buf._layers[layer] - buf._layers[self._layer])
+            slot = (layer - self._layer) * row
+            buf._copier.copy_table(self._table, buf.stream, *((slot, engine) if self.to_slab
+                                                             else (engine, slot)))
+
+    def close(self) -> None:
+        if self._table is not None:
+            self.buf._copier.release(self._table)
+            self._table = None
 
 
 __all__ = ["CudaPagedBuffer", "check_gatherable"]

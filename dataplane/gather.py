@@ -39,13 +39,17 @@ NOTE: lifetime of the segment table. ``copy`` writes the table into a pinned hos
 its upload and the kernel on the caller's stream, and records an event after the kernel; the pinned
 and device buffers belong to one slot of a ring of ``RING`` slots and are reused only after that
 slot's event completed (``copy`` waits for it, which happens only when ``RING`` copies are still in
-flight). The caller's segments array may be dropped or changed as soon as ``copy`` returns.
+flight). The caller's segments array may be dropped or changed as soon as ``copy`` returns. A table
+from ``upload`` (copied many times, shifted: the layers of a layer-wise call) has buffers of its
+own outside the ring, with the same event re-recorded after its upload and after each kernel; once
+released, its buffers serve a later ``upload`` only after that event completed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import cupy
@@ -56,6 +60,7 @@ THREADS = 256
 BLOCKS_PER_SM = 8
 UNROLL = 4
 RING = 8
+HELD_TABLES = 8  # released tables whose buffers are kept for reuse
 HOST_REGISTER_PORTABLE = 1
 HOST_REGISTER_MAPPED = 2
 ATTR_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
@@ -85,10 +90,11 @@ __device__ __forceinline__ void copy_run(char* dst, const char* src, long long n
     for (long long j = nw * w + tid; j < nb; j += step) dst[j] = src[j];
 }
 
-extern "C" __global__ void copy_segments(const long long* __restrict__ seg, long long n) {
+extern "C" __global__ void copy_segments(const long long* __restrict__ seg, long long n,
+                                         long long dst_shift, long long src_shift) {
     for (long long k = blockIdx.x; k < n; k += gridDim.x) {
-        char* dst = reinterpret_cast<char*>(seg[3 * k]);
-        const char* src = reinterpret_cast<const char*>(seg[3 * k + 1]);
+        char* dst = reinterpret_cast<char*>(seg[3 * k] + dst_shift);
+        const char* src = reinterpret_cast<const char*>(seg[3 * k + 1] + src_shift);
         const long long nb = seg[3 * k + 2];
         const unsigned long long mis = (unsigned long long)dst ^ (unsigned long long)src;
         const int t = threadIdx.x, step = blockDim.x;
@@ -211,6 +217,14 @@ class UploadRing:
                 slot.busy = False
 
 
+@dataclass(frozen=True)
+class Table:
+    """Segments uploaded once (``SegmentCopier.upload``): ``count`` pieces in ``slot``."""
+
+    slot: "_Slot"
+    count: int
+
+
 class SegmentCopier:
     """Copies ``(dst_ptr, src_ptr, nbytes)`` segments with one kernel launch per call.
 
@@ -228,6 +242,7 @@ class SegmentCopier:
             sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self._max_blocks = int(sms) * BLOCKS_PER_SM
         self._ring = UploadRing(device)
+        self._tables: list[_Slot] = []  # released tables' buffers (``upload``)
         self._streams: dict[int, Any] = {}
 
     def copy(self, segments: np.ndarray, stream: Any) -> None:
@@ -248,9 +263,54 @@ class SegmentCopier:
         with cupy.cuda.Device(self.device):
             ext = self._stream(stream_handle(stream))
             slot = self._ring.upload(seg.ravel(), ext)
-            blocks = min(len(seg), self._max_blocks)
-            self._kernel((blocks,), (THREADS,), (slot.dev, np.int64(len(seg))), stream=ext)
-            slot.launched(ext)
+            self._launch(slot, len(seg), 0, 0, ext)
+
+    def upload(self, segments: np.ndarray, stream: Any) -> "Table":
+        """Upload ``segments`` once, for any number of ``copy_table`` calls on ``stream`` (the
+        groups of a layer-wise call: one table, shifted to each layer). ``release`` it after
+        the last.
+
+        Raises:
+            ValueError: the table is not ``(n, 3)`` or has a negative byte count.
+        """
+        seg = split_segments(segments).ravel()
+        with cupy.cuda.Device(self.device):
+            ext = self._stream(stream_handle(stream))
+            # a held table is reused once its last kernel completed; else a new one
+            fits = [t for t in self._tables if t.words >= len(seg) and t.done.query()]
+            slot = fits[0] if fits else _Slot(max(len(seg), 3072))
+            if fits:
+                self._tables.remove(slot)
+            slot.host[:len(seg)] = seg
+            cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ctypes.data, seg.nbytes,
+                                          H2D, ext.ptr)
+            slot.launched(ext)  # the pinned words are not rewritten before the upload ran
+        return Table(slot, len(seg) // 3)
+
+    def copy_table(self, table: "Table", stream: Any, dst_shift: int = 0,
+                   src_shift: int = 0) -> None:
+        """Enqueue the copy of ``table``'s segments, every destination moved by ``dst_shift``
+        bytes and every source by ``src_shift``, on ``stream`` (the one it was uploaded on)."""
+        if table.count:
+            with cupy.cuda.Device(self.device):
+                self._launch(table.slot, table.count, dst_shift, src_shift,
+                             self._stream(stream_handle(stream)))
+
+    def release(self, table: "Table") -> None:
+        """Give ``table`` back; its buffers serve a later ``upload`` once its kernels ran."""
+        self._tables.append(table.slot)
+        while len(self._tables) > HELD_TABLES:  # drop idle ones only: kernels may read the rest
+            idle = next((t for t in self._tables if t.done.query()), None)
+            if idle is None:
+                break
+            self._tables.remove(idle)
+
+    def _launch(self, slot: "_Slot", count: int, dst_shift: int, src_shift: int,
+                ext: Any) -> None:
+        blocks = min(count, self._max_blocks)
+        self._kernel((blocks,), (THREADS,), (slot.dev, np.int64(count), np.int64(dst_shift),
+                                             np.int64(src_shift)), stream=ext)
+        slot.launched(ext)
 
     def _stream(self, handle: int) -> Any:
         ext = self._streams.get(handle)
@@ -319,5 +379,5 @@ def can_use_host_pointer(device: int = 0) -> bool:
     return bool(cupy.cuda.runtime.deviceGetAttribute(ATTR_CAN_USE_HOST_POINTER, device))
 
 
-__all__ = ["SegmentCopier", "UploadRing", "HostMapping", "split_segments", "host_device_pointer",
+__all__ = ["SegmentCopier", "Table", "UploadRing", "HostMapping", "split_segments", "host_device_pointer",
            "can_use_host_pointer", "stream_handle"]

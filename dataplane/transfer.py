@@ -349,14 +349,18 @@ def _store_layer_groups(buf: "InstanceBuffer", msg: StoreChunks, gate: Gate, at:
     """Copy each group of layers of the reserved chunks (token starts ``at``, slab offsets
     ``offs``) once the engine announced it."""
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
-    for g in range(msg.layer_groups):
-        if not gate.wait(bounds[g + 1], msg.layer_wait_s):
-            raise LayersNotWritten(f"layers [{bounds[g]}, {bounds[g + 1]}) were not announced "
-                                   f"written within {msg.layer_wait_s} s")
-        if msg.layer_events:
-            buf.begin(msg.layer_events[g])  # the engine recorded it after writing the group
-        if at:
-            buf.to_slab_layers(at, C, offs, bounds[g], bounds[g + 1])
+    copies = buf.layer_copies(at, C, offs, to_slab=True)
+    try:
+        for g in range(msg.layer_groups):
+            if not gate.wait(bounds[g + 1], msg.layer_wait_s):
+                raise LayersNotWritten(f"layers [{bounds[g]}, {bounds[g + 1]}) were not "
+                                       f"announced written within {msg.layer_wait_s} s")
+            if msg.layer_events:
+                buf.begin(msg.layer_events[g])  # the engine recorded it after writing the group
+            if at:
+                copies.copy(bounds[g], bounds[g + 1])
+    finally:
+        copies.close()
 
 
 def forget_evicted(sh: Shared) -> int:
@@ -566,16 +570,20 @@ def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: 
     batch = turn.of_batch(idx, store.positions(slots[idx])) if turn is not None else None
     failed = np.flatnonzero(why != VERIFIED).tolist()
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
-    for g in range(msg.layer_groups):
-        if len(idx):
-            buf.from_slab_layers(offsets, C, starts, bounds[g], bounds[g + 1])
-            if turn is not None:
-                buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
-        if msg.layer_events:
-            buf.record(msg.layer_events[g])  # the engine's stream waits on it
-        else:
-            buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
-        progress(LayersReady(instance_id=inst.id, layers=bounds[g + 1], failed=failed))
+    copies = buf.layer_copies(starts, C, offsets, to_slab=False)
+    try:
+        for g in range(msg.layer_groups):
+            if len(idx):
+                copies.copy(bounds[g], bounds[g + 1])
+                if turn is not None:
+                    buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
+            if msg.layer_events:
+                buf.record(msg.layer_events[g])  # the engine's stream waits on it
+            else:
+                buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
+            progress(LayersReady(instance_id=inst.id, layers=bounds[g + 1], failed=failed))
+    finally:
+        copies.close()
 
 
 def _pin(store: Store, buf: "InstanceBuffer", keys: np.ndarray, slots: np.ndarray,

@@ -160,6 +160,38 @@ def test_tables_are_reused_only_after_their_copy_completed(gather: Any) -> None:
     assert torch.equal(dst, src)
 
 
+def test_a_table_uploaded_once_is_copied_shifted_and_reused_only_when_idle(gather: Any) -> None:
+    """One table per round (a permutation of its own), copied once per layer with both ends
+    shifted (negative shifts too: the table is built for the middle layer), released at once
+    behind a busy stream: more rounds than the copier keeps tables, each lands bit-exact."""
+    import torch
+    rounds, layers, n, size, mid = 2 * gather.HELD_TABLES + 1, 5, 6, 4096, 2
+    row = n * size
+    src = random_bytes(layers * row, 13)
+    dst = torch.zeros(rounds * layers * row, dtype=torch.uint8, device="cuda")
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    copier = gather.SegmentCopier(0)
+    rng = np.random.default_rng(5)
+    perms = [rng.permutation(n) for _ in range(rounds)]
+    with torch.cuda.stream(stream):
+        for r, perm in enumerate(perms):
+            big.add_(1)  # the stream stays busy: released tables are still to be read
+            seg = np.array([[dst.data_ptr() + (r * layers + mid) * row + j * size,
+                             src.data_ptr() + mid * row + int(perm[j]) * size, size]
+                            for j in range(n)], dtype=np.int64)
+            table = copier.upload(seg, stream)
+            for layer in range(layers):
+                shift = (layer - mid) * row
+                copier.copy_table(table, stream, shift, shift)
+            copier.release(table)
+    stream.synchronize()
+    got = dst.view(rounds, layers, n, size).cpu()
+    want = src.view(layers, n, size).cpu()
+    for r, perm in enumerate(perms):
+        assert torch.equal(got[r], want[:, torch.from_numpy(perm)]), f"round {r}"
+
+
 def test_split_keeps_alignment_and_covers_every_byte(gather: Any) -> None:
     seg = np.array([[1003, 5003, 200_001], [0, 0, 0], [64, 128, 65_536]], dtype=np.int64)
     out = gather.split_segments(seg, piece=65_536)
