@@ -11,7 +11,11 @@ the K (after the rotary embedding) and V of prompt position ``p``. A prefill::
 
     lookup(prompt)                      matches: stored chunks, where they sit (cur_st)
     retrieve(matches, first_position=0) each chunk's KV into rows cur_st.., K turned to those
-                                        positions; layer-wise, so layer i can start once loaded
+                                        positions; layer-wise, and a layer's load is waited for
+                                        only where it is first read (a deviation, or a layer
+                                        that computes some rows only): cacheblend computes the
+                                        layers up to its check layer in full, behind which the
+                                        retrieve runs
     layer loop                          per layer, the rows the mode computes attend to every row
                                         at or before them (loaded or computed); the others keep
                                         the loaded KV
@@ -225,6 +229,61 @@ class _Cache:
         return self.k[layer_idx][:, :, :self.length], self.v[layer_idx][:, :, :self.length]
 
 
+class _Loads:
+    """A prefill's loaded KV, waited for where it is first read: ``ready(layer)`` returns once
+    the buffer's layers ``[0, layer]`` can be read (a layer-wise retrieve's groups one by one,
+    any other retrieve whole), ``into_cache`` also copies the layer into the cache. The first
+    wait says which chunks came: their rows are set in ``hit``. Without a transfer (no match, or
+    KV the buffer already holds) nothing is waited for."""
+
+    def __init__(self, engine: "BlendEngine", transfer: Transfer | None, layerwise: bool,
+                 starts: list[int], chunk: list[int], hit: np.ndarray,
+                 times: dict[str, float]) -> None:
+        self.engine, self.transfer, self.layerwise = engine, transfer, layerwise
+        self.starts, self.chunk, self.hit, self.times = starts, chunk, hit, times
+        self.failed: list[int] = []
+        self.waited = -1  # the last layer that can be read (-1: none yet)
+
+    def ready(self, layer: int) -> None:
+        if layer <= self.waited:
+            return
+        w = time.perf_counter()
+        first = self.waited < 0
+        if self.transfer is None:
+            self.waited = self.engine.layers - 1
+        elif self.layerwise:
+            for later in range(self.waited + 1, layer + 1):
+                self.failed = self.transfer.wait_layer(later, timeout=120)
+            self.waited = layer
+        else:
+            self.failed = self.transfer.wait(timeout=120).failed
+            self.waited = self.engine.layers - 1
+        if first:
+            self._mark()
+        self.times["load_wait"] += time.perf_counter() - w
+
+    def _mark(self) -> None:
+        bad = set(self.failed)
+        for j, (s, c) in enumerate(zip(self.starts, self.chunk)):
+            if j not in bad:
+                self.hit[s:s + c] = True
+
+    def into_cache(self, cache: _Cache, layer: int) -> None:
+        self.ready(layer)
+        if self.starts:
+            n = len(self.hit)
+            cache.k[layer][0, :, :n], cache.v[layer][0, :, :n] = self.engine._loaded(layer, n)
+
+    def finish(self) -> list[int]:
+        """The match indexes not copied, once the retrieve completed."""
+        if self.transfer is not None:
+            self.failed = self.transfer.wait(timeout=120).failed
+        if self.waited < 0:  # nothing read the loaded KV
+            self.waited = self.engine.layers - 1
+            self._mark()
+        return self.failed
+
+
 @dataclass
 class Prefill:
     """One prefill's result.
@@ -357,11 +416,7 @@ class BlendEngine:
                              f"engine's buffer of {self.kv.shape[2]} rows")
         t0 = time.perf_counter()
         times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
-        cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
-                       self.device)
-        cache.length = n
         hit = np.zeros(n, bool)
-        failed: list[int] = []
         transfer: Transfer | None = None
         layerwise = False
         starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
@@ -376,13 +431,16 @@ class BlendEngine:
                                                 cache_salt=self.salt,
                                                 layer_groups=self.layers if layerwise else 0,
                                                 first_position=positions)
-                if not layerwise:
-                    failed = transfer.wait(timeout=120).failed
             starts = [m.cur_st for m in matches]
             chunk = [m.cur_ed - m.cur_st for m in matches]
             heads = [m.cur_st for j, m in enumerate(matches)
                      if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
                      != (m.cur_st, m.old_st)]
+        # everything from here on overlaps the retrieve's first copies
+        cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
+                       self.device)
+        cache.length = n
+        loads = _Loads(self, transfer, layerwise, starts, chunk, hit, times)
         pos = torch.arange(positions, positions + n, device=self.device)[None]
         inner = self.model.model
         with torch.no_grad():
@@ -396,14 +454,15 @@ class BlendEngine:
             acc = torch.zeros(n, device=self.device) if mode.accumulate else None
             h = everything
             for layer_idx, layer in enumerate(inner.layers[:self.layers]):
-                if starts and (layer_idx == 0 or layerwise):
-                    w = time.perf_counter()
-                    failed = self._load(transfer, layerwise, layer_idx, cache, starts, chunk,
-                                        hit, failed)
-                    times["load_wait"] += time.perf_counter() - w
-                if layer_idx == 0 and mode.kind in ("naive", "epic") and hit.any():
-                    rows = self._rows(hit, mode, starts, chunk, heads)
-                    h = everything[:, rows]
+                # a layer computed in full reads no loaded KV: its load is waited for only where
+                # the loaded KV is read (a deviation, or a layer that computes some rows only)
+                if layer_idx == 0 and mode.kind in ("naive", "epic"):
+                    loads.ready(0)  # the rows they compute depend on which chunks came
+                    if hit.any():
+                        rows = self._rows(hit, mode, starts, chunk, heads)
+                        h = everything[:, rows]
+                if rows is not None:
+                    loads.into_cache(cache, layer_idx)
                 r: Any = slice(0, n) if rows is None else rows  # a slice writes without a scatter
                 cache.rows = r
                 mask = causal if rows is None else (pos[0, None, :] <= pos[0, r][:, None])[None, None]
@@ -411,8 +470,11 @@ class BlendEngine:
                 h = layer(h, mask, pos[:, r], cache, position_embeddings=pe)
                 computed.append(n if rows is None else len(rows))
                 if acc is not None and 1 <= layer_idx <= mode.check_layer and rows is None:
+                    loads.ready(layer_idx)
                     d = self.deviation(cache, layer_idx, n, mode.score)
                     acc += d / d.mean().clamp_min(1e-30)
+                if layer_idx in steps:
+                    loads.ready(layer_idx)  # the deviation reads it; the hit rows are known
                 if layer_idx in steps and hit.any():
                     w = time.perf_counter()
                     # a later step picks among the rows the one before picked
@@ -427,34 +489,12 @@ class BlendEngine:
                         rows, h = sel.rows, h[:, keep]
             logits = self.model.lm_head(inner.norm(h))[0].float()
             last = torch.arange(n, device=self.device) if rows is None else rows
-        if transfer is not None:
-            failed = transfer.wait(timeout=120).failed
+        failed = loads.finish()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         times["total"] = time.perf_counter() - t0
         return Prefill(logits, hit, computed, failed, cache, n, last.cpu().numpy() + positions,
                        times)
-
-    def _load(self, transfer: Transfer | None, layerwise: bool, layer_idx: int, cache: _Cache,
-              starts: list[int], chunk: list[int], hit: np.ndarray, failed: list[int]
-              ) -> list[int]:
-        """Copy layer ``layer_idx``'s loaded K and V (every layer at once for a retrieve that is
-        not layer-wise) into the cache and mark the rows the chunks filled."""
-        if layerwise:
-            assert transfer is not None
-            failed = transfer.wait_layer(layer_idx, timeout=120)
-            layers = [layer_idx]
-        else:
-            layers = list(range(self.layers))
-        if layer_idx == 0:
-            bad = set(failed)
-            for j, (s, c) in enumerate(zip(starts, chunk)):
-                if j not in bad:
-                    hit[s:s + c] = True
-        for layer in layers:
-            cache.k[layer][0, :, :len(hit)], cache.v[layer][0, :, :len(hit)] = self._loaded(
-                layer, len(hit))
-        return failed
 
     def _loaded(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the buffer's K and V of ``layer``, rows ``[0, n)``, as ``[kv_heads, n,
@@ -470,7 +510,7 @@ class BlendEngine:
             for s, c in zip(starts, chunk):
                 if hit[s]:
                     want[s:s + min(mode.first, c)] = True
-        return torch.from_numpy(np.flatnonzero(want)).to(self.device)
+        return _on(np.flatnonzero(want), self.device)
 
     def deviation(self, cache: _Cache, layer: int, n: int, score: str = "kv") -> torch.Tensor:
         """Per row ``[0, n)``, the squared L2 distance of ``cache``'s K and V (``score``) of
@@ -550,7 +590,7 @@ def select_rows(hit: np.ndarray, among: np.ndarray | torch.Tensor, mode: Mode, h
     def rows_of(picked: torch.Tensor) -> Selection:
         fixed = np.flatnonzero(want)
         fixed = fixed[(fixed >= lo) & (fixed < hi)]
-        rows = torch.from_numpy(fixed).to(device, non_blocking=True)
+        rows = _on(fixed, device)
         return Selection(torch.sort(torch.cat([rows, picked])).values if len(picked) else rows,
                          picked)
 
@@ -560,7 +600,7 @@ def select_rows(hit: np.ndarray, among: np.ndarray | torch.Tensor, mode: Mode, h
         return rows_of(none)
     forced = want & hit
     if isinstance(among, np.ndarray):
-        cand = torch.from_numpy(np.flatnonzero(among & ~forced)).to(device, non_blocking=True)
+        cand = _on(np.flatnonzero(among & ~forced), device)
     else:
         cand = among
     take = min(len(cand), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
@@ -572,6 +612,15 @@ def select_rows(hit: np.ndarray, among: np.ndarray | torch.Tensor, mode: Mode, h
             hits, take, replace=False))).to(device))
     order = torch.argsort(deviation()[cand], descending=True, stable=True)
     return rows_of(torch.sort(cand[order[:take]]).values)
+
+
+def _on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host rows on ``device`` without waiting for it: a copy from pageable memory may wait for
+    the stream's queued work, one from pinned memory does not."""
+    host = torch.from_numpy(rows)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _ids(tokens: Any) -> torch.Tensor:

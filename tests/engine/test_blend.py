@@ -199,3 +199,43 @@ def test_the_selection_variants_compute_what_they_say(engine: BlendEngine) -> No
         cacheblend(0.25, score="q")
     with pytest.raises(ValueError, match="widen"):
         cacheblend(0.25, widen=0.5)
+
+
+def test_a_blend_waits_for_a_loaded_layer_only_where_it_reads_it(engine: BlendEngine) -> None:
+    """CacheBlend computes every row of the layers up to its check layer, so their loads are
+    waited for at the check (the deviation reads them), not before layer 0: the first layers'
+    compute hides the retrieve. Naive reuse reads every layer's loaded rows."""
+    a, b, prompt = docs_and_prompt(6)
+    assert engine.precompute(a).ok and engine.precompute(b).ok
+    order: list[tuple[str, int]] = []
+    hooks = [layer.register_forward_pre_hook(lambda _m, _a, i=i: order.append(("compute", i)))
+             for i, layer in enumerate(engine.model.model.layers)]
+    retrieve = engine.client.retrieve
+
+    def spied(*args: object, **kwargs: object) -> object:
+        transfer = retrieve(*args, **kwargs)
+        wait_layer = transfer.wait_layer
+
+        def waited(layer: int, timeout: float | None = None) -> list[int]:
+            order.append(("wait", layer))
+            return wait_layer(layer, timeout)
+        transfer.wait_layer = waited  # type: ignore[method-assign]
+        return transfer
+
+    engine.client.retrieve = spied  # type: ignore[method-assign]
+    try:
+        blend = engine.prefill(prompt, cacheblend(0.25))
+        blended = list(order)
+        order.clear()
+        naive = engine.prefill(prompt, NAIVE)
+    finally:
+        del engine.client.retrieve
+        for h in hooks:
+            h.remove()
+    assert blended == [("compute", 0), ("compute", 1), ("wait", 0), ("wait", 1), ("wait", 2),
+                       ("compute", 2)]
+    assert order == [("wait", 0), ("compute", 0), ("wait", 1), ("compute", 1), ("wait", 2),
+                     ("compute", 2)]
+    assert blend.hit.sum() == naive.hit.sum() == len(a) + len(b)
+    assert blend.computed == [len(prompt)] * 2 + [len(prompt) - blend.hit.sum() +
+                                                  int(np.ceil(0.25 * blend.hit.sum()))]

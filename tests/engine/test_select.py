@@ -47,7 +47,10 @@ def case(seed: int, n: int = 300) -> tuple[np.ndarray, list[int], np.ndarray]:
 @pytest.mark.parametrize("mode", [cacheblend(0.15), cacheblend(0.15, widen=2.0),
                                   cacheblend(0.3, sinks=2), random_blend(0.15, seed=3),
                                   given([5, 70, 71, 299, 400])], ids=str)
-def test_two_steps_and_a_span_select_what_the_specification_does(seed: int, mode: Mode) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_steps_and_a_span_select_what_the_specification_does(seed: int, mode: Mode,
+                                                                 device: str) -> None:
+    """On the device too: its rows come from pinned host memory, copied without a wait."""
     hit, heads, dev = case(seed)
     n, lo, hi = len(hit), 20, 280
     devs = [dev, np.random.default_rng(seed + 100).integers(0, 4, n).astype(np.float32)]
@@ -61,16 +64,16 @@ def test_two_steps_and_a_span_select_what_the_specification_does(seed: int, mode
         rows_spec = want
         among_spec = hit & np.isin(np.arange(n), want)
         among = hit if picked is None else picked
-        sel = select_rows(hit, among, mode, heads, ratio, lambda: torch.from_numpy(devs[step]),
-                          torch.device("cpu"))
+        sel = select_rows(hit, among, mode, heads, ratio,
+                          lambda: torch.from_numpy(devs[step]).to(device), torch.device(device))
         picked = sel.picked
         rows_dev = sel.rows
         assert rows_dev.tolist() == rows_spec.tolist(), f"step {step}"
         assert bool((torch.diff(picked) > 0).all()) and set(picked.tolist()) <= set(want.tolist())
     # vLLM's span: candidates and rows inside the claim only
     in_span = (np.arange(n) >= lo) & (np.arange(n) < hi)
-    sel = select_rows(hit, hit & in_span, mode, heads, steps[0], lambda: torch.from_numpy(dev),
-                      torch.device("cpu"), span=(lo, hi))
+    sel = select_rows(hit, hit & in_span, mode, heads, steps[0],
+                      lambda: torch.from_numpy(dev).to(device), torch.device(device), span=(lo, hi))
     want = spec(hit, hit & in_span, mode, heads, steps[0], dev)
     assert sel.rows.tolist() == want[(want >= lo) & (want < hi)].tolist()
 
