@@ -47,14 +47,14 @@ print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-depe
         pip install torch --index-url https://download.pytorch.org/whl/cpu ; \
     fi && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 
-COPY README.md ./
+COPY README.md setup.py kvblend-legacy.pth ./
 COPY shm/ shm/
 COPY dataplane/ dataplane/
 COPY api/ api/
 COPY engine/ engine/
 RUN pip install --no-deps .
 
-# Run as an unprivileged user, from a folder without sources: `python -m dataplane` and
+# Run as an unprivileged user, from a folder without sources: `python -m kvblend.dataplane` and
 # `python -m uvicorn` put the working directory first on sys.path, and must import the installed
 # package, whose files the numba cache below is keyed by.
 USER ${KVBLEND_UID}:${KVBLEND_UID}
@@ -65,7 +65,7 @@ WORKDIR /home/kvblend
 # numba keys its cache by CPU model and features as well: on another CPU the service compiles
 # once at its first start (before /readyz turns 200) and adds to this cache, which the runtime
 # user owns.
-RUN python3 -c "from dataplane import kernels; kernels.warm('kvblend')"
+RUN python3 -c "from kvblend.dataplane import kernels; kernels.warm('kvblend')"
 
 EXPOSE 8780
 # Stopping drains: the API finishes its requests, then the data plane its queued copies (up to

@@ -5,13 +5,3 @@ processes. It never copies KV: that is the data plane's job, reached through its
 """
 
 from __future__ import annotations
-
-
-def kvblend_version() -> str:
-    """The installed package's version."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvblend")
-    except PackageNotFoundError:  # a source tree that was never installed
-        return "0+unknown"

@@ -18,15 +18,16 @@ from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from api import errors, kvblend_version
-from api.auth import Tokens, require_admin, require_token
-from api.limits import BodyLimit
-from api.lookup import LookupFastPath
-from api.metrics import build_registry
-from api.routes import chunks, events, health, instances, lookup, metrics, status
-from api.schemas import LookupRequest
-from api.services import Services
-from api.settings import Settings
+from kvblend.api import errors
+from kvblend.api.auth import Tokens, require_admin, require_token
+from kvblend.api.limits import BodyLimit
+from kvblend.api.lookup import LookupFastPath
+from kvblend.api.metrics import build_registry
+from kvblend.api.routes import chunks, events, health, instances, lookup, metrics, status
+from kvblend.api.schemas import LookupRequest
+from kvblend.api.services import Services
+from kvblend.api.settings import Settings
+from kvblend.shm.version import kvblend_version
 
 DESCRIPTION = """\
 Per-host KV-cache server for context blending: engines store the KV of document chunks they have

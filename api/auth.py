@@ -25,8 +25,8 @@ from fastapi.openapi.models import HTTPBearer as HTTPBearerModel
 from fastapi.security.base import SecurityBase
 from starlette.types import Scope
 
-from api.errors import AdminRequired, Unauthorized
-from api.settings import Settings
+from kvblend.api.errors import AdminRequired, Unauthorized
+from kvblend.api.settings import Settings
 
 SCHEME = b"Bearer "
 

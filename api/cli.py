@@ -19,8 +19,8 @@ import httpx
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from api import kvblend_version
-from api.settings import Settings
+from kvblend.api.settings import Settings
+from kvblend.shm.version import kvblend_version
 
 CLIENT_FLAGS = ("host", "port", "api_token")
 
@@ -120,9 +120,9 @@ def _main(argv: list[str] | None) -> int:
 def _destroy(prefix: str) -> int:
     """Remove the service's shared memory under ``prefix``, holding the serve lock meanwhile so
     that no serve starts on it; 1 while a serve runs, 2 when a name is not ours."""
-    from api.supervisor import AlreadyServing, hold_prefix
-    from shm.errors import ForeignObject
-    from shm.names import Names, destroy
+    from kvblend.api.supervisor import AlreadyServing, hold_prefix
+    from kvblend.shm.errors import ForeignObject
+    from kvblend.shm.names import Names, destroy
 
     names = Names(prefix)
     existed = [p for p in names.service_paths() if os.path.lexists(p)]
@@ -150,8 +150,8 @@ def _destroy(prefix: str) -> int:
 
 def _serve(settings: Settings) -> int:
     """Run the supervisor; 1 when another serve holds the prefix, 2 when a name is not ours."""
-    from api.supervisor import AlreadyServing, ConfigError, Supervisor
-    from shm.errors import ForeignObject
+    from kvblend.api.supervisor import AlreadyServing, ConfigError, Supervisor
+    from kvblend.shm.errors import ForeignObject
 
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
                         else "DEBUG", stream=sys.stderr,

@@ -10,12 +10,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.link import DataPlaneLink
-from api.services import Services
-from api.settings import Settings
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.store import Store
+from kvblend.api.link import DataPlaneLink
+from kvblend.api.services import Services
+from kvblend.api.settings import Settings
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.store import Store
 
 
 async def get_services(request: Request) -> Services:

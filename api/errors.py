@@ -42,8 +42,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from dataplane.errors import FROM_SHM
-from dataplane.errors import HTTP_STATUS as DATAPLANE_STATUS
+from kvblend.dataplane.errors import FROM_SHM
+from kvblend.dataplane.errors import HTTP_STATUS as DATAPLANE_STATUS
 
 log = logging.getLogger("kvblend.api")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import PayloadTooLarge, problem_response
+from kvblend.api.errors import PayloadTooLarge, problem_response
 
 _CLOSE = {"connection": "close"}
 _MAX_DIGITS = 18  # a longer Content-Length is over any limit (and would not fit an int64)

@@ -16,12 +16,12 @@ import base64
 import threading
 import time
 
-from api.schemas import (CudaIpc, Instance, InstanceCreated, KVLayoutOut, PagedKV, Placement,
-                         RegisterInstance)
-from dataplane import errors as dp_errors
-from dataplane import messages as dp
-from dataplane.channel import Channel
-from shm.layout import KVLayout
+from kvblend.api.schemas import (CudaIpc, Instance, InstanceCreated, KVLayoutOut, PagedKV,
+                                 Placement, RegisterInstance)
+from kvblend.dataplane import errors as dp_errors
+from kvblend.dataplane import messages as dp
+from kvblend.dataplane.channel import Channel
+from kvblend.shm.layout import KVLayout
 
 class DataPlaneLink:
     """Typed calls to the data plane at ``address``.

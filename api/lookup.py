@@ -31,13 +31,13 @@ import numpy as np
 from fastapi import Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import Role, role_of
-from api.errors import ApiError, InvalidInput, UnsupportedMediaType, problem_for
-from api.metrics import count_lookup
-from api.services import Services
-from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, Namespace
-from shm.lookup import lookup
-from shm.telemetry import LookupEnd, LookupStart
+from kvblend.api.auth import Role, role_of
+from kvblend.api.errors import ApiError, InvalidInput, UnsupportedMediaType, problem_for
+from kvblend.api.metrics import count_lookup
+from kvblend.api.services import Services
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, Namespace
+from kvblend.shm.lookup import lookup
+from kvblend.shm.telemetry import LookupEnd, LookupStart
 
 OCTET_STREAM = "application/octet-stream"
 

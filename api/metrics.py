@@ -25,13 +25,13 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
-from api import kvblend_version
-from shm.events import EventLog
-from shm.records import StoreStats
-from shm.telemetry import HISTOGRAMS, LOOKUP_SECONDS, MODEL_COUNTERS, Counter, Histogram
+from kvblend.shm.events import EventLog
+from kvblend.shm.records import StoreStats
+from kvblend.shm.telemetry import HISTOGRAMS, LOOKUP_SECONDS, MODEL_COUNTERS, Counter, Histogram
+from kvblend.shm.version import kvblend_version
 
 if TYPE_CHECKING:
-    from api.services import Services
+    from kvblend.api.services import Services
 
 
 def count_lookup(events: EventLog, model: str, requested: int, hit: int, seconds: float) -> None:

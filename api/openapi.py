@@ -1,4 +1,4 @@
-"""Print the service's OpenAPI schema: ``python -m api.openapi > openapi/openapi.json``.
+"""Print the service's OpenAPI schema: ``python -m kvblend.api.openapi > openapi/openapi.json``.
 
 The committed file is the reviewed contract; a test fails when the app's schema drifts from it.
 """
@@ -9,8 +9,8 @@ import json
 import sys
 from typing import Any
 
-from api.app import create_app
-from api.settings import Settings
+from kvblend.api.app import create_app
+from kvblend.api.settings import Settings
 
 
 def schema(api_token: str | None = None) -> dict[str, Any]:

@@ -10,10 +10,10 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from dataplane.messages import MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
-from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
-from shm.names import KVBUF_PATTERN
-from shm.telemetry import EventKind
+from kvblend.dataplane.messages import MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
+from kvblend.shm.names import KVBUF_PATTERN
+from kvblend.shm.telemetry import EventKind
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
 ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_BYTES,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.link import DataPlaneLink
-from api.settings import Backend, Settings, resolve_backend
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.remotes import RemoteChunks
-from shm.store import Store
-from shm.warm import warm
+from kvblend.api.link import DataPlaneLink
+from kvblend.api.settings import Backend, Settings, resolve_backend
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.remotes import RemoteChunks
+from kvblend.shm.store import Store
+from kvblend.shm.warm import warm
 
 
 @dataclass

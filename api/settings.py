@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     @classmethod
     def _remote_url(cls, value: str) -> str:
         if value:
-            from dataplane.remote import parse_url
+            from kvblend.dataplane.remoteurl import parse_url
             parse_url(value)  # ValueError names what is wrong
         return value
 
@@ -158,7 +158,8 @@ class Settings(BaseSettings):
         """Where the data plane listens: ``dataplane_socket``, or its default for the prefix."""
         if self.dataplane_socket:
             return self.dataplane_socket
-        import dataplane  # the public surface only; imported late to keep settings light
+        # the public surface only; imported late to keep settings light
+        from kvblend import dataplane
 
         return str(dataplane.default_address(self.shm_prefix))
 

@@ -3,7 +3,7 @@
 This module owns the service's process tree and start-up; it never serves a request itself::
 
     kvblend serve (this process)
-    ├── python -m dataplane ...            restarted when it dies; re-attaches
+    ├── python -m kvblend.dataplane ...            restarted when it dies; re-attaches
     └── python -m uvicorn api.app:...      --workers N; restarted when it dies
 
 Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
@@ -44,16 +44,16 @@ import sys
 import threading
 import time
 
-from api.child import Child, StartupFailed
-from api.settings import Backend, Settings, resolve_backend
-from shm.errors import LayoutMismatch
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.names import Names
-from shm.remotes import RemoteChunks
-from shm.private import check_socket, open_private
-from shm.store import Store, StoreConfig
-from shm.telemetry import Counter
+from kvblend.api.child import Child, StartupFailed
+from kvblend.api.settings import Backend, Settings, resolve_backend
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.names import Names
+from kvblend.shm.remotes import RemoteChunks
+from kvblend.shm.private import check_socket, open_private
+from kvblend.shm.store import Store, StoreConfig
+from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.serve")
 
@@ -217,8 +217,8 @@ class Supervisor:
 
     def _dataplane_argv(self) -> list[str]:
         s = self.settings
-        argv = [sys.executable, "-m", "dataplane", "--shm-prefix", s.shm_prefix, "--chunk-size",
-                str(s.chunk_size), "--backend", self.backend.value,
+        argv = [sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", s.shm_prefix,
+                "--chunk-size", str(s.chunk_size), "--backend", self.backend.value,
                 "--log-level", s.log_level.upper() if s.log_level != "trace" else "DEBUG",
                 "--lease", str(s.instance_lease_s), "--max-instances", str(s.max_instances),
                 "--max-instances-per-client", str(s.max_instances_per_client),
@@ -235,7 +235,7 @@ class Supervisor:
 
     def _api_argv(self) -> list[str]:
         s = self.settings
-        return [sys.executable, "-m", "uvicorn", "api.app:app_from_env", "--factory",
+        return [sys.executable, "-m", "uvicorn", "kvblend.api.app:app_from_env", "--factory",
                 "--host", s.host, "--port", str(s.port), "--workers", str(s.workers),
                 "--log-level", s.log_level, "--no-access-log", "--lifespan", "on",
                 "--timeout-graceful-shutdown", str(int(self._api_grace()) - 2)]

@@ -27,14 +27,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from api.settings import Settings
-from api.supervisor import prepare
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.layout import ChunkClass, KVLayout
-from shm.lookup import lookup
-from shm.names import destroy
-from shm.store import ChunkKey, Store
+from kvblend.api.settings import Settings
+from kvblend.api.supervisor import prepare
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.layout import ChunkClass, KVLayout
+from kvblend.shm.lookup import lookup
+from kvblend.shm.names import destroy
+from kvblend.shm.store import ChunkKey, Store
 
 CHUNK = 256
 SEQ_CHUNKS = 64
@@ -159,7 +159,7 @@ def free_port() -> int:
 def serve(settings: Settings, workers: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     script = Path(sys.executable).with_name("kvblend")
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "kvblend.api.cli"]
     proc = subprocess.Popen([*argv, "serve"], env={
         **os.environ, **settings.model_copy(update={"port": port, "workers": workers}).to_env()})
     url = f"http://127.0.0.1:{port}"

@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dataplane import default_address  # noqa: E402
-from dataplane.client import BlendClient  # noqa: E402
-from dataplane.messages import Ping  # noqa: E402
-from shm.events import EventLog  # noqa: E402
-from shm.fingerprint import FingerprintIndex  # noqa: E402
-from shm.names import destroy  # noqa: E402
-from shm.store import Store, StoreConfig  # noqa: E402
+from kvblend.dataplane import default_address  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.dataplane.messages import Ping  # noqa: E402
+from kvblend.shm.events import EventLog  # noqa: E402
+from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
+from kvblend.shm.store import Store, StoreConfig  # noqa: E402
 
 # (L, D), bfloat16; "tiny" chunks (8 KiB) time the per-call work itself, not the bytes
 LAYOUTS = {"llama8b": (32, 1024), "small": (24, 128), "2mib": (16, 128), "tiny": (1, 8)}
@@ -59,7 +59,7 @@ def median_time(fn: Callable[[], object], iters: int, before: Callable[[], objec
 
 
 def start_dataplane(prefix: str, backend: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane", "--shm-prefix", prefix,
+    proc = subprocess.Popen([sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", prefix,
                              "--chunk-size", str(CHUNK), "--backend", backend,
                              "--log-level", "WARNING"], stdout=subprocess.PIPE,
                             env=os.environ.copy(),
@@ -141,7 +141,7 @@ class Case:
         """A retrieve into a buffer registered with Llama-3.1's rotary config (head dim 128),
         turning K to positions 1000 further on, or not."""
         if not hasattr(self, "rot"):
-            from dataplane.messages import RotaryConfig
+            from kvblend.dataplane.messages import RotaryConfig
             cfg = RotaryConfig(head_dim=128, theta=500000.0, scaling="llama3", factor=8.0,
                                low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy  # noqa: E402
 
-from dataplane.gather import (HostMapping, SegmentCopier, can_use_host_pointer,  # noqa: E402
-                              host_device_pointer)
+from kvblend.dataplane.gather import (HostMapping, SegmentCopier,  # noqa: E402
+                                      can_use_host_pointer, host_device_pointer)
 
 D2H = cupy.cuda.runtime.memcpyDeviceToHost
 H2D = cupy.cuda.runtime.memcpyHostToDevice

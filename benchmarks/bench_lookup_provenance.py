@@ -22,12 +22,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shm.fingerprint import FingerprintIndex  # noqa: E402
-from shm.hashing import Namespace, chunk_hashes  # noqa: E402
-from shm.layout import ChunkClass, DType, KVLayout  # noqa: E402
-from shm.lookup import live_checker, lookup  # noqa: E402
-from shm.names import destroy  # noqa: E402
-from shm.store import ChunkKey, Store, StoreConfig  # noqa: E402
+from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
+from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from kvblend.shm.layout import ChunkClass, DType, KVLayout  # noqa: E402
+from kvblend.shm.lookup import live_checker, lookup  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
+from kvblend.shm.store import ChunkKey, Store, StoreConfig  # noqa: E402
 
 C = 256
 

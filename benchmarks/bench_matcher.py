@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shm.fingerprint import FingerprintIndex  # noqa: E402
-from shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
+from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
 
 CHUNK = 256
 PER_SEQ = 64

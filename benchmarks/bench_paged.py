@@ -32,12 +32,12 @@ sys.path.insert(0, HERE)
 
 from bench_dataplane import (CHUNK, IN_FLIGHT, limits_cpu, limits_cuda, median_time,  # noqa: E402
                              start_dataplane)
-from dataplane import default_address  # noqa: E402
-from dataplane.client import BlendClient  # noqa: E402
-from dataplane.messages import RotaryConfig  # noqa: E402
-from shm.fingerprint import FingerprintIndex  # noqa: E402
-from shm.names import destroy  # noqa: E402
-from shm.store import Store, StoreConfig  # noqa: E402
+from kvblend.dataplane import default_address  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.dataplane.messages import RotaryConfig  # noqa: E402
+from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
+from kvblend.shm.store import Store, StoreConfig  # noqa: E402
 
 S = 16
 

@@ -18,9 +18,9 @@ import uuid
 
 import numpy as np
 
-from shm.layout import ChunkClass
-from shm.store import ChunkKey, Store, StoreConfig, destroy
-from shm.storefile import meta_size as _meta_size
+from kvblend.shm.layout import ChunkClass
+from kvblend.shm.store import ChunkKey, Store, StoreConfig, destroy
+from kvblend.shm.storefile import meta_size as _meta_size
 
 SIZES = {  # object size -> a layout class with exactly that many KV bytes (chunk 256, bf16)
     "256 KiB": ChunkClass("bench", 1, 4, 64, "bfloat16", 256),

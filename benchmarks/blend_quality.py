@@ -64,9 +64,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from blend_ttft import served  # noqa: E402
-from dataplane.client import BlendClient  # noqa: E402
-from engine.blend import (FULL, NAIVE, BlendEngine, Mode, Prefill, cacheblend, epic,  # noqa: E402
-                          given, random_blend)
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.engine.blend import (FULL, NAIVE, BlendEngine, Mode, Prefill, cacheblend,  # noqa: E402
+                                  epic, given, random_blend)
 from tests import realmodel  # noqa: E402
 
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1 << 30))  # row offsets within a chunk

@@ -65,9 +65,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from blend_ttft import served  # noqa: E402
-from dataplane.client import BlendClient  # noqa: E402
-from engine.blend import (DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill,  # noqa: E402
-                          cacheblend, epic, random_blend)
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.engine.blend import (DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill,  # noqa: E402
+                                  cacheblend, epic, random_blend)
 from tests import realmodel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

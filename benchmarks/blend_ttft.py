@@ -41,9 +41,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dataplane.client import BlendClient  # noqa: E402
-from engine.blend import FULL, BlendEngine, cacheblend  # noqa: E402
-from shm.names import destroy  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.engine.blend import FULL, BlendEngine, cacheblend  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
 
 LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -76,7 +76,7 @@ def start_service(prefix: str, backend: str, storage_mb: int) -> tuple[subproces
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--backend", backend,
+    proc = subprocess.Popen([sys.executable, "-m", "kvblend.api.cli", "serve", "--backend", backend,
                              "--port", str(port), "--shm-prefix", prefix, "--storage-mb",
                              str(storage_mb), "--fingerprint-capacity", str(1 << 18),
                              "--log-level", "warning"])

@@ -32,10 +32,10 @@ import numpy as np
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataplane.remote import ChunkId, Fetched, RemoteTier, encode  # noqa: E402
-from shm.hashing import Namespace, chunk_hashes  # noqa: E402
-from shm.header import ORIGIN_STANDALONE  # noqa: E402
-from shm.layout import DType  # noqa: E402
+from kvblend.dataplane.remote import ChunkId, Fetched, RemoteTier, encode  # noqa: E402
+from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from kvblend.shm.header import ORIGIN_STANDALONE  # noqa: E402
+from kvblend.shm.layout import DType  # noqa: E402
 from tests.remote.conftest import ClusterProcs, started  # noqa: E402
 
 C = 256

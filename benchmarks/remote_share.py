@@ -52,11 +52,11 @@ import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataplane.client import BlendClient  # noqa: E402
-from dataplane.remote import ChunkId, encode  # noqa: E402
-from shm.hashing import Namespace  # noqa: E402
-from shm.header import ORIGIN_STANDALONE  # noqa: E402
-from shm.layout import DType  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.dataplane.remote import ChunkId, encode  # noqa: E402
+from kvblend.shm.hashing import Namespace  # noqa: E402
+from kvblend.shm.header import ORIGIN_STANDALONE  # noqa: E402
+from kvblend.shm.layout import DType  # noqa: E402
 from tests.conftest import remove_prefix  # noqa: E402
 from tests.remote.conftest import ClusterProcs, RedisProc, started  # noqa: E402
 from tests.test_e2e import Service  # noqa: E402

@@ -32,8 +32,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shm.names import Names
-from shm.private import SHM_DIR
+from kvblend.shm.names import Names
+from kvblend.shm.private import SHM_DIR
 from tests.churn import Churn, Schedule, Sizes, SoakFailure
 from tests.conftest import remove_prefix
 

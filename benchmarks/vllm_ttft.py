@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from blend_ttft import start_service  # noqa: E402
-from dataplane.client import BlendClient  # noqa: E402
-from shm.names import destroy  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
 
 DOC, CONTINUATION, PREAMBLE, SEPARATOR, SYSTEM = 256, 128, 5, 7, 300
 SHAPES = ("boundaries", "preamble", "separators", "system")
@@ -101,8 +101,8 @@ def engine(model: Path, url: str | None, mode: tuple[str, float | None] | None) 
         if mode[1] is not None:
             extra["ratio"] = mode[1]
         kw["kv_transfer_config"] = {
-            "kv_connector": "KVBlendConnector", "kv_connector_module_path": "engine.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector": "KVBlendConnector",
+            "kv_connector_module_path": "kvblend.engine.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
     return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=8192,
                enforce_eager=True, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
@@ -136,7 +136,7 @@ def nll(llm: Any, prompt: list[int], first: int) -> float:
 
 
 def close(llm: Any) -> None:
-    from engine.vllm_connector import shutdown_llm
+    from kvblend.engine.vllm_connector import shutdown_llm
     shutdown_llm(llm)
     del llm
     gc.collect()

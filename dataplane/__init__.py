@@ -8,9 +8,10 @@ Contract (stable; the API process and engines rely on it):
 
 Process::
 
-    python -m dataplane --shm-prefix P --chunk-size C --backend cpu|cuda|auto [--socket PATH]
-                        [--reclaim-interval SECONDS] [--lease SECONDS] [--max-instances N]
-                        [--max-instances-per-client N] [--max-connections N] [--log-level LEVEL]
+    python -m kvblend.dataplane --shm-prefix P --chunk-size C --backend cpu|cuda|auto
+                        [--socket PATH] [--reclaim-interval SECONDS] [--lease SECONDS]
+                        [--max-instances N] [--max-instances-per-client N]
+                        [--max-connections N] [--log-level LEVEL]
 
     Attaches the existing store (``Store.open(P)``) and fingerprint index ``P_fp`` (with the
     capacity it was created with), the event log ``EventLog.open(P)``, listens on a Unix stream
@@ -57,9 +58,7 @@ Client: ``dataplane.client.BlendClient`` (see there).
 
 from __future__ import annotations
 
-from shm.names import Names
-
-__version__ = "0.1.0"
+from kvblend.shm.names import Names
 
 
 def default_address(prefix: str) -> str:
@@ -67,4 +66,4 @@ def default_address(prefix: str) -> str:
     return Names(prefix).socket
 
 
-__all__ = ["default_address", "__version__"]
+__all__ = ["default_address"]

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m dataplane --shm-prefix P --chunk-size C --backend cpu|cuda|auto``.
+"""Entry point: ``python -m kvblend.dataplane --shm-prefix P --chunk-size C --backend B``.
 
 Attaches the existing store and fingerprint index of prefix ``P`` (the supervisor created them),
 serves the channel on ``--socket`` (default ``dataplane.default_address(P)``), prints one line
@@ -21,24 +21,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pydantic
 
-from dataplane import default_address, kernels
-from dataplane.backend import make_engine
-from dataplane.server import DataPlane
-from dataplane.settings import DataPlaneSettings
-from dataplane.transfer import Shared, open_fingerprints
-from shm.errors import ForeignObject
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.remotes import wall_ms
-from shm.store import Store
-from shm.telemetry import Counter
+from kvblend.dataplane import default_address, kernels
+from kvblend.dataplane.backend import make_engine
+from kvblend.dataplane.server import DataPlane
+from kvblend.dataplane.settings import DataPlaneSettings
+from kvblend.dataplane.transfer import Shared
+from kvblend.shm.errors import ForeignObject
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.remotes import wall_ms
+from kvblend.shm.store import Store
+from kvblend.shm.telemetry import Counter
 
 if TYPE_CHECKING:
-    from dataplane.discovery import Discovery
-    from dataplane.promote import Promoter
-    from dataplane.remote import RemoteTier
-    from dataplane.writebehind import WriteBehind
-    from shm.remotes import RemoteChunks
+    from kvblend.dataplane.discovery import Discovery
+    from kvblend.dataplane.promote import Promoter
+    from kvblend.dataplane.remote import RemoteTier
+    from kvblend.dataplane.writebehind import WriteBehind
+    from kvblend.shm.remotes import RemoteChunks
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -46,7 +46,8 @@ log = logging.getLogger("kvblend.dataplane")
 def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
     """The process's settings: flags win over ``KVBLEND_DP_*`` variables, which win over the
     defaults of ``DataPlaneSettings``. Exits 2 with the reason on a missing or bad value."""
-    p = argparse.ArgumentParser(prog="python -m dataplane", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m kvblend.dataplane",
+                                description=__doc__.split("\n")[0],
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--shm-prefix", help="segment prefix of the store to attach")
     p.add_argument("--chunk-size", type=int, help="tokens per chunk")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
     store = Store.open(prefix)
-    fingerprints = open_fingerprints(prefix, settings.chunk_size)
+    fingerprints = FingerprintIndex.attach(prefix, settings.chunk_size)
     events = EventLog.open(prefix)
     remote = Remote.start(settings, store, fingerprints, events) if settings.remote else None
     # a data plane killed between an eviction and its fingerprint removal left entries behind;
@@ -137,11 +138,11 @@ class Remote:
               events: EventLog) -> "Remote":
         """Connect to ``--remote`` (``dataplane.remote``; a remote that is down only costs
         misses until it answers) and start the write-behind and discovery threads."""
-        from dataplane.discovery import Discovery
-        from dataplane.promote import Promoter
-        from dataplane.remote import RemoteTier
-        from dataplane.writebehind import WriteBehind
-        from shm.remotes import RemoteChunks
+        from kvblend.dataplane.discovery import Discovery
+        from kvblend.dataplane.promote import Promoter
+        from kvblend.dataplane.remote import RemoteTier
+        from kvblend.dataplane.writebehind import WriteBehind
+        from kvblend.shm.remotes import RemoteChunks
 
         def secret(value: pydantic.SecretStr | None) -> str | None:
             return value.get_secret_value() if value is not None else None

@@ -26,10 +26,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from dataplane.client import BlendClient, Transfer, TransferResult
-from dataplane.errors import Timeout
-from dataplane.messages import InstanceInfo
-from shm.matches import LookupResult
+from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
+from kvblend.dataplane.errors import Timeout
+from kvblend.dataplane.messages import InstanceInfo
+from kvblend.shm.matches import LookupResult
 
 
 class AsyncTransfer:

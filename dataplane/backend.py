@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.errors import BadRequest
-from dataplane.messages import Backend, BufferSpec
-from shm.layout import KVLayout
-from shm.store import Store
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.messages import Backend, BufferSpec
+from kvblend.shm.layout import KVLayout
+from kvblend.shm.store import Store
 
 
 class InstanceBuffer(abc.ABC):
@@ -181,10 +181,10 @@ def make_engine(backend: str, store: Store, staging_bytes: int = 128 << 20) -> C
     if backend == "auto":
         backend = Backend.CUDA.value if _cuda_present() else Backend.CPU.value
     if backend == Backend.CUDA.value:
-        from dataplane.cuda import CudaEngine
+        from kvblend.dataplane.cuda import CudaEngine
         return CudaEngine(store, staging_bytes)
     if backend == Backend.CPU.value:
-        from dataplane.cpu import CpuEngine
+        from kvblend.dataplane.cpu import CpuEngine
         return CpuEngine(store)
     raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto")
 

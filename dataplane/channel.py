@@ -20,9 +20,9 @@ import socket
 import threading
 from typing import Any
 
-from dataplane.errors import DataPlaneUnavailable, Timeout, error_for
-from dataplane.messages import (HEADER, MAX_FRAME, ErrorReply, LayersReady, Reply, frame,
-                                reply_decoder)
+from kvblend.dataplane.errors import DataPlaneUnavailable, Timeout, error_for
+from kvblend.dataplane.messages import (HEADER, MAX_FRAME, ErrorReply, LayersReady, Reply, frame,
+                                        reply_decoder)
 
 
 def recv_frame(sock: socket.socket) -> tuple[int, bytes] | None:

@@ -60,22 +60,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane import paged
-from dataplane.channel import Channel, Pending
-from dataplane.control import Control, DirectControl, HttpControl
-from dataplane.errors import BadRequest, DataPlaneError
-from dataplane.messages import (ChunkFailure, CudaIpcBuffer, InstanceInfo, InstanceList,
-                                LayersWritten, ListInstances,
-                                MatchSpec, PagedBuffer, PagedLayer, Ping, Pong, Prefetching,
-                                PrefetchChunks,
-                                RegisterInstance, RenewLease, RotaryConfig,
-                                RetrieveChunks, ShmBuffer, StoreChunks, StoreKind, TransferDone,
-                                UnregisterInstance, WireDType)
-from shm.hashing import as_tokens
-from shm.layout import DType
-from shm.matches import LookupResult
-from shm.names import KVBUF_HEX, Names
-from shm.segment import Segment
+from kvblend.dataplane import paged
+from kvblend.dataplane.channel import Channel, Pending
+from kvblend.dataplane.control import Control, DirectControl, HttpControl
+from kvblend.dataplane.errors import BadRequest, DataPlaneError
+from kvblend.dataplane.messages import (ChunkFailure, CudaIpcBuffer, InstanceInfo, InstanceList,
+                                        LayersWritten, ListInstances, MatchSpec, PagedBuffer,
+                                        PagedLayer, Ping, Pong, Prefetching, PrefetchChunks,
+                                        RegisterInstance, RenewLease, RotaryConfig, RetrieveChunks,
+                                        ShmBuffer, StoreChunks, StoreKind, TransferDone,
+                                        UnregisterInstance, WireDType)
+from kvblend.shm.hashing import Namespace, as_tokens, chunk_hashes
+from kvblend.shm.layout import DType
+from kvblend.shm.matches import LookupResult, Match
+from kvblend.shm.names import KVBUF_HEX, Names
+from kvblend.shm.segment import Segment
 
 _TORCH_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
                  torch.float32: DType.FLOAT32}
@@ -727,4 +726,7 @@ def _tokens(token_ids: Any) -> np.ndarray:
     return as_tokens(token_ids)
 
 
-__all__ = ["BlendClient", "Transfer", "TransferResult"]
+# the client and what its calls take and give: an engine imports these from here, nothing of
+# kvblend.shm (docs/architecture.md)
+__all__ = ["BlendClient", "Transfer", "TransferResult", "LookupResult", "Match", "Namespace",
+           "chunk_hashes"]

@@ -17,11 +17,11 @@ import httpx
 import msgspec
 import numpy as np
 
-from dataplane.channel import Channel
-from dataplane.errors import DataPlaneUnavailable, http_error
-from dataplane.messages import (CudaIpcBuffer, PagedBuffer, Registered, RegisterInstance,
-                                ShmBuffer, UnregisterInstance)
-from shm.matches import LookupResult, Match
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.errors import DataPlaneUnavailable, http_error
+from kvblend.dataplane.messages import (CudaIpcBuffer, PagedBuffer, Registered, RegisterInstance,
+                                        ShmBuffer, UnregisterInstance)
+from kvblend.shm.matches import LookupResult, Match
 
 
 class Control(Protocol):
@@ -129,8 +129,8 @@ class DirectControl:
 
     def lookup(self, tokens: np.ndarray, model_name: str, world_size: int,
                cache_salt: str, standalone_only: bool = False) -> LookupResult:
-        from shm.hashing import Namespace
-        from shm.lookup import lookup
+        from kvblend.shm.hashing import Namespace
+        from kvblend.shm.lookup import lookup
         store, fingerprints = self._attach()
         return lookup(store, fingerprints, Namespace(model_name, world_size, cache_salt), tokens,
                       standalone_only)
@@ -138,10 +138,10 @@ class DirectControl:
     def _attach(self) -> tuple[Any, Any]:
         with self._lock:
             if self._shared is None:  # the kernels load here, on the first direct lookup
-                from dataplane.transfer import open_fingerprints
-                from shm.store import Store
+                from kvblend.shm.fingerprint import FingerprintIndex
+                from kvblend.shm.store import Store
                 store = Store.open(self._prefix)
-                self._shared = (store, open_fingerprints(self._prefix, self._chunk))
+                self._shared = (store, FingerprintIndex.attach(self._prefix, self._chunk))
             return self._shared
 
     def close(self) -> None:

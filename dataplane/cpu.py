@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from dataplane import paged
-from dataplane.backend import CopyEngine, InstanceBuffer
-from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import Backend, BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
-from shm.layout import KVLayout
-from shm.names import Names
-from shm.private import shm_path
-from shm.store import Store
+from kvblend.dataplane import paged
+from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.errors import BackendError, BadRequest
+from kvblend.dataplane.messages import Backend, BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
+from kvblend.shm.layout import KVLayout
+from kvblend.shm.names import Names
+from kvblend.shm.private import shm_path
+from kvblend.shm.store import Store
 
 def torch_view(a: np.ndarray, dtype: Any) -> Any:
     """``a``'s bytes (raw integers or uint8 rows, last axis contiguous) as a torch tensor of
@@ -75,7 +75,7 @@ class CpuBuffer(InstanceBuffer):
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
-        from dataplane import cpu_rotary, rotary
+        from kvblend.dataplane import cpu_rotary, rotary
         cos, sin = turn.cos_sin()
         name = self.layout.dtype.name
         if cpu_rotary.supports(name):  # a layer's K as [T, 1, heads, dims]: row t is token t
@@ -160,7 +160,7 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
-        from dataplane import cpu_rotary, rotary
+        from kvblend.dataplane import cpu_rotary, rotary
         assert self._table is not None, "bind() comes first"
         cos, sin = turn.cos_sin()
         name = self.layout.dtype.name
@@ -237,7 +237,7 @@ def _kernel_turn(layers: list[np.ndarray], i0: np.ndarray, i1: np.ndarray, cos: 
                  cfg: Any, dtype_name: str) -> None:
     """Turn token rows ``k[i0, i1]`` of each layer's raw K view with ``dataplane.cpu_rotary``
     (``cos``/``sin``: torch ``[chunks, C, d/2]``, converted once for every layer)."""
-    from dataplane import cpu_rotary
+    from kvblend.dataplane import cpu_rotary
     half = cos.shape[-1]
     c, s = cos.reshape(-1, half).numpy(), sin.reshape(-1, half).numpy()
     for k in layers:

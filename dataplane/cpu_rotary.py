@@ -21,7 +21,7 @@ scratch, read and written through integer views of it.
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numpy as np
 from numba import njit

@@ -33,11 +33,11 @@ import cupy
 import numpy as np
 import torch
 
-from dataplane.backend import CopyEngine, InstanceBuffer
-from dataplane.errors import BackendError, BadRequest
-from dataplane.messages import Backend, BufferSpec, CudaIpcBuffer, PagedBuffer
-from shm.layout import KVLayout
-from shm.store import Store
+from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.errors import BackendError, BadRequest
+from kvblend.dataplane.messages import Backend, BufferSpec, CudaIpcBuffer, PagedBuffer
+from kvblend.shm.layout import KVLayout
+from kvblend.shm.store import Store
 
 PIECE = 64 << 30
 HOST_REGISTER_PORTABLE = 1
@@ -143,7 +143,7 @@ class CudaBuffer(InstanceBuffer):
     def _turn(self, layers: np.ndarray, rows: np.ndarray, turn: Any, cfg: Any, heads: int) -> None:
         """Turn the K rows ``layers[l] + rows[j]`` on the instance's stream."""
         if self._turner is None:
-            from dataplane.cuda_rotary import KTurner
+            from kvblend.dataplane.cuda_rotary import KTurner
             self._turner = KTurner(self.device, self.layout.dtype.name)
         self._turner.turn(layers, rows, turn.old.ravel(), turn.new.ravel(), turn.freqs, heads,
                           cfg.head_dim, cfg.style == "gptj", self.stream)
@@ -209,9 +209,9 @@ class CudaEngine(CopyEngine):
         return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
 
     def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> InstanceBuffer:
-        from dataplane import paged
-        from dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
-        from dataplane.gather import can_use_host_pointer
+        from kvblend.dataplane import paged
+        from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
+        from kvblend.dataplane.gather import can_use_host_pointer
         paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
                     layout.dtype.itemsize)
         check_gatherable(spec)

@@ -48,13 +48,13 @@ import cupy
 import numpy as np
 import torch
 
-from dataplane import paged
-from dataplane.backend import LayerCopies
-from dataplane.cuda import D2H, H2D, CudaBuffer
-from dataplane.errors import BadRequest
-from dataplane.gather import SegmentCopier, Table
-from dataplane.messages import PagedBuffer
-from shm.layout import KVLayout
+from kvblend.dataplane import paged
+from kvblend.dataplane.backend import LayerCopies
+from kvblend.dataplane.cuda import D2H, H2D, CudaBuffer
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.gather import SegmentCopier, Table
+from kvblend.dataplane.messages import PagedBuffer
+from kvblend.shm.layout import KVLayout
 
 STAGING_BYTES = 128 << 20  # default GPU staging per instance (--staging-mib): whole chunks, >= 2
 

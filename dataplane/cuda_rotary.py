@@ -34,7 +34,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from dataplane.gather import UploadRing, external_stream, stream_handle
+from kvblend.dataplane.gather import UploadRing, external_stream, stream_handle
 
 THREADS = 256
 BLOCKS_PER_SM = 8

@@ -31,14 +31,14 @@ import threading
 
 import numpy as np
 
-from dataplane.remote import Record, RemoteTier
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Root
-from shm.header import ORIGIN_FINAL
-from shm.remotes import RemoteChunks, wall_ms
-from shm.store import Store
-from shm.telemetry import Counter
+from kvblend.dataplane.remote import Record, RemoteTier
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Root
+from kvblend.shm.header import ORIGIN_FINAL
+from kvblend.shm.remotes import RemoteChunks, wall_ms
+from kvblend.shm.store import Store
+from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.dataplane")
 

@@ -29,8 +29,8 @@ Crossing boundaries (each is one table here, walked along the exception's MRO, m
 
 from __future__ import annotations
 
-from dataplane.messages import ErrorKind, ErrorReply
-from shm import errors as shm
+from kvblend.dataplane.messages import ErrorKind, ErrorReply
+from kvblend.shm import errors as shm
 
 
 class DataPlaneError(Exception):

@@ -53,15 +53,15 @@ from typing import Any
 
 import msgspec
 
-from dataplane.backend import CopyEngine, InstanceBuffer
-from dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo,
-                                PagedBuffer, RegisterInstance, ShmBuffer)
-from shm import errors as shm_errors
-from shm.layout import ChunkClass, DType, KVLayout
-from shm.names import Names
-from shm.private import read_private, write_private
-from shm.store import Store
+from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
+from kvblend.dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo,
+                                        PagedBuffer, RegisterInstance, ShmBuffer)
+from kvblend.shm import errors as shm_errors
+from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.names import Names
+from kvblend.shm.private import read_private, write_private
+from kvblend.shm.store import Store
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -124,7 +124,7 @@ class Instance:
     def rotary_freqs(self) -> Any:
         """The float32 frequencies of its rotary config (``dataplane.rotary``; torch, computed
         on its worker when a retrieve first turns K)."""
-        from dataplane import rotary
+        from kvblend.dataplane import rotary
         assert self.request.rotary is not None, "only instances with a rotary config turn K"
         return rotary.frequencies(self.request.rotary)
 
@@ -296,7 +296,7 @@ class Registry:
         if cfg.head_dim != head or req.hidden_dim % cfg.head_dim:
             raise BadRequest(f"rotary head_dim {cfg.head_dim} does not fit the buffer "
                              f"(hidden_dim {req.hidden_dim}, head_dim {head})")
-        from dataplane import rotary
+        from kvblend.dataplane import rotary
         try:
             rotary.check(cfg)
         except ValueError as exc:

@@ -16,8 +16,8 @@ def warm(prefix: str) -> float:
     Args:
         prefix: the service's prefix (``shm.warm`` builds its scratch store beside it).
     """
-    from dataplane import cpu_rotary, segments
-    from shm.warm import warm as warm_store
+    from kvblend.dataplane import cpu_rotary, segments
+    from kvblend.shm.warm import warm as warm_store
     t0 = time.monotonic()
     warm_store(prefix)  # the store's and index's kernels, then K's turn and the segment table
     cpu_rotary.warm()

@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES
 
 HEADER = struct.Struct("<IQ")
 MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane.errors import BadRequest, OutOfRange
-from dataplane.messages import MAX_PAGED_BUFFERS, KVPlacement, PagedBuffer
+from kvblend.dataplane.errors import BadRequest, OutOfRange
+from kvblend.dataplane.messages import MAX_PAGED_BUFFERS, KVPlacement, PagedBuffer
 
 LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt", "contiguous")
 
@@ -197,7 +197,7 @@ def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: 
         chunk_at: where each chunk's ``[2, L, C, token_bytes]`` starts.
         to_slab: gather (engine -> chunks) when True, else scatter.
     """
-    from dataplane.segments import segments  # numba: the data plane's alone
+    from kvblend.dataplane.segments import segments  # numba: the data plane's alone
     return segments(np.ascontiguousarray(at.block, np.int64),
                     np.ascontiguousarray(at.slot, np.int64), np.asarray(layers, np.int64),
                     np.asarray(kv_at, np.int64), np.asarray(block_bytes, np.int64),
@@ -218,7 +218,7 @@ class BlockTableCalls:
         return self._table.num_tokens
 
     def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
-        from dataplane.segments import first_bad  # numba: the data plane's alone
+        from kvblend.dataplane.segments import first_bad  # numba: the data plane's alone
         assert self._table is not None, "bind() comes first"
         t, starts = self._table, np.ascontiguousarray(token_starts, np.int64)
         if first_bad(t.ids, t.block_size, t.num_blocks, starts, chunk_size) >= 0:

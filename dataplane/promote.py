@@ -26,12 +26,12 @@ from enum import Enum
 
 import numpy as np
 
-from dataplane.remote import ChunkId, Fetched, Miss, RemoteTier
-from shm.errors import ShmError
-from shm.events import EventLog
-from shm.remotes import RemoteChunks, wall_ms
-from shm.store import ChunkKey, Store
-from shm.telemetry import Counter
+from kvblend.dataplane.remote import ChunkId, Fetched, Miss, RemoteTier
+from kvblend.shm.errors import ShmError
+from kvblend.shm.events import EventLog
+from kvblend.shm.remotes import RemoteChunks, wall_ms
+from kvblend.shm.store import ChunkKey, Store
+from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.dataplane")
 

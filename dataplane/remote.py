@@ -77,13 +77,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from shm.hashing import DIGEST_BYTES
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.layout import DType
+from kvblend.dataplane.remoteurl import parse_url
+from kvblend.shm.hashing import DIGEST_BYTES
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.layout import DType
 
 MAGIC = b"kvblendC"
 FORMAT = 1
@@ -95,7 +95,6 @@ KEY_PREFIX = "kvblend:1:"
 STREAM = "kvblend:1:fp"  # the records of every chunk written (module docstring)
 MAX_LAYERS, MAX_CHUNK, MAX_HIDDEN, MAX_RANK = 1 << 12, 1 << 16, 1 << 20, 1 << 10
 _ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
-SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
 
 
 class Miss(Enum):
@@ -337,37 +336,6 @@ class Breaker:
                 self._open_until = self._clock() + self._cooldown
 
 
-def parse_url(url: str) -> tuple[bool, bool, list[tuple[str, int]], int]:
-    """``(cluster, tls, [(host, port)], db)`` of a ``--remote`` URL: ``redis://host:port/db``,
-    ``rediss://`` for TLS, ``redis+cluster://h1:p1,h2:p2`` (or ``rediss+cluster``) for cluster
-    mode from seed nodes.
-
-    Raises:
-        ValueError: another scheme, no host, credentials in the URL (they come from the
-            environment, never from a command line), or a database number in cluster mode.
-    """
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"a remote URL starts with one of {', '.join(s + '://' for s in SCHEMES)}")
-    if "@" in parts.netloc:
-        raise ValueError("a remote URL carries no credentials: set KVBLEND_REMOTE_USERNAME and "
-                         "KVBLEND_REMOTE_PASSWORD instead (a command line is visible to every "
-                         "user of the host)")
-    cluster, tls = SCHEMES[parts.scheme], parts.scheme.startswith("rediss")
-    nodes = []
-    for node in parts.netloc.split(","):
-        host, _, port = node.rpartition(":") if ":" in node else (node, "", "6379")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{node!r} is not host:port")
-        nodes.append((host.strip("[]"), int(port)))
-    if not cluster and len(nodes) != 1:
-        raise ValueError("several nodes need cluster mode (redis+cluster://)")
-    path = parts.path.strip("/")
-    if path and (cluster or not path.isdigit()):
-        raise ValueError("only a standalone server's URL may name a database number")
-    return cluster, tls, nodes, int(path or 0)
-
-
 class _BadReply(Exception):
     """A piece's reply was not the bulk string asked for: an error line, bytes that are not RESP2,
     or the connection closed mid-reply."""
@@ -486,7 +454,7 @@ class RemoteTier:
     """One Redis/Valkey deployment (a server or a cluster) holding chunks.
 
     Args:
-        url: see ``parse_url``.
+        url: see ``dataplane.remoteurl.parse_url``.
         username, password: credentials (from the environment), or None.
         timeout_s: the bound of every call (connect and read).
         ttl_s: how long a written chunk lives (the server may evict it sooner under its own
@@ -710,5 +678,5 @@ class RemoteTier:
 _FAILED = object()
 
 __all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "encode", "decode",
-           "parse_record", "parse_url", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM",
+           "parse_record", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM",
            "MAX_STREAMS", "MIN_PIECE_BYTES"]

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.messages import MAX_POSITION, RotaryConfig
+from kvblend.dataplane.messages import MAX_POSITION, RotaryConfig
 
 
 def torch_dtype(name: str) -> Any:

@@ -15,7 +15,7 @@ chunks' slots finds the runs, one more writes the rows. Measured on the 2-core V
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numba
 import numpy as np

@@ -33,20 +33,20 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dataplane import __version__
-from dataplane.backend import CopyEngine
-from dataplane.channel import recv_frame
-from dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
-from dataplane.instances import Instance, Limits, Registry
-from dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady, LayersWritten,
-                                LeaseRenewed, ListInstances, Ping, Pong, Prefetching,
-                                PrefetchChunks, Registered, RegisterInstance, RenewLease,
-                                RetrieveChunks, StoreChunks, Unregistered, UnregisterInstance,
-                                frame, request_decoder)
-from dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
-from shm.events import EventLog
-from shm.private import check_socket
-from shm.telemetry import Counter, RetrieveError, StoreError
+from kvblend.dataplane.backend import CopyEngine
+from kvblend.dataplane.channel import recv_frame
+from kvblend.dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
+from kvblend.dataplane.instances import Instance, Limits, Registry
+from kvblend.dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady,
+                                        LayersWritten, LeaseRenewed, ListInstances, Ping, Pong,
+                                        Prefetching, PrefetchChunks, Registered, RegisterInstance,
+                                        RenewLease, RetrieveChunks, StoreChunks, Unregistered,
+                                        UnregisterInstance, frame, request_decoder)
+from kvblend.dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
+from kvblend.shm.events import EventLog
+from kvblend.shm.private import check_socket
+from kvblend.shm.telemetry import Counter, RetrieveError, StoreError
+from kvblend.shm.version import kvblend_version
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -278,7 +278,7 @@ class DataPlane:
 
     def _control(self, conn: Connection, msg: Any) -> Any:
         if isinstance(msg, Ping):
-            return Pong(pid=os.getpid(), backend=self.engine.backend, version=__version__,
+            return Pong(pid=os.getpid(), backend=self.engine.backend, version=kvblend_version(),
                         chunk_size=self.shared.chunk_size, shm_prefix=self.prefix)
         if isinstance(msg, ListInstances):
             return InstanceList(instances=[i.info() for i in self.registry.all()])

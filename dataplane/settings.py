@@ -1,6 +1,6 @@
-"""Configuration of one data-plane process: built once at start (``python -m dataplane`` flags,
-else ``KVBLEND_DP_*`` variables, else the defaults below) and passed down; nothing reads the
-environment anywhere else.
+"""Configuration of one data-plane process: built once at start (``python -m kvblend.dataplane``
+flags, else ``KVBLEND_DP_*`` variables, else the defaults below) and passed down; nothing reads
+the environment anywhere else.
 
 It owns the knobs, not what they do: ``dataplane.instances.Limits`` (leases and instance bounds),
 ``dataplane.transfer.Tuning`` (batch sizes) and the server's intervals are built from it.
@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dataplane.instances import Limits
-from dataplane.transfer import Tuning
+from kvblend.dataplane.instances import Limits
+from kvblend.dataplane.transfer import Tuning
 
 MIB = 1 << 20
 
@@ -38,7 +38,7 @@ class DataPlaneSettings(BaseSettings):
         staging_mib: GPU staging per paged CUDA instance (whole chunks, at least two), in two
             halves that a batch's gather and the other batch's DMAs use in turn.
         log_level: logging level name.
-        remote: the remote tier's URL (``dataplane.remote.parse_url``); empty: none.
+        remote: the remote tier's URL (``dataplane.remoteurl.parse_url``); empty: none.
         remote_ttl_s, remote_timeout_s: a remote chunk's life, and the bound of one remote call.
         remote_queue: chunks waiting to be written behind; more are dropped (and counted).
         remote_capacity: entries of the table of remote-known chunks (``shm.remotes``).

@@ -51,29 +51,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
-from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
-                                ChunkFailure, PrefetchChunks, RetrieveChunks, StoreChunks, StoreKind,
-                                TransferDone)
-from shm.errors import CapacityError, LayoutMismatch, ShmError
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex, RegisterResult, Registration
-from shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.keys import batch_words, keys_of
-from shm.remotes import wall_ms
-from shm.slab import EXISTS, FULL
-from shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
-from shm.store import Store
-from shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd, RetrieveStart,
-                           StoreEnd, StoreStart)
+from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
+from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, LayersReady,
+                                        ChunkFailure, PrefetchChunks, RetrieveChunks, StoreChunks,
+                                        StoreKind, TransferDone)
+from kvblend.shm.errors import CapacityError, ShmError
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex, RegisterResult, Registration
+from kvblend.shm.hashing import DIGEST_BYTES, Namespace, chunk_hashes
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.keys import batch_words, keys_of
+from kvblend.shm.remotes import wall_ms
+from kvblend.shm.slab import EXISTS, FULL
+from kvblend.shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
+from kvblend.shm.store import Store
+from kvblend.shm.telemetry import (RETRIEVE_SECONDS, STORE_SECONDS, Counter, RetrieveEnd,
+                                   RetrieveStart, StoreEnd, StoreStart)
 
 if TYPE_CHECKING:
-    from dataplane.backend import InstanceBuffer
-    from dataplane.instances import Instance
-    from dataplane.promote import Promoter
-    from dataplane.writebehind import WriteBehind
-    from shm.remotes import RemoteChunks
+    from kvblend.dataplane.backend import InstanceBuffer
+    from kvblend.dataplane.instances import Instance
+    from kvblend.dataplane.promote import Promoter
+    from kvblend.dataplane.writebehind import WriteBehind
+    from kvblend.shm.remotes import RemoteChunks
 
 
 log = logging.getLogger("kvblend.dataplane")
@@ -108,21 +108,6 @@ class Shared:
     writebehind: "WriteBehind | None" = None  # the remote tier's, when there is one
     promoter: "Promoter | None" = None        # fetches remote chunks into the store
     remotes: "RemoteChunks | None" = None     # chunks other hosts wrote to the remote tier
-
-
-def open_fingerprints(prefix: str, chunk_size: int) -> FingerprintIndex:
-    """Attach the existing fingerprint index (its capacity is the supervisor's choice).
-
-    Raises:
-        FileNotFoundError: the supervisor has not created it.
-        LayoutMismatch: it was created for another chunk size.
-    """
-    fps = FingerprintIndex.attach(prefix)
-    if fps.chunk_size != chunk_size:
-        fps.close()
-        raise LayoutMismatch(f"the fingerprint index holds chunks of {fps.chunk_size} tokens, "
-                             f"the data plane was started for {chunk_size}")
-    return fps
 
 
 def tokens_of(raw: bytes) -> np.ndarray:
@@ -510,7 +495,7 @@ class _Turn:
     prompt's (``first_position + cur_st``)."""
 
     def __init__(self, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int) -> None:
-        from dataplane import rotary
+        from kvblend.dataplane import rotary
         self._rotary, self._freqs, self._C = rotary, inst.rotary_freqs, C
         self.cfg = inst.request.rotary
         self._new = msg.first_position + cur
@@ -616,5 +601,5 @@ def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
     store.unpin_slots(slots[lo:hi])
 
 
-__all__ = ["Shared", "Call", "Gate", "open_fingerprints", "store_call", "retrieve_call", "run_to_end",
+__all__ = ["Shared", "Call", "Gate", "store_call", "retrieve_call", "run_to_end",
            "run_store", "run_retrieve", "tokens_of", "prefetch"]

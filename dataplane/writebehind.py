@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane.remote import ChunkId, RemoteTier, encode
-from shm.events import EventLog
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.slots import VERIFIED
-from shm.store import ChunkKey, Store
-from shm.telemetry import Counter
+from kvblend.dataplane.remote import ChunkId, RemoteTier, encode
+from kvblend.shm.events import EventLog
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.slots import VERIFIED
+from kvblend.shm.store import ChunkKey, Store
+from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger(__name__)
 

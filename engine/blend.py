@@ -66,8 +66,8 @@ import msgspec
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient, Transfer, TransferResult
-from dataplane.messages import MAX_LAYER_GROUP_MATCHES, RotaryConfig
+from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
+from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES, RotaryConfig
 
 log = logging.getLogger("kvblend.engine")
 _reported: set[str] = set()  # the frequency dtypes already reported in the log

@@ -49,11 +49,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dataplane.paged import placements
-from engine.blend import Mode, select_rows
+from kvblend.dataplane.paged import placements
+from kvblend.engine.blend import Mode, select_rows
 
 if TYPE_CHECKING:
-    from shm.matches import Match
+    from kvblend.dataplane.client import Match
 
 QUERY_BLOCK = 512  # query rows per attention product: bounds the scores to 512 x claim per head
 LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt")

@@ -3,7 +3,7 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector": "KVBlendConnector",
-                           "kv_connector_module_path": "engine.vllm_connector",
+                           "kv_connector_module_path": "kvblend.engine.vllm_connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"url": "http://127.0.0.1:8000",
                                                          "api_token_env": "KVBLEND_API_TOKEN",
@@ -96,14 +96,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from dataplane.client import BlendClient, Transfer
-from dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable
-from dataplane.messages import MAX_LAYER_GROUP_MATCHES
-from engine import vllm_blend, vllm_plugin
-from engine.vllm_stats import KVBlendPromMetrics, KVBlendStats
-from engine.blend import DEFAULT, Mode, cacheblend, rotary_config
-from shm.hashing import Namespace, chunk_hashes
-from shm.matches import Match
+from kvblend.dataplane.client import BlendClient, Match, Namespace, Transfer, chunk_hashes
+from kvblend.dataplane.errors import BadRequest, DataPlaneError, DataPlaneUnavailable
+from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES
+from kvblend.engine import vllm_blend, vllm_plugin
+from kvblend.engine.vllm_stats import KVBlendPromMetrics, KVBlendStats
+from kvblend.engine.blend import DEFAULT, Mode, cacheblend, rotary_config
 
 log = logging.getLogger("kvblend.vllm")
 

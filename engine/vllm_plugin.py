@@ -27,8 +27,12 @@ _MARK = "_kvblend_wrapped"
 
 def register() -> None:
     """The entry point: wrap ``load_model`` of vLLM's base model loader and of every loader
-    class that overrides it (those imported by now). Idempotent."""
+    class that overrides it (those imported by now), and let a config name the connector by its
+    old module name (``engine.legacy``). Idempotent."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from kvblend.engine import legacy
+    legacy.install()
     for cls in [BaseModelLoader, *_subclasses(BaseModelLoader)]:
         own = cls.__dict__.get("load_model")
         if own is not None and not getattr(own, _MARK, False):

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from shm import index, slab
-from shm.errors import CapacityError, LayoutMismatch
-from shm.layout import ChunkClass, DType
+from kvblend.shm import index, slab
+from kvblend.shm.errors import CapacityError, LayoutMismatch
+from kvblend.shm.layout import ChunkClass, DType
 
 
 class ClassTable:

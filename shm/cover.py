@@ -8,7 +8,7 @@ back as one run. It knows nothing of the index or the store.
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numpy as np
 from numba import njit

@@ -65,12 +65,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from shm import segment
-from shm.errors import LayoutMismatch
-from shm.hashing import MODEL_NAME_BYTES
-from shm.lock import FileLock, held
-from shm.names import Names
-from shm.telemetry import COUNTER_NAMES, MODEL_COUNTERS, Event
+from kvblend.shm import segment
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.hashing import MODEL_NAME_BYTES
+from kvblend.shm.lock import FileLock, held
+from kvblend.shm.names import Names
+from kvblend.shm.telemetry import COUNTER_NAMES, MODEL_COUNTERS, Event
 
 _DECLARED = frozenset(COUNTER_NAMES)
 

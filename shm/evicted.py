@@ -26,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-from shm import slab
+from kvblend.shm import slab
 
 LIMIT = 1 << 20
 # log rows beyond the ``spp`` that one allocation may fill: a batch reserve drains the log (back in

@@ -43,21 +43,23 @@ from typing import Any
 
 import numpy as np
 
-from shm import segment
-from shm.cover import best_cover
-from shm.errors import LayoutMismatch
-from shm.fpformat import (E_HASH0, E_HASH1, E_SEQ, E_STAMP, E_STATE, ENTRY_WORDS, H_CAP, H_CHUNK,
-                          H_DIRTY, H_FILTER_WORDS, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ, H_SLOTS,
-                          H_STALE, HEADER_BYTES, LIVE_WORD, LO32, MIN_FILTER_WORDS, FpLayout,
-                          attach_segment, create_segment, geometry_of)
-from shm.fpkernels import bloom_rebuild, find_hash, rebuild, register, remove, remove_unchanged
-from shm.hashing import Namespace, as_tokens
-from shm.lock import FileLock, Guarded, held
-from shm.matches import Match
-from shm.names import Names
-from shm.private import shm_path, unlink_private
-from shm.probe import probe, verified
-from shm.registration import ChunkHashes, RegisterResult, Registration, hash_words, prepare
+from kvblend.shm import segment
+from kvblend.shm.cover import best_cover
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.fpformat import (E_HASH0, E_HASH1, E_SEQ, E_STAMP, E_STATE, ENTRY_WORDS, H_CAP,
+                                  H_CHUNK, H_DIRTY, H_FILTER_WORDS, H_FREE_TOP, H_HIGH, H_LIVE,
+                                  H_SEQ, H_SLOTS, H_STALE, HEADER_BYTES, LIVE_WORD, LO32,
+                                  MIN_FILTER_WORDS, FpLayout, attach_segment, create_segment,
+                                  geometry_of)
+from kvblend.shm.fpkernels import (bloom_rebuild, find_hash, rebuild, register, remove,
+                                   remove_unchanged)
+from kvblend.shm.hashing import Namespace, as_tokens
+from kvblend.shm.lock import FileLock, Guarded, held
+from kvblend.shm.matches import Match
+from kvblend.shm.names import Names
+from kvblend.shm.private import shm_path, unlink_private
+from kvblend.shm.probe import probe, verified
+from kvblend.shm.registration import ChunkHashes, RegisterResult, Registration, hash_words, prepare
 
 
 
@@ -107,14 +109,16 @@ class FingerprintIndex:
                                lambda name: create_segment(name, lay, chunk_size))
 
     @classmethod
-    def attach(cls, prefix: str, *, lock_timeout: float | None = None,
+    def attach(cls, prefix: str, chunk_size: int | None = None, *,
+               lock_timeout: float | None = None,
                lock_free_reads: bool | None = None) -> "FingerprintIndex":
         """The existing ``{prefix}_fp``, with the chunk size and capacity it was created with
-        (read from its header). Arguments as ``open``.
+        (read from its header); ``chunk_size``: the one its reader was started for. Other
+        arguments as ``open``.
 
         Raises:
             FileNotFoundError: there is no complete index under ``prefix``.
-            LayoutMismatch: it is of another format.
+            LayoutMismatch: it is of another format, or holds chunks of another size.
         """
         seg = attach_segment(Names(prefix).fp)
         try:
@@ -122,7 +126,12 @@ class FingerprintIndex:
         except BaseException:
             seg.close()
             raise
-        return cls(prefix, seg, lock, lock_timeout, lock_free_reads)
+        index = cls(prefix, seg, lock, lock_timeout, lock_free_reads)
+        if chunk_size is not None and index.chunk_size != chunk_size:
+            index.close()
+            raise LayoutMismatch(f"the fingerprint index holds chunks of {index.chunk_size} "
+                                 f"tokens, its reader was started for {chunk_size}")
+        return index
 
     @classmethod
     def open(cls, prefix: str, chunk_size: int, capacity: int = 1 << 20, wipe: bool = False, *,

@@ -55,7 +55,7 @@ Both tables are ``shm.table`` tables, at most half full (S >= 2N); a key may occ
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 from dataclasses import dataclass
 from enum import IntEnum, unique
@@ -63,8 +63,8 @@ from enum import IntEnum, unique
 import numpy as np
 from numba import njit
 
-from shm.errors import LayoutMismatch
-from shm.segment import Segment, attach_checked, unlink
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.segment import Segment, attach_checked, unlink
 
 MAGIC = int.from_bytes(b"KVBFPIX1", "little")
 VERSION = 1

@@ -33,15 +33,15 @@ one).
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numpy as np
 from numba import njit
 
-from shm import table
-from shm.fpformat import (E_DIG0, E_DIG1, E_HASH0, E_HASH1, E_KEY, E_SEQ, E_STAMP, E_STATE,
-                          H_CAP, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ, H_STALE, LIVE_WORD, LO32,
-                          SEQ_FINAL, U32, filter_bits, mix)
+from kvblend.shm import table
+from kvblend.shm.fpformat import (E_DIG0, E_DIG1, E_HASH0, E_HASH1, E_KEY, E_SEQ, E_STAMP, E_STATE,
+                                  H_CAP, H_FREE_TOP, H_HIGH, H_LIVE, H_SEQ, H_STALE, LIVE_WORD,
+                                  LO32, SEQ_FINAL, U32, filter_bits, mix)
 
 _FP_EMPTY = np.uint64(0)
 _ID_EMPTY = np.uint32(0)

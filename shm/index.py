@@ -43,13 +43,13 @@ are derived and can be rebuilt from them (``shm.slab.rebuild``) after a process 
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numba
 import numpy as np
 
-from shm import table
-from shm.header import Hdr
+from kvblend.shm import table
+from kvblend.shm.header import Hdr
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
 STATE, K0, K1, NS, RANK, PID, PINS, PREV, NEXT, TICK, CLASS = range(11)

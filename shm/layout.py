@@ -12,7 +12,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from shm.hashing import MODEL_NAME_BYTES, check_label
+from kvblend.shm.hashing import MODEL_NAME_BYTES, check_label
 
 ALIGN = 4096
 

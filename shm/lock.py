@@ -37,8 +37,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from shm.errors import Busy, ShmError
-from shm.private import open_private
+from kvblend.shm.errors import Busy, ShmError
+from kvblend.shm.private import open_private
 
 T = TypeVar("T")
 

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shm.fingerprint import FingerprintIndex
-from shm.header import ORIGIN_STANDALONE, ORIGIN_UNKNOWN
-from shm.matches import ORIGINS, LookupResult, Match
-from shm.hashing import Namespace, as_tokens
-from shm.remotes import RemoteChunks, wall_ms
-from shm.store import Store
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.header import ORIGIN_STANDALONE, ORIGIN_UNKNOWN
+from kvblend.shm.matches import ORIGINS, LookupResult, Match
+from kvblend.shm.hashing import Namespace, as_tokens
+from kvblend.shm.remotes import RemoteChunks, wall_ms
+from kvblend.shm.store import Store
 
 
 def live_checker(store: Store, namespace: Namespace, remotes: RemoteChunks | None = None,

@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from shm.private import SHM_DIR, shm_path, unlink_private
+from kvblend.shm.private import SHM_DIR, shm_path, unlink_private
 
 KVBUF_HEX = 32
 #: what an engine's CPU KV buffer is called, whole (the prefix's own characters, then the suffix)

@@ -17,12 +17,12 @@ here runs under the store lock; ``compact`` is also what a rebuild runs.
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numba
 import numpy as np
 
-from shm.header import Hdr
+from kvblend.shm.header import Hdr
 
 P_SLOT, P_PID, P_COUNT = 0, 1, 2
 PIN_COLS = 3

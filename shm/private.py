@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 
-from shm.errors import ForeignObject
+from kvblend.shm.errors import ForeignObject
 
 SHM_DIR = "/dev/shm"
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC

@@ -10,16 +10,16 @@ It does not own the index's mutations (``shm.fpkernels``) nor the choice among m
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import hashlib
 
 import numpy as np
 from numba import njit
 
-from shm import table
-from shm.fpformat import E_DIG0, E_DIG1, E_KEY, LO32, U32, filter_bits, mix
-from shm.hashing import DIGEST_BYTES
+from kvblend.shm import table
+from kvblend.shm.fpformat import E_DIG0, E_DIG1, E_KEY, LO32, U32, filter_bits, mix
+from kvblend.shm.hashing import DIGEST_BYTES
 
 BASE = 0x9E3779B97F4A7C15
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shm import index, slab
-from shm.header import Hdr
-from shm.keys import ChunkKey
-from shm.layout import ChunkClass
+from kvblend.shm import index, slab
+from kvblend.shm.header import Hdr
+from kvblend.shm.keys import ChunkKey
+from kvblend.shm.layout import ChunkClass
 
 if TYPE_CHECKING:
-    from shm.store import Store
+    from kvblend.shm.store import Store
 
 
 class Reservation:

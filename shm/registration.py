@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from shm.hashing import DIGEST_BYTES, Namespace, as_tokens
-from shm.probe import chunk_fingerprints, digest
+from kvblend.shm.hashing import DIGEST_BYTES, Namespace, as_tokens
+from kvblend.shm.probe import chunk_fingerprints, digest
 
 ChunkHashes = Sequence[bytes] | np.ndarray
 """16-byte chunk hashes, or an int64/uint64 ``[n, 2]`` array of each hash as two little-endian

@@ -63,12 +63,12 @@ from typing import Any
 
 import numpy as np
 
-from shm import segment
-from shm.errors import LayoutMismatch
-from shm.lock import FileLock, Guarded, held
-from shm.names import Names
-from shm.private import shm_path, unlink_private
-from shm.registration import ChunkHashes, hash_words
+from kvblend.shm import segment
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.lock import FileLock, Guarded, held
+from kvblend.shm.names import Names
+from kvblend.shm.private import shm_path, unlink_private
+from kvblend.shm.registration import ChunkHashes, hash_words
 
 MAGIC = int.from_bytes(b"KVBREMT1", "little")
 VERSION = 1

@@ -41,8 +41,9 @@ import posix_ipc
 
 import numpy as np
 
-from shm.errors import LayoutMismatch
-from shm.private import check_name, check_private, raise_if_foreign, shm_path, unlink_private
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.private import (check_name, check_private, raise_if_foreign, shm_path,
+                                 unlink_private)
 
 _PIECE = 256 << 20
 Progress = Callable[[int, int], None]

@@ -57,18 +57,18 @@ it gives back to the pool a page left empty by such a holder.
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numba
 import numpy as np
 
-from shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K0, NEXT, NIL, PID,
-                       PINS, PREV, RANK, RESERVED, STATE, TICK, delete, find, insert, lru_push,
-                       lru_unlink, touch)
-from shm.index import K1, NS
-from shm import pins as pintable
-from shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, Hdr, SlotHdr
-from shm.pins import P_COUNT, P_PID, P_SLOT
+from kvblend.shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K0, NEXT,
+                               NIL, PID, PINS, PREV, RANK, RESERVED, STATE, TICK, delete, find,
+                               insert, lru_push, lru_unlink, touch)
+from kvblend.shm.index import K1, NS
+from kvblend.shm import pins as pintable
+from kvblend.shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, Hdr, SlotHdr
+from kvblend.shm.pins import P_COUNT, P_PID, P_SLOT
 
 # pages columns
 G_CLASS, G_USED = 0, 1

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shm import index, slab
-from shm.header import SLOT_HDR_BYTES, SlotHdr
-from shm.keys import Keys, key_words
-from shm.layout import ChunkClass
+from kvblend.shm import index, slab
+from kvblend.shm.header import SLOT_HDR_BYTES, SlotHdr
+from kvblend.shm.keys import Keys, key_words
+from kvblend.shm.layout import ChunkClass
 
 SLOT_HDR_WORDS = SLOT_HDR_BYTES // 8
 VERIFIED, NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS = 0, 1, 2, 3  # SlotMap.check's answers

@@ -5,7 +5,8 @@ the segments' geometry and layout (``shm.storefile``: ``StoreConfig``, the ``P_m
 creating and removing), the tables' kernels (``shm.index``: keys, states, recency; ``shm.slab``:
 pages, slots, eviction; ``shm.pins``), where a slot's bytes are (``shm.slots``), the key and the
 objects handed out (``shm.keys``, ``shm.records``), nor the report of evicted keys
-(``shm.evicted``). Those names are re-exported here: ``from shm.store import ...`` is the door.
+(``shm.evicted``). Those names are re-exported here: ``from kvblend.shm.store import ...`` is the
+door.
 
 Object states, and who may move them (full table in ``shm.index``)::
 
@@ -38,22 +39,22 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shm import index, slab
-from shm import pins as pintable
-from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
-from shm.classes import ClassTable
-from shm.evicted import LIMIT as EVICTED_LIMIT
-from shm.evicted import EvictedKeys
-from shm.hashing import as_tokens
-from shm.header import HEADER_WORDS, ORIGIN_FINAL, ORIGIN_STANDALONE, Hdr
-from shm.keys import ChunkKey, Keys, hashes_among, key_words, shard_words
-from shm.layout import ChunkClass
-from shm.lock import FileLock, Guarded, pid_alive
-from shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
-from shm.segment import Progress, Segment
-from shm.slots import SLOT_HDR_WORDS, VERIFIED, SlotMap
-from shm.storefile import (StoreConfig, attach_segments, create_segments, destroy,
-                           destroy_segments, locked, tables)
+from kvblend.shm import index, slab
+from kvblend.shm import pins as pintable
+from kvblend.shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
+from kvblend.shm.classes import ClassTable
+from kvblend.shm.evicted import LIMIT as EVICTED_LIMIT
+from kvblend.shm.evicted import EvictedKeys
+from kvblend.shm.hashing import as_tokens
+from kvblend.shm.header import HEADER_WORDS, ORIGIN_FINAL, ORIGIN_STANDALONE, Hdr
+from kvblend.shm.keys import ChunkKey, Keys, hashes_among, key_words, shard_words
+from kvblend.shm.layout import ChunkClass
+from kvblend.shm.lock import FileLock, Guarded, pid_alive
+from kvblend.shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
+from kvblend.shm.segment import Progress, Segment
+from kvblend.shm.slots import SLOT_HDR_WORDS, VERIFIED, SlotMap
+from kvblend.shm.storefile import (StoreConfig, attach_segments, create_segments, destroy,
+                                   destroy_segments, locked, tables)
 
 
 class Store:

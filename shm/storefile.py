@@ -48,15 +48,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shm import index, slab
-from shm import pins as pintable
-from shm.errors import LayoutMismatch
-from shm.header import HEADER_WORDS, STORE_MAGIC, Hdr
-from shm.lock import FileLock, held
-from shm.names import Names
-from shm.private import shm_path, unlink_private
-from shm.segment import Progress, Segment, attach_checked
-from shm.segment import unlink as segment_unlink
+from kvblend.shm import index, slab
+from kvblend.shm import pins as pintable
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.header import HEADER_WORDS, STORE_MAGIC, Hdr
+from kvblend.shm.lock import FileLock, held
+from kvblend.shm.names import Names
+from kvblend.shm.private import shm_path, unlink_private
+from kvblend.shm.segment import Progress, Segment, attach_checked
+from kvblend.shm.segment import unlink as segment_unlink
 
 MAGIC = STORE_MAGIC
 VERSION = 1

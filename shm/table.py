@@ -23,7 +23,7 @@ The owners keep their tables at most half full, so a run always ends.
 
 from __future__ import annotations
 
-import shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
 import numpy as np
 from numba import njit

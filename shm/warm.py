@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.layout import ChunkClass, DType, KVLayout
-from shm.lookup import lookup
-from shm.names import Names, destroy
-from shm import slab
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.lookup import lookup
+from kvblend.shm.names import Names, destroy
+from kvblend.shm import slab
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
 _CHUNK = 16
 

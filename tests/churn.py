@@ -52,11 +52,11 @@ import httpx
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient, Transfer, TransferResult
-from dataplane.errors import DataPlaneUnavailable
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.store import ChunkKey, Store, StoreStats
+from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
+from kvblend.dataplane.errors import DataPlaneUnavailable
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.store import ChunkKey, Store, StoreStats
 from tests.test_e2e import free_port, kvblend_argv
 
 ROOT = Path(__file__).resolve().parents[1]

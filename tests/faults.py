@@ -67,14 +67,14 @@ import httpx
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import DataPlaneError, DataPlaneUnavailable
-from shm.hashing import Namespace, chunk_hashes
-from shm.lock import pid_alive
-from shm.matches import Match
-from shm.names import Names, destroy
-from shm.private import SHM_DIR
-from shm.store import ChunkKey, Store
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import DataPlaneError, DataPlaneUnavailable
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.lock import pid_alive
+from kvblend.shm.matches import Match
+from kvblend.shm.names import Names, destroy
+from kvblend.shm.private import SHM_DIR
+from kvblend.shm.store import ChunkKey, Store
 from tests.test_e2e import free_port, kvblend_argv
 
 T = TypeVar("T")

@@ -26,8 +26,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataplane.client import BlendClient
-from shm.lock import pid_alive
+from kvblend.dataplane.client import BlendClient
+from kvblend.shm.lock import pid_alive
 
 CHUNK = 256
 L, T, D = 2, 4096, 64
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def kvblend_argv() -> list[str]:
     script = Path(sys.executable).with_name("kvblend")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvblend.api.cli"]
 
 
 def poll(check: Callable[[], Any], deadline_s: float, what: str) -> Any:

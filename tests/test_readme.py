@@ -56,7 +56,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shm.names import destroy
+from kvblend.shm.names import destroy
 from tests.conftest import remove_prefix
 from tests.test_e2e import START_DEADLINE, STOP_DEADLINE, free_port, kvblend_argv, poll
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.server import _bind
-from shm.errors import ForeignObject
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.names import Names
-from shm.private import open_private
-from shm.store import Store
+from kvblend.dataplane.server import _bind
+from kvblend.shm.errors import ForeignObject
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.names import Names
+from kvblend.shm.private import open_private
+from kvblend.shm.store import Store
 
 from .shm.storeutil import SMALL
 from .squat import OtherUser, Squatter, foreign_uid, needs_root, other_user, snapshot
@@ -51,7 +51,7 @@ def serve(prefix: str) -> subprocess.CompletedProcess[str]:
     """``kvblend serve`` on ``prefix`` with a tiny CPU store, run until it exits by itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
     env.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba"))
-    argv = [sys.executable, "-m", "api.cli", "serve", "--storage-mb", "8", "--page-mb", "1",
+    argv = [sys.executable, "-m", "kvblend.api.cli", "serve", "--storage-mb", "8", "--page-mb", "1",
             "--min-slot-kb", "4", "--backend", "cpu", "--shm-prefix", prefix,
             "--port", str(free_port()), "--fingerprint-capacity", "1024"]
     with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

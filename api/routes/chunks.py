@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api.auth import require_admin
-from api.deps import EventsDep, FingerprintsDep, ServicesDep, StoreDep
-from api.errors import responses
-from api.schemas import ChunksCleared
-from shm.telemetry import Clear, Counter
+from kvblend.api.auth import require_admin
+from kvblend.api.deps import EventsDep, FingerprintsDep, ServicesDep, StoreDep
+from kvblend.api.errors import responses
+from kvblend.api.schemas import ChunksCleared
+from kvblend.shm.telemetry import Clear, Counter
 
 router = APIRouter(prefix="/v1", tags=["chunks"], dependencies=[Depends(require_admin)])
 

@@ -11,11 +11,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from api.auth import is_admin, require_token
-from api.deps import EventsDep
-from api.errors import responses
-from api.schemas import Event, EventList
-from shm.telemetry import EventKind
+from kvblend.api.auth import is_admin, require_token
+from kvblend.api.deps import EventsDep
+from kvblend.api.errors import responses
+from kvblend.api.schemas import Event, EventList
+from kvblend.shm.telemetry import EventKind
 
 router = APIRouter(prefix="/v1", tags=["observability"], dependencies=[Depends(require_token)])
 

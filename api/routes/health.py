@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import DataPlaneDep
-from api.errors import responses
-from dataplane.errors import DataPlaneUnavailable
-from api.schemas import Health, Ready
+from kvblend.api.deps import DataPlaneDep
+from kvblend.api.errors import responses
+from kvblend.dataplane.errors import DataPlaneUnavailable
+from kvblend.api.schemas import Health, Ready
 
 router = APIRouter(tags=["health"])
 

@@ -6,12 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
-from api.auth import require_token
-from api.deps import DataPlaneDep
-from api.errors import responses
-from api.lookup import request_id_of
-from api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstance
-from dataplane.messages import TOKEN_HEX
+from kvblend.api.auth import require_token
+from kvblend.api.deps import DataPlaneDep
+from kvblend.api.errors import responses
+from kvblend.api.lookup import request_id_of
+from kvblend.api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstance
+from kvblend.dataplane.messages import TOKEN_HEX
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"],
                    dependencies=[Depends(require_token)])

@@ -13,12 +13,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from api import lookup as lookups
-from api.auth import require_token
-from api.deps import ServicesDep
-from api.errors import responses
-from api.schemas import LookupResponse
-from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
+from kvblend.api import lookup as lookups
+from kvblend.api.auth import require_token
+from kvblend.api.deps import ServicesDep
+from kvblend.api.errors import responses
+from kvblend.api.schemas import LookupResponse
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
 
 router = APIRouter(prefix="/v1", tags=["lookup"], dependencies=[Depends(require_token)])
 

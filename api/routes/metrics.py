@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.auth import require_token
-from api.errors import responses
+from kvblend.api.auth import require_token
+from kvblend.api.errors import responses
 
 router = APIRouter(tags=["observability"], dependencies=[Depends(require_token)])
 

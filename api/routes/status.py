@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api import kvblend_version
-from api.auth import require_token
-from api.deps import ServicesDep
-from api.errors import responses
-from api.schemas import DataPlaneStatus, FingerprintStatus, RemoteStatus, Status, StorageStatus
-from shm.telemetry import Counter
+from kvblend.api.auth import require_token
+from kvblend.api.deps import ServicesDep
+from kvblend.api.errors import responses
+from kvblend.api.schemas import (DataPlaneStatus, FingerprintStatus, RemoteStatus, Status,
+                                 StorageStatus)
+from kvblend.shm.telemetry import Counter
+from kvblend.shm.version import kvblend_version
 
 router = APIRouter(prefix="/v1", tags=["status"], dependencies=[Depends(require_token)])
 

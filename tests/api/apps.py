@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from kvblend.api.app import create_app
 from tests.api.conftest import make_settings
 
 ADMIN = "adm1n-token"

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.settings import Settings
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.header import ORIGIN_STANDALONE
-from shm.layout import ChunkClass, KVLayout
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.api.app import create_app
+from kvblend.api.settings import Settings
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.header import ORIGIN_STANDALONE
+from kvblend.shm.layout import ChunkClass, KVLayout
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
 CHUNK = 16
 LAYOUT = KVLayout(num_layers=2, num_tokens=1024, hidden_dim=8, dtype="float16")

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import torch
 
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 from tests.conftest import remove_prefix
 from tests.test_e2e import free_port, kvblend_argv, poll
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.lookup import OCTET_STREAM
-from api.openapi import schema
-from shm.hashing import Namespace
+from kvblend.api.lookup import OCTET_STREAM
+from kvblend.api.openapi import schema
+from kvblend.shm.hashing import Namespace
 from tests.api.apps import ADMIN, bearer, serving
 from tests.api.conftest import CHUNK, TOKEN, Cache, problem
 

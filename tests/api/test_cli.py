@@ -10,8 +10,8 @@ from importlib.metadata import version
 
 import pytest
 
-from api.cli import main
-from shm.names import leftovers
+from kvblend.api.cli import main
+from kvblend.shm.names import leftovers
 from tests.test_e2e import START_DEADLINE, kvblend_argv, poll
 from tests.test_supervisor import Serve
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from api.settings import Settings
-from shm.fpformat import segment_bytes
+from kvblend.api.settings import Settings
+from kvblend.shm.fpformat import segment_bytes
 from tests.api.test_docker import instructions, worst_case_stop_s
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cli import build_parser
-from api.settings import Settings
-from api.supervisor import Supervisor
+from kvblend.api.cli import build_parser
+from kvblend.api.settings import Settings
+from kvblend.api.supervisor import Supervisor
 from tests.stderr_lines import collect_stderr
 from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
 
@@ -119,16 +119,18 @@ def test_entrypoint_is_the_console_script_and_cmd_a_subcommand() -> None:
     scripts = PYPROJECT["project"]["scripts"]
     assert instructions("ENTRYPOINT") == ['["kvblend"]'] and "kvblend" in scripts
     module, func = scripts["kvblend"].split(":")
-    assert func == "main" and (ROOT / (module.replace(".", "/") + ".py")).exists()
+    package, name = module.rsplit(".", 1)  # kvblend.api.cli: the folder package-dir gives
+    folder = PYPROJECT["tool"]["setuptools"]["package-dir"][package]
+    assert func == "main" and (ROOT / folder / f"{name}.py").exists()
     cmd = instructions("CMD")[0]
     build_parser().parse_args(re.findall(r'"([^"]+)"', cmd))  # exits on an unknown subcommand
 
 
 def test_every_package_pyproject_ships_is_copied() -> None:
-    copied = {c.split()[0].rstrip("/") for c in instructions("COPY")}
-    patterns = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.removesuffix("*") for p in patterns}
-    assert packages and packages <= copied, f"not copied: {sorted(packages - copied)}"
+    copied = {w.rstrip("/") for c in instructions("COPY") for w in c.split()[:-1]}
+    folders = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+    needed = folders | {"setup.py", "kvblend-legacy.pth"}  # the build reads both
+    assert folders and needed <= copied, f"not copied: {sorted(needed - copied)}"
 
 
 def test_dependencies_install_from_pyproject_alone_before_the_source() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
-from api.errors import ERROR_STATUS, TITLES, documented, problem_response
+from kvblend.api.errors import ERROR_STATUS, TITLES, documented, problem_response
 from tests.api.apps import serving
 from tests.api.conftest import Cache, problem
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from dataplane.messages import TOKEN_HEX
+from kvblend.api.app import create_app
+from kvblend.dataplane.messages import TOKEN_HEX
 from tests.api.apps import ADMIN, bearer, serving
 from tests.api.conftest import TOKEN, Cache, make_settings, problem
 from tests.api.fuzzing import Service, engine, fuzz, logged_errors

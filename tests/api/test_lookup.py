@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api import lookup as lookups
-from api.lookup import LookupBody
-from api.schemas import LookupRequest, LookupResponse
-from shm.errors import Busy
-from shm.matches import Match
-from shm.hashing import Namespace
-from shm.header import ORIGIN_FINAL
-from shm.lookup import covered_tokens
+from kvblend.api import lookup as lookups
+from kvblend.api.lookup import LookupBody
+from kvblend.api.schemas import LookupRequest, LookupResponse
+from kvblend.shm.errors import Busy
+from kvblend.shm.matches import Match
+from kvblend.shm.hashing import Namespace
+from kvblend.shm.header import ORIGIN_FINAL
+from kvblend.shm.lookup import covered_tokens
 from tests.api.conftest import CHUNK, TOKEN, Cache, problem
 
 NS = Namespace("model-a", 1)

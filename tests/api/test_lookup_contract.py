@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.lookup import LookupBody, OCTET_STREAM
-from api.openapi import schema
-from shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
+from kvblend.api.lookup import LookupBody, OCTET_STREAM
+from kvblend.api.openapi import schema
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
 from tests.api.conftest import problem
 
 BOUNDS = {"model_name": ("maxLength", MODEL_NAME_BYTES), "world_size": ("maximum", MAX_WORLD_SIZE),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 from tests.api.test_observability import samples
 from tests.conftest import remove_prefix
 from tests.test_e2e import Service

@@ -6,10 +6,10 @@ import numpy as np
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from shm.events import EventLog
-from shm.hashing import Namespace
-from shm.telemetry import StoreError
+from kvblend.api.app import create_app
+from kvblend.shm.events import EventLog
+from kvblend.shm.hashing import Namespace
+from kvblend.shm.telemetry import StoreError
 from tests.api.apps import ADMIN, bearer, serving
 from tests.api.conftest import CHUNK, TOKEN, Cache, make_settings, problem
 

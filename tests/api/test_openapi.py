@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from api.openapi import render, schema
+from kvblend.api.openapi import render, schema
 
 COMMITTED = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
 METHODS = {"get", "post", "put", "patch", "delete"}
@@ -14,7 +14,7 @@ METHODS = {"get", "post", "put", "patch", "delete"}
 def test_committed_schema_matches_the_app() -> None:
     assert COMMITTED.read_text() == render(), (
         "openapi/openapi.json is stale: regenerate it with "
-        "`python -m api.openapi > openapi/openapi.json` and review the diff")
+        "`python -m kvblend.api.openapi > openapi/openapi.json` and review the diff")
 
 
 def test_every_operation_is_documented() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from kvblend.api.app import create_app
 from tests.api.conftest import make_settings, problem
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 

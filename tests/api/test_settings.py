@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from api.settings import Settings
+from kvblend.api.settings import Settings
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "example.org"])
@@ -25,14 +25,14 @@ def test_loopback_needs_none(host: str) -> None:
 
 
 def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
-    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--host", "0.0.0.0"],
+    out = subprocess.run([sys.executable, "-m", "kvblend.api.cli", "serve", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "--api-token" in out.stderr
 
 
 def test_a_remote_url_with_credentials_is_refused_without_echoing_them() -> None:
-    out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--remote",
+    out = subprocess.run([sys.executable, "-m", "kvblend.api.cli", "serve", "--remote",
                           "redis://admin:hunter2@cache:6379"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
@@ -50,7 +50,7 @@ def test_a_remote_url_with_credentials_is_refused_without_echoing_them() -> None
 def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
     from pathlib import Path
 
-    from api.cli import build_parser
+    from kvblend.api.cli import build_parser
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {a.dest for a in serve._actions if a.option_strings}
     assert set(Settings.model_fields) <= flags
@@ -61,7 +61,7 @@ def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
 def test_serve_flags_come_from_the_settings() -> None:
     """Each flag reads its field's type and shows its description and default; the client
     commands take only the flags that reach a service."""
-    from api.cli import build_parser
+    from kvblend.api.cli import build_parser
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     serve = {a.dest: a for a in commands["serve"]._actions if a.option_strings}

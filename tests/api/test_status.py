@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from fastapi.testclient import TestClient
 
-from api import kvblend_version
-from shm.hashing import Namespace
+from kvblend.shm.hashing import Namespace
+from kvblend.shm.version import kvblend_version
 from tests.api.conftest import CHUNK, FP_CAPACITY, GEOMETRY, Cache, problem
 
 
@@ -42,7 +42,7 @@ def test_status_reports_storage_fingerprints_and_data_plane(client: TestClient,
 def test_status_counts_pins(client: TestClient, cache: Cache) -> None:
     ns = Namespace("model-a", 1)
     keys = cache.put(ns, np.arange(2 * CHUNK, dtype=np.uint32))
-    from shm.store import ChunkKey
+    from kvblend.shm.store import ChunkKey
 
     with cache.store.pinned([ChunkKey(ns.id, keys[0])]):
         assert client.get("/v1/status").json()["storage"]["num_pinned"] == 1

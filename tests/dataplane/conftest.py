@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from dataplane import default_address
-from shm.fingerprint import FingerprintIndex
-from shm.store import Store, StoreConfig
+from kvblend.dataplane import default_address
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.store import Store, StoreConfig
 
 CHUNK = 16
 GEOMETRY = StoreConfig(capacity_bytes=64 << 20, page_bytes=4 << 20, min_slot_bytes=4096)
@@ -41,10 +41,10 @@ LEASE_S = 3.0  # short, so tests see a dead client's instance dropped within the
 
 def start_dataplane(prefix: str, backend: str = "cpu", timeout: float = 60.0,
                     *extra: str) -> DataPlaneProc:
-    """Start ``python -m dataplane`` and wait (bounded) for its ready line."""
+    """Start ``python -m kvblend.dataplane`` and wait (bounded) for its ready line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dataplane", "--shm-prefix", prefix, "--chunk-size", str(CHUNK),
-         "--backend", backend, "--reclaim-interval", "0.05", "--lease", str(LEASE_S),
+        [sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", prefix, "--chunk-size",
+         str(CHUNK), "--backend", backend, "--reclaim-interval", "0.05", "--lease", str(LEASE_S),
          "--log-level", "WARNING", *extra],
         stdout=subprocess.PIPE, stderr=None, env=os.environ.copy())
     assert proc.stdout is not None

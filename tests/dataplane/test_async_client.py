@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.async_client import AsyncBlendClient
-from dataplane.errors import BadRequest
+from kvblend.dataplane.async_client import AsyncBlendClient
+from kvblend.dataplane.errors import BadRequest
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, D = 6, 32

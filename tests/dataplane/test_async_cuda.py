@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.async_client import AsyncBlendClient
+from kvblend.dataplane.async_client import AsyncBlendClient
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 pytestmark = pytest.mark.gpu

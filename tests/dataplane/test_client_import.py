@@ -11,10 +11,10 @@ import sys
 CHECK = """
 import json, os, sys
 env = dict(os.environ)
-import dataplane.client
+import kvblend.dataplane.client
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite") or m in (
-    "shm.store", "shm.fingerprint", "shm.index", "shm.slab", "shm.pins", "shm.lookup",
-    "shm._jit"))
+    "kvblend.shm.store", "kvblend.shm.fingerprint", "kvblend.shm.index", "kvblend.shm.slab",
+    "kvblend.shm.pins", "kvblend.shm.lookup", "kvblend.shm._jit"))
 print(json.dumps({"heavy": heavy, "env_changed": dict(os.environ) != env}))
 """
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import cpu_rotary, rotary
-from dataplane.rotary import RotaryConfig
+from kvblend.dataplane import cpu_rotary, rotary
+from kvblend.dataplane.rotary import RotaryConfig
 
 H, DH, T = 4, 64, 40
 
@@ -64,8 +64,8 @@ def test_the_kernel_equals_the_torch_turn(dtype: torch.dtype, cfg: RotaryConfig,
 WARM_CHECK = """
 import mmap, sys
 import numpy as np
-from dataplane import cpu_rotary
-from dataplane.cpu import _kernel_turn
+from kvblend.dataplane import cpu_rotary
+from kvblend.dataplane.cpu import _kernel_turn
 import torch
 cpu_rotary.warm()
 before = len(cpu_rotary.turn_raw.signatures)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.channel import Channel
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest
-from dataplane.instances import MAX_IN_FLIGHT
-from dataplane.messages import MatchSpec, RegisterInstance
-from shm.hashing import Namespace, chunk_hashes
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.instances import MAX_IN_FLIGHT
+from kvblend.dataplane.messages import MatchSpec, RegisterInstance
+from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 pytestmark = pytest.mark.gpu

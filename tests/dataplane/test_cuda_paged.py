@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 pytestmark = pytest.mark.gpu

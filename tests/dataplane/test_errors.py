@@ -7,11 +7,11 @@ import msgspec
 import pytest
 import torch
 
-from api import errors as api_errors
-from dataplane import errors as dp
-from dataplane.client import BlendClient
-from dataplane.messages import ErrorReply, reply_decoder
-from shm import errors as shm
+from kvblend.api import errors as api_errors
+from kvblend.dataplane import errors as dp
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.messages import ErrorReply, reply_decoder
+from kvblend.shm import errors as shm
 from tests.dataplane.conftest import DataPlaneProc
 
 

@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-from shm import segment
-from shm.errors import LayoutMismatch
-from shm.events import HEADER_WORDS, MAX_MODELS, VERSION, EventLog, EventsHdr
-from shm.names import Names
-from shm.segment import Segment
-from shm.telemetry import COUNTER_NAMES, Counter, LookupEnd, RetrieveEnd, StoreError
+from kvblend.shm import segment
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.events import HEADER_WORDS, MAX_MODELS, VERSION, EventLog, EventsHdr
+from kvblend.shm.names import Names
+from kvblend.shm.segment import Segment
+from kvblend.shm.telemetry import COUNTER_NAMES, Counter, LookupEnd, RetrieveEnd, StoreError
 
 
 def _lookup(i: int, request_id: str | None = None) -> LookupEnd:
@@ -101,8 +101,8 @@ def test_an_error_event_keeps_its_fields(shm_prefix: str) -> None:
 
 _WRITER = """
 import sys
-from shm.events import EventLog
-from shm.telemetry import LookupEnd
+from kvblend.shm.events import EventLog
+from kvblend.shm.telemetry import LookupEnd
 log = EventLog.open(sys.argv[1])
 for i in range(200):
     log.record(LookupEnd(request_id=sys.argv[2], requested_tokens=i, hit_tokens=0, num_chunks=0,
@@ -128,7 +128,7 @@ def test_concurrent_writer_processes(shm_prefix: str) -> None:
 
 _HOLDER = """
 import sys
-from shm.events import EventLog
+from kvblend.shm.events import EventLog
 log = EventLog.open(sys.argv[1])
 log._lock.acquire()
 print("held", flush=True)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import DataPlaneUnavailable
-from shm.events import EventLog
-from shm.segment import exists as segment_exists
-from shm.store import Store
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import DataPlaneUnavailable
+from kvblend.shm.events import EventLog
+from kvblend.shm.segment import exists as segment_exists
+from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, start_dataplane
 
 L, T, D = 2, 1024, 64
@@ -38,7 +38,7 @@ def seeded(kv: torch.Tensor, seed: int) -> None:
 
 _CLIENT = """
 import sys, numpy as np, torch
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 from tests.dataplane.test_faults import seeded, L, T, D
 c = BlendClient(dataplane_address=sys.argv[1])
 kv = c.cpu_kv_buffer(L, T, D, torch.float16)

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.channel import Channel, recv_frame
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest, LayoutMismatch, OutOfRange, Timeout, UnknownInstance
-from dataplane.messages import (ChunkFailure, Ping, Pong, RegisterInstance, RetrieveChunks,
-                                ShmBuffer, StoreChunks)
-from shm.events import EventLog
-from shm.store import Store
+from kvblend.dataplane.channel import Channel, recv_frame
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import (BadRequest, LayoutMismatch, OutOfRange, Timeout,
+                                      UnknownInstance)
+from kvblend.dataplane.messages import (ChunkFailure, Ping, Pong, RegisterInstance, RetrieveChunks,
+                                        ShmBuffer, StoreChunks)
+from kvblend.shm.events import EventLog
+from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, T, D = 2, 512, 64
@@ -101,7 +102,7 @@ def test_evicted_chunk_fails_by_index_and_is_not_written(dataplane: DataPlanePro
 
 _TP_WORKER = """
 import sys, numpy as np, torch
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 addr, rank = sys.argv[1], int(sys.argv[2])
 doc = np.arange(4 * 16) + 500
 with BlendClient(dataplane_address=addr) as c:

@@ -20,7 +20,7 @@ CHUNK_BYTES = 2 * LAYERS * CHUNK_BLOCKS * BLOCK_BYTES
 
 @pytest.fixture(scope="module")
 def gather() -> Any:
-    from dataplane import gather  # cupy exists only where CUDA does
+    from kvblend.dataplane import gather  # cupy exists only where CUDA does
     return gather
 
 

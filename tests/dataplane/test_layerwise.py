@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.channel import Channel, recv_frame
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest
-from dataplane.messages import (MAX_LAYER_GROUP_MATCHES, ChunkFailure, LayersReady, MatchSpec, RetrieveChunks,
-                                TransferDone, frame, reply_decoder)
+from kvblend.dataplane.channel import Channel, recv_frame
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, ChunkFailure, LayersReady,
+                                        MatchSpec, RetrieveChunks, TransferDone, frame,
+                                        reply_decoder)
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, T, D = 6, 256, 32

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest, LayersNotWritten, Timeout
-from dataplane.messages import LayersWritten
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest, LayersNotWritten, Timeout
+from kvblend.dataplane.messages import LayersWritten
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, D = 6, 32

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import LayoutMismatch
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import LayoutMismatch
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 from tests.dataplane.conftest import CHUNK, start_dataplane
 
 L, T, D = 2, 256, 64

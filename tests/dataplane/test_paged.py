@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import paged
-from dataplane.channel import Channel
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest, OutOfRange
-from dataplane.messages import (KVPlacement, PagedBuffer, PagedLayer, RegisterInstance, ShmBuffer,
-                                WireDType)
+from kvblend.dataplane import paged
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest, OutOfRange
+from kvblend.dataplane.messages import (KVPlacement, PagedBuffer, PagedLayer, RegisterInstance,
+                                        ShmBuffer, WireDType)
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, B, S, H, DH = 2, 16, 8, 2, 16   # layers, blocks, block size, kv heads, head dim
@@ -325,8 +325,8 @@ def test_segment_rows_are_the_specification(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_the_compiled_check_refuses_exactly_what_chunk_slots_refuses(seed: int) -> None:
-    from dataplane.errors import OutOfRange
-    from dataplane.segments import first_bad
+    from kvblend.dataplane.errors import OutOfRange
+    from kvblend.dataplane.segments import first_bad
     rng = np.random.default_rng(seed)
     S, nb = int(rng.choice([1, 4, 16])), 40
     ids = rng.integers(-2, nb + 3, int(rng.integers(1, 30))).astype("<i4")  # holes, ids past nb

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest
-from dataplane.instances import MAX_IN_FLIGHT
-from dataplane.messages import MatchSpec
-from shm.hashing import Namespace, chunk_hashes
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.instances import MAX_IN_FLIGHT
+from kvblend.dataplane.messages import MatchSpec
+from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, D = 4, 32

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, D = 2, 32

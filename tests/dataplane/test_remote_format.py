@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.remote import (HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, decode, encode,
-                              parse_url)
-from shm.hashing import Namespace, chunk_hashes
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.layout import DType
+from kvblend.dataplane.remote import (HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, decode, encode,
+                                      parse_url)
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.layout import DType
 
 C, L, D = 16, 3, 8
 

@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
 from transformers.models.phi.modeling_phi import apply_rotary_pos_emb as phi_apply
 
-from dataplane import rotary
-from dataplane.rotary import RotaryConfig
+from kvblend.dataplane import rotary
+from kvblend.dataplane.rotary import RotaryConfig
 
 H, DH, T = 4, 64, 48
 

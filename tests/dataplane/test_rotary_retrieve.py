@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaModel
 
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest
-from dataplane.messages import MatchSpec, RotaryConfig
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.messages import MatchSpec, RotaryConfig
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, HKV, DH = 2, 2, 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.__main__ import parse_args
-from dataplane.transfer import Tuning
+from kvblend.dataplane.__main__ import parse_args
+from kvblend.dataplane.transfer import Tuning
 
 def test_flags_win_over_variables_which_win_over_defaults(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:

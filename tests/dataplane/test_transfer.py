@@ -11,14 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-import dataplane.transfer as tr
-from dataplane.backend import InstanceBuffer
-from dataplane.messages import ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks, StoreKind
-from shm.events import EventLog
-from shm.hashing import Namespace, chunk_hashes
-from shm.keys import keys_of
-from shm.layout import ChunkClass, DType, KVLayout
-from shm.store import ChunkKey, Store
+import kvblend.dataplane.transfer as tr
+from kvblend.dataplane.backend import InstanceBuffer
+from kvblend.dataplane.messages import (ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks,
+                                        StoreKind)
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.keys import keys_of
+from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.store import ChunkKey, Store
 from tests.dataplane.conftest import CHUNK, create_store
 
 L, D, N = 2, 64, 12
@@ -70,7 +72,7 @@ class FakeInst:
 def shared(shm_prefix: str) -> Iterator[tr.Shared]:
     create_store(shm_prefix)
     store = Store.open(shm_prefix)
-    fp = tr.open_fingerprints(shm_prefix, CHUNK)
+    fp = FingerprintIndex.attach(shm_prefix, CHUNK)
     events = EventLog.open(shm_prefix)
     yield tr.Shared(store, fp, events, CHUNK)
     events.close()

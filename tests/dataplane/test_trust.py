@@ -20,14 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.channel import Channel
-from dataplane.client import BlendClient
-from dataplane.errors import BadRequest, DataPlaneUnavailable, TooMany
-from dataplane.messages import HEADER, MAX_FRAME, ListInstances, Ping, RegisterInstance, ShmBuffer
-from shm.events import EventLog
-from shm.segment import Segment
-from shm.segment import exists as segment_exists
-from shm.store import Store
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest, DataPlaneUnavailable, TooMany
+from kvblend.dataplane.messages import (HEADER, MAX_FRAME, ListInstances, Ping, RegisterInstance,
+                                        ShmBuffer)
+from kvblend.shm.events import EventLog
+from kvblend.shm.segment import Segment
+from kvblend.shm.segment import exists as segment_exists
+from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 from tests.dataplane.test_faults import poll, seeded
 
@@ -119,9 +120,9 @@ def test_failed_registrations_create_nothing_and_unused_classes_are_released(
 
 _INTRUDER = """
 import sys, numpy as np
-from dataplane.channel import Channel
-from dataplane.errors import Forbidden
-from dataplane.messages import RetrieveChunks, StoreChunks, UnregisterInstance, RenewLease
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.errors import Forbidden
+from kvblend.dataplane.messages import RetrieveChunks, StoreChunks, UnregisterInstance, RenewLease
 victim, address = int(sys.argv[1]), sys.argv[2]
 tokens = np.arange(4 * 16, dtype="<u4").tobytes()
 refused = 0
@@ -157,7 +158,7 @@ def test_another_engine_cannot_reach_an_instance_by_its_id(dataplane: DataPlaneP
 
 _ENGINE = """
 import sys, torch
-from dataplane.client import BlendClient
+from kvblend.dataplane.client import BlendClient
 c = BlendClient(dataplane_address=sys.argv[1])
 inst = c.register_kv_cache(c.cpu_kv_buffer(2, 512, 64, torch.float16), model_name="m")
 print(inst, flush=True)

@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from dataplane.client import BlendClient
-from engine.blend import (FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend,
-                          rotary_config)
+from kvblend.dataplane.client import BlendClient
+from kvblend.engine.blend import (FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend,
+                                  rotary_config)
 from tests.conftest import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 

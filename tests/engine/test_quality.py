@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from engine.blend import DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill, random_blend
+from kvblend.dataplane.client import BlendClient
+from kvblend.engine.blend import DEFAULT, FULL, NAIVE, BlendEngine, Mode, Prefill, random_blend
 from tests import realmodel
 from tests.conftest import remove_prefix
 from tests.dataplane.conftest import create_store, start_dataplane

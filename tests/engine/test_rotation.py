@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dataplane import rotary
-from dataplane.client import BlendClient
-from engine.blend import BlendEngine, model_rotary, rotary_config
+from kvblend.dataplane import rotary
+from kvblend.dataplane.client import BlendClient
+from kvblend.engine.blend import BlendEngine, model_rotary, rotary_config
 from tests.conftest import remove_prefix
 from tests.scalings import SCALINGS
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.blend import Mode, cacheblend, given, random_blend, select_rows, sink_rows
+from kvblend.engine.blend import Mode, cacheblend, given, random_blend, select_rows, sink_rows
 
 
 def spec(hit: np.ndarray, among: np.ndarray, mode: Mode, heads: list[int], ratio: float,

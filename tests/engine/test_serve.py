@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataplane.client import BlendClient
-from engine.blend import FULL, NAIVE, BlendEngine, cacheblend
+from kvblend.dataplane.client import BlendClient
+from kvblend.engine.blend import FULL, NAIVE, BlendEngine, cacheblend
 from tests.engine.test_blend import V, tiny_llama
 from tests.test_e2e import Service
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.vllm_blend import BlendLoad, PagedLayer, gaps, hit_rows
-from shm.matches import Match
+from kvblend.engine.vllm_blend import BlendLoad, PagedLayer, gaps, hit_rows
+from kvblend.shm.matches import Match
 
 B, S, H, DH = 5, 16, 3, 8
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.messages import ChunkFailure
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.messages import ChunkFailure
 from tests.conftest import remove_prefix
-from dataplane.remote import STREAM
+from kvblend.dataplane.remote import STREAM
 from tests.remote.conftest import ClusterProcs, RedisProc, free_port, poll_until
 from tests.test_e2e import Service
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import redis
 
-from dataplane.remote import (MAX_STREAMS, Breaker, ChunkId, Fetched, Miss, RemoteTier, decode,
-                              encode)
-from shm.hashing import Namespace, chunk_hashes
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.layout import DType
+from kvblend.dataplane.remote import (MAX_STREAMS, Breaker, ChunkId, Fetched, Miss, RemoteTier,
+                                      decode, encode)
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.layout import DType
 from tests.remote.conftest import HOST, ClusterProcs, RedisProc, poll_until
 
 C = 16

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import redis
 
-from dataplane.remote import Breaker, ChunkId, Fetched, Miss, RemoteTier, encode
-from dataplane.promote import Promoted, promote
-from dataplane.writebehind import WriteBehind
-from shm.hashing import Namespace, chunk_hashes
-from shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from shm.layout import ChunkClass, DType, KVLayout
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.dataplane.remote import Breaker, ChunkId, Fetched, Miss, RemoteTier, encode
+from kvblend.dataplane.promote import Promoted, promote
+from kvblend.dataplane.writebehind import WriteBehind
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
+from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 from tests.conftest import remove_prefix
 from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
 

@@ -12,10 +12,10 @@ import pytest
 import redis
 import torch
 
-from dataplane.client import BlendClient
-from dataplane.remote import ChunkId, Fetched, RemoteTier
-from shm.hashing import Namespace, chunk_hashes
-from shm.layout import DType
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.remote import ChunkId, Fetched, RemoteTier
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.layout import DType
 from tests.conftest import remove_prefix
 from tests.remote.conftest import RedisProc, poll_until
 from tests.test_e2e import Service

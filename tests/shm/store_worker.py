@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 
-from shm import index
-from shm.store import Store, key_words
+from kvblend.shm import index
+from kvblend.shm.store import Store, key_words
 
 from .storeutil import CLASS_A, fill_value, intact, key, put, tokens_for
 

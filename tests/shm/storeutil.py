@@ -6,8 +6,8 @@ import hashlib
 
 import numpy as np
 
-from shm.layout import ChunkClass
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.shm.layout import ChunkClass
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
 # 4 pages of 64 KiB, at most 8 slots a page (min_slot_bytes)
 SMALL = StoreConfig(capacity_bytes=256 << 10, page_bytes=64 << 10, min_slot_bytes=8192)

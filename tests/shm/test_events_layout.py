@@ -7,10 +7,10 @@ import re
 
 import numpy as np
 
-from shm import events
-from shm.events import HEADER_WORDS, EventLog, EventsHdr
-from shm.segment import Segment
-from shm.telemetry import LookupEnd
+from kvblend.shm import events
+from kvblend.shm.events import HEADER_WORDS, EventLog, EventsHdr
+from kvblend.shm.segment import Segment
+from kvblend.shm.telemetry import LookupEnd
 
 
 def _drawn(doc: str, title: str) -> dict[str, int]:

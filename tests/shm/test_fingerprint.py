@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from shm import cover, fpformat, probe
-from shm import fingerprint as F
-from shm.fpformat import Entry, FpHdr
-from shm.errors import LayoutMismatch
-from shm.fingerprint import FingerprintIndex, RegisterResult
-from shm.matches import Match
-from shm.hashing import Namespace, chunk_hashes
+from kvblend.shm import cover, fpformat, probe
+from kvblend.shm import fingerprint as F
+from kvblend.shm.fpformat import Entry, FpHdr
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.fingerprint import FingerprintIndex, RegisterResult
+from kvblend.shm.matches import Match
+from kvblend.shm.hashing import Namespace, chunk_hashes
 
 NS = Namespace("test-model")
 M64 = (1 << 64) - 1
@@ -567,6 +567,11 @@ def test_create_attach_open_share_one_surface(shm_prefix: str) -> None:
             FingerprintIndex.create(shm_prefix, C, 64)
         with FingerprintIndex.attach(shm_prefix) as seen:  # geometry from the header
             assert (seen.chunk_size, seen.capacity, len(seen)) == (C, 64, 2)
+        with FingerprintIndex.attach(shm_prefix, C) as seen:  # the reader's chunk size agrees
+            assert seen.chunk_size == C
+        with pytest.raises(LayoutMismatch, match=f"chunks of {C} tokens, its reader was started "
+                                                 f"for {2 * C}"):
+            FingerprintIndex.attach(shm_prefix, 2 * C)
         with FingerprintIndex.open(shm_prefix, C, 64) as opened:
             assert len(opened) == 2
         made._hdr[FpHdr.VERSION] += 1
@@ -585,7 +590,7 @@ def test_an_unfinished_index_is_replaced(shm_prefix: str, how: str, size: int) -
     segment nobody attaches."""
     import posix_ipc
 
-    from shm.names import Names
+    from kvblend.shm.names import Names
     posix_ipc.SharedMemory("/" + Names(shm_prefix).fp, posix_ipc.O_CREX, mode=0o600,
                            size=size).close_fd()
     with pytest.raises(FileNotFoundError, match="never finished"):
@@ -641,8 +646,8 @@ def test_processes_register_and_match_concurrently(make: Make) -> None:
 KILLED_WRITER = """
 import sys
 import numpy as np
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
 ns = Namespace("test-model")
 idx = FingerprintIndex.open(sys.argv[1], 4, 4096)
 rng = np.random.default_rng(7)

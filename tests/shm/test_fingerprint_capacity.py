@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from shm.fpformat import FpHdr
-from shm.fingerprint import FingerprintIndex, RegisterResult
-from shm.hashing import Namespace, chunk_hashes
-from shm.store import ChunkKey, key_words
+from kvblend.shm.fpformat import FpHdr
+from kvblend.shm.fingerprint import FingerprintIndex, RegisterResult
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.store import ChunkKey, key_words
 
 NS = Namespace("capacity-model", world_size=2)
 C = 4

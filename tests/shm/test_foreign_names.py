@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from shm.errors import ForeignObject
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.segment import Segment
-from shm.store import Store, destroy
+from kvblend.shm.errors import ForeignObject
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.segment import Segment
+from kvblend.shm.store import Store, destroy
 
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
 from .storeutil import SMALL

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shm.hashing import DIGEST_BYTES, Namespace, as_tokens, chunk_hashes
+from kvblend.shm.hashing import DIGEST_BYTES, Namespace, as_tokens, chunk_hashes
 
 REPO = Path(__file__).resolve().parents[2]
 NS = Namespace("llama-3-8b", world_size=2, cache_salt="tenant-a")

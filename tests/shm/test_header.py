@@ -12,9 +12,9 @@ import pytest
 
 from types import ModuleType
 
-from shm import fpformat, header, index, pins, slab, store
-from shm.fpformat import Entry, FpHdr
-from shm.header import SLOT_HDR_BYTES, Hdr, SlotHdr
+from kvblend.shm import fpformat, header, index, pins, slab, store
+from kvblend.shm.fpformat import Entry, FpHdr
+from kvblend.shm.header import SLOT_HDR_BYTES, Hdr, SlotHdr
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,10 +62,10 @@ def test_no_other_module_numbers_header_words() -> None:
 def test_a_written_slot_header_reads_back_by_its_names(shm_prefix: str) -> None:
     import numpy as np
 
-    from shm.hashing import Namespace, chunk_hashes
-    from shm.layout import ChunkClass, DType, KVLayout
-    from shm.slots import OTHER_TOKENS
-    from shm.store import ChunkKey, Store, StoreConfig
+    from kvblend.shm.hashing import Namespace, chunk_hashes
+    from kvblend.shm.layout import ChunkClass, DType, KVLayout
+    from kvblend.shm.slots import OTHER_TOKENS
+    from kvblend.shm.store import ChunkKey, Store, StoreConfig
     with Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
                                             min_slot_bytes=4096)) as st:
         ns = Namespace("m", 2)

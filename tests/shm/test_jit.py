@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHOW = "import os, shm.table; print(os.environ['NUMBA_CACHE_DIR'])"
+SHOW = "import os, kvblend.shm.table; print(os.environ['NUMBA_CACHE_DIR'])"
 
 
 def _cache_dir(root: Path, base: Path, *path: Path) -> Path:
@@ -24,11 +24,12 @@ def test_a_change_to_any_kernel_source_gets_a_fresh_cache_folder(tmp_path: Path)
     """numba checks only a kernel's own file; ``shm.slab``'s cached kernels hold ``shm.table``'s
     code, so a change to table.py alone must not find them."""
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "shm", tree / "shm", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "shm", tree / "kvblend" / "shm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     base = tmp_path / "numba"
     first = _cache_dir(tree, base)
     assert first.parent == base and first == _cache_dir(tree, base)  # stable for one source
-    with open(tree / "shm" / "table.py", "a") as f:
+    with open(tree / "kvblend" / "shm" / "table.py", "a") as f:
         f.write("# changed\n")
     assert _cache_dir(tree, base).parent == base and _cache_dir(tree, base) != first
 

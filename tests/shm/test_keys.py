@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from shm.keys import ChunkKey, batch_words, key_words, keys_of
+from kvblend.shm.keys import ChunkKey, batch_words, key_words, keys_of
 
 
 @pytest.mark.parametrize("namespace_id", [0, 5, 2**63, 2**64 - 3])

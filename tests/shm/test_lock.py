@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm import lock as L
-from shm.errors import Busy
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.lock import FileLock, Guarded
-from shm.names import Names
-from shm.private import shm_path
+from kvblend.shm import lock as L
+from kvblend.shm.errors import Busy
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.lock import FileLock, Guarded
+from kvblend.shm.names import Names
+from kvblend.shm.private import shm_path
 
 NS = Namespace("ordering-model")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shm.errors import ForeignObject
-from shm.events import EventLog
-from shm.fingerprint import FingerprintIndex
-from shm.names import Names, destroy, leftovers
-from shm.private import open_private, shm_path
-from shm.remotes import RemoteChunks
-from shm.store import Store, StoreConfig
+from kvblend.shm.errors import ForeignObject
+from kvblend.shm.events import EventLog
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.names import Names, destroy, leftovers
+from kvblend.shm.private import open_private, shm_path
+from kvblend.shm.remotes import RemoteChunks
+from kvblend.shm.store import Store, StoreConfig
 from tests.dataplane.conftest import CHUNK, start_dataplane
 
 ROOT = Path(__file__).resolve().parents[2]

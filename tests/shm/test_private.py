@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shm import private
-from shm.errors import ForeignObject
+from kvblend.shm import private
+from kvblend.shm.errors import ForeignObject
 
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
 

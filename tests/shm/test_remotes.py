@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from shm import remotes
-from shm.errors import Busy, LayoutMismatch
-from shm.lock import FileLock
-from shm.names import Names, destroy
-from shm.private import shm_path
-from shm.remotes import HEADER_BYTES, RemoteChunks, RemoteHdr, Slot
-from shm.segment import Segment
+from kvblend.shm import remotes
+from kvblend.shm.errors import Busy, LayoutMismatch
+from kvblend.shm.lock import FileLock
+from kvblend.shm.names import Names, destroy
+from kvblend.shm.private import shm_path
+from kvblend.shm.remotes import HEADER_BYTES, RemoteChunks, RemoteHdr, Slot
+from kvblend.shm.segment import Segment
 
 CAP = 64
 T0 = 1_000_000  # ms: a clock far from 0 (EXPIRES 0 marks a free slot)

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shm.errors import Busy, ForeignObject
-from shm.lock import FileLock, pid_alive
-from shm.private import shm_path
-from shm.segment import Segment, exists, unlink
+from kvblend.shm.errors import Busy, ForeignObject
+from kvblend.shm.lock import FileLock, pid_alive
+from kvblend.shm.private import shm_path
+from kvblend.shm.segment import Segment, exists, unlink
 
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
 

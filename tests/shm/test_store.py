@@ -8,12 +8,12 @@ import stat
 import numpy as np
 import pytest
 
-from shm import index, slab
-from shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
-from shm.header import Hdr
-from shm.evicted import LOG_ROWS as _EV_ROWS
-from shm.layout import ChunkClass
-from shm.store import Store, StoreConfig, destroy
+from kvblend.shm import index, slab
+from kvblend.shm.errors import CapacityError, LayoutMismatch, ShmError, StoreFull
+from kvblend.shm.header import Hdr
+from kvblend.shm.evicted import LOG_ROWS as _EV_ROWS
+from kvblend.shm.layout import ChunkClass
+from kvblend.shm.store import Store, StoreConfig, destroy
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, fill_value, intact, key, put, tokens_for
 

@@ -8,11 +8,11 @@ import pickle
 import numpy as np
 import pytest
 
-from shm.errors import LayoutMismatch
-from shm.header import Hdr
-from shm.names import Names
-from shm.segment import Segment
-from shm.store import Store, StoreConfig, destroy
+from kvblend.shm.errors import LayoutMismatch
+from kvblend.shm.header import Hdr
+from kvblend.shm.names import Names
+from kvblend.shm.segment import Segment
+from kvblend.shm.store import Store, StoreConfig, destroy
 
 from .storeutil import CLASS_A, SMALL, intact, put
 

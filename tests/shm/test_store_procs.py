@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from shm import index, slab
-from shm.store import Store, destroy
+from kvblend.shm import index, slab
+from kvblend.shm.store import Store, destroy
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, intact, key, put, tokens_for
 

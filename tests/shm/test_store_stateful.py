@@ -31,9 +31,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shm import index, slab
-from shm.errors import StoreFull
-from shm.store import Reservation, Store, destroy, key_words
+from kvblend.shm import index, slab
+from kvblend.shm.errors import StoreFull
+from kvblend.shm.store import Reservation, Store, destroy, key_words
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, fill_value, intact, key, put, tokens_for
 from .test_store_procs import assert_consistent

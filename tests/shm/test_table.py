@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
-from shm import table
+from kvblend.shm import table
 
 SLOTS = 16
 WORDS = 12          # at most 3/4 full: every run ends

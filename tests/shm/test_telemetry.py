@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shm.events import MAX_COUNTERS, NAME_BYTES, EventLog
-from shm.telemetry import COUNTER_NAMES, EVENT_KINDS, Counter, EventKind, kind_of
+from kvblend.shm.events import MAX_COUNTERS, NAME_BYTES, EventLog
+from kvblend.shm.telemetry import COUNTER_NAMES, EVENT_KINDS, Counter, EventKind, kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,12 @@ CHECK = """
 import importlib, sys
 import numpy as np
 from numba.core.registry import CPUDispatcher
-from shm.warm import warm
-from shm.fingerprint import FingerprintIndex
-from shm.hashing import Namespace, chunk_hashes
-from shm.layout import ChunkClass, DType, KVLayout
-from shm.lookup import lookup
-from shm.store import ChunkKey, Store, StoreConfig
+from kvblend.shm.warm import warm
+from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.lookup import lookup
+from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
 prefix = sys.argv[1]
 warm(prefix)
@@ -66,7 +66,7 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
 store.reclaim()
-from shm import slab
+from kvblend.shm import slab
 with store._guard():  # what a restart after a crash runs
     store._rebuild()
     slab.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,

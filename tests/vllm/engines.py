@@ -77,7 +77,7 @@ def generate_all(llm: Any, prompts: list[list[int]], max_tokens: int = 16, logpr
 
 
 def close(llm: Any) -> None:
-    from engine.vllm_connector import shutdown_llm
+    from kvblend.engine.vllm_connector import shutdown_llm
     shutdown_llm(llm)
     del llm
     gc.collect()

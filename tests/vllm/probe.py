@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import torch
 
-from engine.vllm_connector import KVBlendConnector, KVBlendMetadata
+from kvblend.engine.vllm_connector import KVBlendConnector, KVBlendMetadata
 
 SEEN: dict[str, Any] = {"caches": None, "loads": [], "errors": set(), "blends": [],
                         "preempted": []}

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests")
 
-from dataplane.client import BlendClient  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
 from tests.test_e2e import Service, poll  # noqa: E402
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import close, engine, generate, generate_all, save_model, tokens  # noqa: E402
@@ -115,7 +115,7 @@ def test_blend_mode_claims_every_stored_chunk_and_full_recompute_is_vllm_alone(
 def reference_engine(model: Path, service: Service) -> tuple[object, BlendClient]:
     from transformers import LlamaForCausalLM
 
-    from engine.blend import BlendEngine
+    from kvblend.engine.blend import BlendEngine
     hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     client = BlendClient(service.url)
     return BlendEngine(hf, client, str(model), num_tokens=1024), client
@@ -123,7 +123,7 @@ def reference_engine(model: Path, service: Service) -> tuple[object, BlendClient
 
 def test_the_default_selection_is_the_reference_engine_s(
         model: Path, service: Service, stored: None, alone: dict) -> None:
-    from engine.blend import DEFAULT, NAIVE
+    from kvblend.engine.blend import DEFAULT, NAIVE
     got = blended(model, service)  # the default: 15 %, gradual filtering
     naive = blended(model, service, ratio=0.0)
     ref, client = reference_engine(model, service)

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests")
 
-from dataplane.client import BlendClient  # noqa: E402
-from shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from kvblend.dataplane.client import BlendClient  # noqa: E402
+from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
 from tests.test_e2e import Service, poll  # noqa: E402
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens  # noqa: E402

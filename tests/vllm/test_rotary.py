@@ -17,8 +17,8 @@ from transformers import LlamaConfig  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 
-from dataplane import rotary  # noqa: E402
-from engine.blend import rotary_config  # noqa: E402
+from kvblend.dataplane import rotary  # noqa: E402
+from kvblend.engine.blend import rotary_config  # noqa: E402
 from tests.scalings import SCALINGS  # noqa: E402
 
 MAX_POSITION = 1 << 17
