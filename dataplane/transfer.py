@@ -208,107 +208,170 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     """Copy the call's chunks to the slab; once every copy is queued (and the done event
     recorded) ``progress`` hears ``LayersReady`` of every layer: the engine may reuse its buffer
     after that event (CPU: at once). A layer-wise store (``layer_groups``) reserves every chunk,
-    then copies each group of layers once ``gate`` has it announced."""
-    t0 = time.monotonic()
-    tokens = tokens_of(msg.token_ids)
-    buf, store = inst.buffer, sh.store
-    C, T = sh.chunk_size, buf.bind(msg.block_table)
-    if msg.offset < 0 or msg.offset + len(tokens) > T:
-        raise OutOfRange(f"offset {msg.offset} + {len(tokens)} tokens exceeds the buffer's {T}")
-    if msg.first_position + len(tokens) > MAX_POSITION:
-        raise BadRequest(f"first_position {msg.first_position} + {len(tokens)} tokens passes "
-                         f"the largest position, {MAX_POSITION}")
-    ns = _namespace(inst, msg.cache_salt)
-    n = len(tokens) // C
-    starts = msg.offset + C * np.arange(n, dtype=np.int64)
-    buf.check(starts, C)
-    _check_layerwise_store(msg, buf, n, gate)
-    chunk_bytes = inst.layout.chunk_bytes(C)
-    per = max(1, sh.tuning.group_bytes // max(1, chunk_bytes))
-    base = dict(request_id=msg.request_id, instance_id=inst.id, store_kind=msg.kind.value,
-                tokens=len(tokens), chunks=n)
-    sh.events.record(StoreStart(**base))
-    origin = ORIGIN_STANDALONE if msg.kind is StoreKind.PRE_COMPUTED else ORIGIN_FINAL
-    rows = tokens[:n * C].reshape(n, C)
-    slots = np.full(n, EXISTS, np.int64)
-    keys = np.zeros((n, 4), np.int64)
-    hashes: list[bytes] = []
-    groups: list[tuple[int, int, Any]] = []
-    done = 0      # chunks [0, done) are committed (or were lost to reclaim)
-    reserved = 0  # chunks [0, reserved) went through reserve_slots
+    then copies each group of layers once ``gate`` has it announced. Its phases are
+    ``_StoreCall``'s, in order."""
+    call = _StoreCall(sh, inst, msg, gate)  # every check, before any side effect
+    sh.events.record(StoreStart(**call.base))
     try:
-        buf.begin(msg.event)
-        # a layer-wise store reserves every chunk at once, then copies group by group
-        batches = [(0, n)] if msg.layer_groups else _batches(n, chunk_bytes, sh.tuning.first_bytes)
-        for lo, hi in batches:
-            hashes += chunk_hashes(ns, tokens[lo * C:hi * C], C, parent=hashes[-1] if lo else None)
-            keys[lo:hi] = _keys(ns.id, hashes[lo:hi], inst.rank)
-            slots[lo:hi] = store.reserve_slots(inst.class_id, keys[lo:hi], rows[lo:hi])
-            reserved = hi
-            ours = lo + np.flatnonzero(slots[lo:hi] >= 0)  # others exist already or found no room
-            store.set_positions(slots[ours], msg.first_position + C * ours, origin)
-            if msg.layer_groups:
-                assert gate is not None, "checked by _check_layerwise_store"
-                _store_layer_groups(buf, msg, gate, starts[ours].tolist(),
-                                    store.kv_offsets(slots[ours]).tolist(), C,
-                                    inst.layout.num_layers)
-                groups.append((0, n, buf.end(msg.done_event)))
-                continue
-            for a in range(lo, hi, per):
-                b = min(a + per, hi)
-                idx = a + np.flatnonzero(slots[a:b] >= 0)
-                if len(idx):
-                    buf.to_slab_many(starts[idx].tolist(), C, store.kv_offsets(slots[idx]).tolist())
-                groups.append((a, b, buf.end(msg.done_event) if b == n else buf.mark()))
-        if not groups:
-            groups.append((0, 0, buf.end(msg.done_event)))
+        call.copy()
         if progress is not None:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
-                                 failed=np.flatnonzero(slots == FULL).tolist()))
+                                 failed=np.flatnonzero(call.slots == FULL).tolist()))
         # digests and fingerprints while the copies run; inserted once the chunks are committed
-        prepared = sh.fingerprints.prepare(ns, tokens[:n * C], hashes)
+        call.prepared = sh.fingerprints.prepare(call.ns, call.rows.ravel(), call.hashes)
         yield
-        for a, b, marker in groups:
-            buf.wait(marker)  # only then may the group's chunks become visible
-            try:
-                if (slots[a:b] >= 0).any():
-                    store.commit_slots(slots[a:b], keys[a:b])
-            finally:
-                done = b
+        call.commit()
     except BaseException:
-        _drain(buf)
-        if (slots[done:reserved] >= 0).any():
-            try:
-                store.abort_slots(slots[done:reserved], keys[done:reserved])
-            except ShmError:
-                pass  # reclaimed meanwhile: nothing of ours to give back
+        call.abort()
         raise
-    copied = int(np.count_nonzero(slots >= 0))
-    failed = np.flatnonzero(slots == FULL).tolist()
-    if sh.writebehind is not None and copied:
-        ours = np.flatnonzero(slots >= 0)
-        sh.writebehind.offer(inst.class_id, ns.root, keys_of(keys[ours]), rows[ours])
-    skipped = n - copied - len(failed)
-    forget_evicted(sh)
-    reg = _register_fingerprints(sh, inst, hashes, prepared, origin == ORIGIN_FINAL)
-    if reg.not_indexed:
-        _warn_not_indexed()
-    nbytes = copied * chunk_bytes
-    reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
-                         nbytes=nbytes, duration_s=time.monotonic() - t0,
-                         not_indexed=reg.not_indexed, reasons=[ChunkFailure.NO_ROOM] * len(failed))
-    sh.events.record(StoreEnd(**base, copied=copied, storage_hits=skipped, failed=failed,
-                              fingerprint_new=reg.new, not_indexed=len(reg.not_indexed),
-                              bytes=nbytes, duration_s=reply.duration_s, ok=not failed))
-    sh.events.add_many({Counter.STORES: 1, Counter.STORE_CHUNKS: copied,
-                        Counter.STORE_SKIPPED_CHUNKS: skipped, Counter.STORE_BYTES: nbytes,
-                        Counter.STORE_FAILED_CHUNKS: len(failed),
-                        Counter.FINGERPRINT_NEW_ENTRIES: reg.new,
-                        Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed),
-                        **STORE_SECONDS.observe(reply.duration_s)})
-    sh.events.add_model(inst.request.model_name, {Counter.STORE_CHUNKS: copied,
-                                                  Counter.STORE_BYTES: nbytes}, claim=True)
-    return reply
+    return call.report()
+
+
+class _StoreCall:
+    """One store, phase by phase: checked (``__init__``, no side effect), ``copy`` (reserve and
+    queue the copies, batch by batch), ``commit`` (each group once its copies completed),
+    ``report`` (write-behind, fingerprints, events, the reply); ``abort`` after a failure in
+    ``copy`` or ``commit`` gives back every reservation not committed.
+
+    Attributes:
+        slots: per chunk, its reserved slot, ``EXISTS`` (stored already or being stored
+            elsewhere: not copied again) or ``FULL`` (no room).
+        groups: ``(first, end, marker)`` per group of queued copies, in order.
+        done, reserved: chunks ``[0, done)`` are committed (or were lost to reclaim), chunks
+            ``[0, reserved)`` went through ``reserve_slots``.
+    """
+
+    def __init__(self, sh: Shared, inst: "Instance", msg: StoreChunks, gate: Gate | None
+                 ) -> None:
+        self.t0 = time.monotonic()
+        self.sh, self.inst, self.msg, self.gate = sh, inst, msg, gate
+        tokens = tokens_of(msg.token_ids)
+        buf = inst.buffer
+        C, T = sh.chunk_size, buf.bind(msg.block_table)
+        if msg.offset < 0 or msg.offset + len(tokens) > T:
+            raise OutOfRange(f"offset {msg.offset} + {len(tokens)} tokens exceeds the buffer's "
+                             f"{T}")
+        if msg.first_position + len(tokens) > MAX_POSITION:
+            raise BadRequest(f"first_position {msg.first_position} + {len(tokens)} tokens passes "
+                             f"the largest position, {MAX_POSITION}")
+        self.ns = _namespace(inst, msg.cache_salt)
+        self.C, self.n = C, len(tokens) // C
+        self.starts = msg.offset + C * np.arange(self.n, dtype=np.int64)
+        buf.check(self.starts, C)
+        _check_layerwise_store(msg, buf, self.n, gate)
+        self.chunk_bytes = inst.layout.chunk_bytes(C)
+        self.base = dict(request_id=msg.request_id, instance_id=inst.id,
+                         store_kind=msg.kind.value, tokens=len(tokens), chunks=self.n)
+        self.origin = ORIGIN_STANDALONE if msg.kind is StoreKind.PRE_COMPUTED else ORIGIN_FINAL
+        self.rows = tokens[:self.n * C].reshape(self.n, C)
+        self.slots = np.full(self.n, EXISTS, np.int64)
+        self.keys = np.zeros((self.n, 4), np.int64)
+        self.hashes: list[bytes] = []
+        self.groups: list[tuple[int, int, Any]] = []
+        self.done = self.reserved = 0
+        self.prepared: Any = None
+
+    def copy(self) -> None:
+        """Reserve the chunks batch by batch and queue the copies of the ones reserved, a
+        completion marker after each group (a layer-wise store: every chunk at once, then its
+        groups of layers as the gate announces them)."""
+        msg, buf, n = self.msg, self.inst.buffer, self.n
+        buf.begin(msg.event)
+        batches = [(0, n)] if msg.layer_groups else _batches(n, self.chunk_bytes,
+                                                             self.sh.tuning.first_bytes)
+        for lo, hi in batches:
+            ours = self._reserve(lo, hi)
+            if msg.layer_groups:
+                assert self.gate is not None, "checked by _check_layerwise_store"
+                _store_layer_groups(buf, msg, self.gate, self.starts[ours].tolist(),
+                                    self.sh.store.kv_offsets(self.slots[ours]).tolist(), self.C,
+                                    self.inst.layout.num_layers)
+                self.groups.append((0, n, buf.end(msg.done_event)))
+            else:
+                self._queue(lo, hi)
+        if not self.groups:
+            self.groups.append((0, 0, buf.end(msg.done_event)))
+
+    def _reserve(self, lo: int, hi: int) -> np.ndarray:
+        """Keys and reservations of chunks ``[lo, hi)``; the indexes this call reserved."""
+        C, store = self.C, self.sh.store
+        parent = self.hashes[-1] if lo else None
+        self.hashes += chunk_hashes(self.ns, self.rows[lo:hi].ravel(), C, parent=parent)
+        self.keys[lo:hi] = _keys(self.ns.id, self.hashes[lo:hi], self.inst.rank)
+        self.slots[lo:hi] = store.reserve_slots(self.inst.class_id, self.keys[lo:hi],
+                                                self.rows[lo:hi])
+        self.reserved = hi
+        ours = lo + np.flatnonzero(self.slots[lo:hi] >= 0)  # others exist or found no room
+        store.set_positions(self.slots[ours], self.msg.first_position + C * ours, self.origin)
+        return ours
+
+    def _queue(self, lo: int, hi: int) -> None:
+        """Queue the copies of the reserved chunks of ``[lo, hi)``, group by group."""
+        buf, per = self.inst.buffer, max(1, self.sh.tuning.group_bytes // max(1, self.chunk_bytes))
+        for a in range(lo, hi, per):
+            b = min(a + per, hi)
+            idx = a + np.flatnonzero(self.slots[a:b] >= 0)
+            if len(idx):
+                buf.to_slab_many(self.starts[idx].tolist(), self.C,
+                                 self.sh.store.kv_offsets(self.slots[idx]).tolist())
+            self.groups.append((a, b, buf.end(self.msg.done_event) if b == self.n
+                                else buf.mark()))
+
+    def commit(self) -> None:
+        """Make each group visible once its copies completed, never before."""
+        for a, b, marker in self.groups:
+            self.inst.buffer.wait(marker)
+            try:
+                if (self.slots[a:b] >= 0).any():
+                    self.sh.store.commit_slots(self.slots[a:b], self.keys[a:b])
+            finally:
+                self.done = b
+
+    def abort(self) -> None:
+        """After a failure: wait for the copies in flight, then give back every reservation not
+        committed (one reclaimed meanwhile is nothing of ours)."""
+        _drain(self.inst.buffer)
+        lost = slice(self.done, self.reserved)
+        if (self.slots[lost] >= 0).any():
+            try:
+                self.sh.store.abort_slots(self.slots[lost], self.keys[lost])
+            except ShmError:
+                pass
+
+    def report(self) -> TransferDone:
+        """Offer the new chunks to the write-behind, register their fingerprints (rank 0),
+        record the events and counters; the reply."""
+        sh, inst, slots, n = self.sh, self.inst, self.slots, self.n
+        copied = int(np.count_nonzero(slots >= 0))
+        failed = np.flatnonzero(slots == FULL).tolist()
+        if sh.writebehind is not None and copied:
+            ours = np.flatnonzero(slots >= 0)
+            sh.writebehind.offer(inst.class_id, self.ns.root, keys_of(self.keys[ours]),
+                                 self.rows[ours])
+        skipped = n - copied - len(failed)
+        forget_evicted(sh)
+        reg = _register_fingerprints(sh, inst, self.hashes, self.prepared,
+                                     self.origin == ORIGIN_FINAL)
+        if reg.not_indexed:
+            _warn_not_indexed()
+        nbytes = copied * self.chunk_bytes
+        reply = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied, failed=failed,
+                             nbytes=nbytes, duration_s=time.monotonic() - self.t0,
+                             not_indexed=reg.not_indexed,
+                             reasons=[ChunkFailure.NO_ROOM] * len(failed))
+        sh.events.record(StoreEnd(**self.base, copied=copied, storage_hits=skipped,
+                                  failed=failed, fingerprint_new=reg.new,
+                                  not_indexed=len(reg.not_indexed), bytes=nbytes,
+                                  duration_s=reply.duration_s, ok=not failed))
+        sh.events.add_many({Counter.STORES: 1, Counter.STORE_CHUNKS: copied,
+                            Counter.STORE_SKIPPED_CHUNKS: skipped, Counter.STORE_BYTES: nbytes,
+                            Counter.STORE_FAILED_CHUNKS: len(failed),
+                            Counter.FINGERPRINT_NEW_ENTRIES: reg.new,
+                            Counter.FINGERPRINT_NOT_INDEXED_CHUNKS: len(reg.not_indexed),
+                            **STORE_SECONDS.observe(reply.duration_s)})
+        sh.events.add_model(inst.request.model_name, {Counter.STORE_CHUNKS: copied,
+                                                      Counter.STORE_BYTES: nbytes}, claim=True)
+        return reply
 
 
 def _check_layerwise_store(msg: StoreChunks, buf: "InstanceBuffer", n: int,
@@ -433,60 +496,148 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
                   progress: Callable[[LayersReady], None] | None = None) -> Call:
     """Copy the matches into the instance's buffer; a layer-wise retrieve announces each group
     of layers through ``progress`` (``dataplane.messages.RetrieveChunks``), any other once every
-    copy is queued and the done event recorded."""
-    t0 = time.monotonic()
-    tokens = tokens_of(msg.token_ids)
-    buf, store = inst.buffer, sh.store
-    C = sh.chunk_size
-    _check_matches(msg, len(tokens), C, buf.bind(msg.block_table))
-    _check_layerwise(msg, buf)
-    n = len(msg.matches)
-    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
-    turn = _Turn.of(inst, msg, cur, C)
-    buf.check(msg.offset + cur, C)
-    ns = _namespace(inst, msg.cache_salt)
-    base = dict(request_id=msg.request_id, instance_id=inst.id, tokens=len(tokens), chunks=n)
-    sh.events.record(RetrieveStart(**base))
-    keys = _keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
-    if sh.promoter is not None and n:  # remote matches first become local (a miss fails below)
-        sh.promoter.ensure(inst.class_id, ns.root, keys_of(keys),
-                           tokens[cur[:, None] + np.arange(C)])
-    slots = np.full(n, -1, np.int64)
-    why = np.full(n, NOT_PINNED, np.int8)  # per match: VERIFIED (copied) or why not
-    held: list[tuple[int, int, Any]] = []  # pinned batches not yet unpinned, with their marker
+    copy is queued and the done event recorded. Its phases are ``_RetrieveCall``'s, in order."""
+    call = _RetrieveCall(sh, inst, msg)  # every check, before any side effect
+    sh.events.record(RetrieveStart(**call.base))
+    call.promote()
+    buf = inst.buffer
     try:
         buf.begin(msg.event)
-        if msg.layer_groups:
-            _copy_layerwise(store, buf, inst, msg, tokens, keys, cur, C, slots, why, held,
-                            progress or (lambda _: None), turn)
-        else:
-            _copy_batches(sh, buf, inst, msg, tokens, keys, cur, C, slots, why, held, turn)
+        call.copy(progress)
         marker = buf.end(msg.done_event)
         if progress is not None and not msg.layer_groups:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
-                                 failed=np.flatnonzero(why != VERIFIED).tolist()))
+                                 failed=np.flatnonzero(call.why != VERIFIED).tolist()))
         yield
         buf.wait(marker)
     except BaseException:
         _drain(buf)
         raise
     finally:
-        for lo, hi, _ in held:
-            store.unpin_slots(slots[lo:hi])
-    failed = np.flatnonzero(why != VERIFIED).tolist()
-    copied = n - len(failed)
-    nbytes = copied * inst.layout.chunk_bytes(C)
-    done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
-                        failed=failed, nbytes=nbytes, duration_s=time.monotonic() - t0,
-                        reasons=[_FAILURES[c] for c in why[failed].tolist()])
-    sh.events.record(RetrieveEnd(**base, copied=copied, failed=failed, bytes=nbytes,
-                                 duration_s=done.duration_s, ok=not failed))
-    sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
-                        Counter.RETRIEVE_BYTES: nbytes, Counter.RETRIEVE_FAILED_CHUNKS: len(failed),
-                        **RETRIEVE_SECONDS.observe(done.duration_s)})
-    sh.events.add_model(inst.request.model_name, {Counter.RETRIEVE_CHUNKS: copied,
-                                                  Counter.RETRIEVE_BYTES: nbytes}, claim=True)
-    return done
+        call.unpin()
+    return call.report()
+
+
+class _RetrieveCall:
+    """One retrieve, phase by phase: checked (``__init__``, no side effect), ``promote`` (remote
+    matches into the local store), ``copy`` (pin, check and queue, batch by batch or layer-wise),
+    ``unpin`` (every batch still held, once its copies completed or failed), ``report``.
+
+    Attributes:
+        slots: per match, its pinned slot (-1: none).
+        why: per match, ``VERIFIED`` (copied) or why not (``_FAILURES``).
+        held: pinned batches ``(first, end, marker)`` not yet unpinned.
+    """
+
+    def __init__(self, sh: Shared, inst: "Instance", msg: RetrieveChunks) -> None:
+        self.t0 = time.monotonic()
+        self.sh, self.inst, self.msg = sh, inst, msg
+        self.tokens = tokens_of(msg.token_ids)
+        buf, C = inst.buffer, sh.chunk_size
+        _check_matches(msg, len(self.tokens), C, buf.bind(msg.block_table))
+        _check_layerwise(msg, buf)
+        n = len(msg.matches)
+        self.C, self.n = C, n
+        self.cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+        self.turn = _Turn.of(inst, msg, self.cur, C)
+        buf.check(msg.offset + self.cur, C)
+        self.ns = _namespace(inst, msg.cache_salt)
+        self.base = dict(request_id=msg.request_id, instance_id=inst.id,
+                         tokens=len(self.tokens), chunks=n)
+        self.keys = _keys(self.ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+        self.slots = np.full(n, -1, np.int64)
+        self.why = np.full(n, NOT_PINNED, np.int8)
+        self.held: list[tuple[int, int, Any]] = []
+
+    def promote(self) -> None:
+        """Remote matches first become local (a miss fails at the pin)."""
+        if self.sh.promoter is not None and self.n:
+            self.sh.promoter.ensure(self.inst.class_id, self.ns.root, keys_of(self.keys),
+                                    self.tokens[self.cur[:, None] + np.arange(self.C)])
+
+    def copy(self, progress: Callable[[LayersReady], None] | None) -> None:
+        if self.msg.layer_groups:
+            self._copy_layerwise(progress or (lambda _: None))
+        else:
+            self._copy_batches()
+
+    def _pin_and_check(self, lo: int, hi: int) -> np.ndarray:
+        """Pin matches ``[lo, hi)`` as a batch held by this call and check them against the
+        prompt; the indexes of the verified ones."""
+        store, C, cur = self.sh.store, self.C, self.cur
+        self.slots[lo:hi], full = _pin(store, self.inst.buffer, self.keys[lo:hi], self.slots,
+                                       self.held)
+        self.held.append((lo, hi, None))
+        self.why[lo:hi] = PINS_FULL if full else store.check_pinned(
+            self.inst.class_id, self.slots[lo:hi], self.keys[lo:hi],
+            self.tokens[cur[lo:hi, None] + np.arange(C)])
+        return lo + np.flatnonzero(self.why[lo:hi] == VERIFIED)
+
+    def _copy_batches(self) -> None:
+        """Pin, check and copy batch by batch; a batch is unpinned once the next one is
+        copying."""
+        sh, store, buf, C, turn = self.sh, self.sh.store, self.inst.buffer, self.C, self.turn
+        for lo, hi in _batches(self.n, self.inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
+                               PIN_BATCH):
+            idx = self._pin_and_check(lo, hi)
+            if len(idx):
+                at = (self.msg.offset + self.cur[idx]).tolist()
+                buf.from_slab_many(store.kv_offsets(self.slots[idx]).tolist(), C, at)
+                if turn is not None:
+                    buf.turn_k(at, C, turn.of_batch(idx, store.positions(self.slots[idx])),
+                               turn.cfg, 0, self.inst.layout.num_layers)
+            self.held[-1] = (lo, hi, buf.mark())
+            if len(self.held) > 1:  # the batch before this one: unpin once its copies completed
+                _release(store, buf, self.slots, self.held.pop(0))
+
+    def _copy_layerwise(self, progress: Callable[[LayersReady], None]) -> None:
+        """Pin every match (one batch), then copy group by group of layers, announcing each."""
+        msg, store, buf, C, turn = self.msg, self.sh.store, self.inst.buffer, self.C, self.turn
+        L = self.inst.layout.num_layers
+        idx = self._pin_and_check(0, self.n)
+        offsets = store.kv_offsets(self.slots[idx]).tolist()
+        starts = (msg.offset + self.cur[idx]).tolist()
+        batch = turn.of_batch(idx, store.positions(self.slots[idx])) if turn is not None else None
+        failed = np.flatnonzero(self.why != VERIFIED).tolist()
+        bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
+        copies = buf.layer_copies(starts, C, offsets, to_slab=False)
+        try:
+            for g in range(msg.layer_groups):
+                if len(idx):
+                    copies.copy(bounds[g], bounds[g + 1])
+                    if turn is not None:
+                        buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
+                if msg.layer_events:
+                    buf.record(msg.layer_events[g])  # the engine's stream waits on it
+                else:
+                    buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
+                progress(LayersReady(instance_id=self.inst.id, layers=bounds[g + 1],
+                                     failed=failed))
+        finally:
+            copies.close()
+
+    def unpin(self) -> None:
+        for lo, hi, _ in self.held:
+            self.sh.store.unpin_slots(self.slots[lo:hi])
+
+    def report(self) -> TransferDone:
+        """Record the events and counters; the reply."""
+        sh, inst, n = self.sh, self.inst, self.n
+        failed = np.flatnonzero(self.why != VERIFIED).tolist()
+        copied = n - len(failed)
+        nbytes = copied * inst.layout.chunk_bytes(self.C)
+        done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
+                            failed=failed, nbytes=nbytes, duration_s=time.monotonic() - self.t0,
+                            reasons=[_FAILURES[c] for c in self.why[failed].tolist()])
+        sh.events.record(RetrieveEnd(**self.base, copied=copied, failed=failed, bytes=nbytes,
+                                     duration_s=done.duration_s, ok=not failed))
+        sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
+                            Counter.RETRIEVE_BYTES: nbytes,
+                            Counter.RETRIEVE_FAILED_CHUNKS: len(failed),
+                            **RETRIEVE_SECONDS.observe(done.duration_s)})
+        sh.events.add_model(inst.request.model_name, {Counter.RETRIEVE_CHUNKS: copied,
+                                                      Counter.RETRIEVE_BYTES: nbytes}, claim=True)
+        return done
 
 
 class _Turn:
@@ -514,61 +665,6 @@ class _Turn:
         """The ``dataplane.rotary.Turn`` of matches ``idx``, stored from positions ``stored``."""
         step = np.arange(self._C)
         return self._rotary.Turn(self._freqs, stored[:, None] + step, self._new[idx, None] + step)
-
-
-def _copy_batches(sh: Shared, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
-                  tokens: np.ndarray, keys: np.ndarray, cur: np.ndarray, C: int,
-                  slots: np.ndarray, why: np.ndarray,
-                  held: list[tuple[int, int, Any]], turn: _Turn | None = None) -> None:
-    """Pin, check and copy batch by batch; a batch is unpinned once the next one is copying."""
-    store = sh.store
-    for lo, hi in _batches(len(keys), inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
-                           PIN_BATCH):
-        slots[lo:hi], full = _pin(store, buf, keys[lo:hi], slots, held)
-        held.append((lo, hi, None))
-        why[lo:hi] = PINS_FULL if full else store.check_pinned(
-            inst.class_id, slots[lo:hi], keys[lo:hi], tokens[cur[lo:hi, None] + np.arange(C)])
-        idx = lo + np.flatnonzero(why[lo:hi] == VERIFIED)
-        if len(idx):
-            at = (msg.offset + cur[idx]).tolist()
-            buf.from_slab_many(store.kv_offsets(slots[idx]).tolist(), C, at)
-            if turn is not None:
-                buf.turn_k(at, C, turn.of_batch(idx, store.positions(slots[idx])), turn.cfg, 0,
-                           inst.layout.num_layers)
-        held[-1] = (lo, hi, buf.mark())
-        if len(held) > 1:  # the batch before this one: unpin once its copies completed
-            _release(store, buf, slots, held.pop(0))
-
-
-def _copy_layerwise(store: Store, buf: "InstanceBuffer", inst: "Instance", msg: RetrieveChunks,
-                    tokens: np.ndarray, keys: np.ndarray, cur: np.ndarray, C: int,
-                    slots: np.ndarray, why: np.ndarray, held: list[tuple[int, int, Any]],
-                    progress: Callable[[LayersReady], None], turn: _Turn | None = None) -> None:
-    """Pin every match (one batch), then copy group by group of layers, announcing each."""
-    n, L = len(keys), inst.layout.num_layers
-    slots[:], full = _pin(store, buf, keys, slots, held)
-    held.append((0, n, None))
-    why[:] = PINS_FULL if full else store.check_pinned(inst.class_id, slots, keys,
-                                                       tokens[cur[:, None] + np.arange(C)])
-    idx = np.flatnonzero(why == VERIFIED)
-    offsets, starts = store.kv_offsets(slots[idx]).tolist(), (msg.offset + cur[idx]).tolist()
-    batch = turn.of_batch(idx, store.positions(slots[idx])) if turn is not None else None
-    failed = np.flatnonzero(why != VERIFIED).tolist()
-    bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
-    copies = buf.layer_copies(starts, C, offsets, to_slab=False)
-    try:
-        for g in range(msg.layer_groups):
-            if len(idx):
-                copies.copy(bounds[g], bounds[g + 1])
-                if turn is not None:
-                    buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
-            if msg.layer_events:
-                buf.record(msg.layer_events[g])  # the engine's stream waits on it
-            else:
-                buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
-            progress(LayersReady(instance_id=inst.id, layers=bounds[g + 1], failed=failed))
-    finally:
-        copies.close()
 
 
 def _pin(store: Store, buf: "InstanceBuffer", keys: np.ndarray, slots: np.ndarray,
