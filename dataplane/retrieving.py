@@ -1,0 +1,285 @@
+"""A retrieve call: its checks, pins, copies (batch by batch or layer-wise, K turned where
+asked), unpins and report, and the prefetch of remote matches (``dataplane.transfer`` says the
+order and why)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvblend.dataplane.calls import (Call, Shared, batches, chunk_keys, drain, namespace_of,
+                                     tokens_of)
+from kvblend.dataplane.errors import BadRequest, OutOfRange
+from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
+                                        LayersReady, PrefetchChunks, RetrieveChunks,
+                                        TransferDone)
+from kvblend.shm.errors import CapacityError
+from kvblend.shm.hashing import DIGEST_BYTES
+from kvblend.shm.keys import keys_of
+from kvblend.shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
+from kvblend.shm.store import Store
+from kvblend.shm.telemetry import RETRIEVE_SECONDS, Counter, RetrieveEnd, RetrieveStart
+
+if TYPE_CHECKING:
+    from kvblend.dataplane.backend import InstanceBuffer
+    from kvblend.dataplane.instances import Instance
+
+
+PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
+
+
+def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:
+    for j, m in enumerate(msg.matches):
+        if m.cur_ed - m.cur_st != C or m.old_ed - m.old_st != C or m.cur_st < 0 or m.old_st < 0:
+            raise BadRequest(f"match {j} does not span one chunk of {C} tokens: {m}")
+        if m.cur_ed > n_tokens:
+            raise OutOfRange(f"match {j} ends at {m.cur_ed}, past the {n_tokens} prompt tokens")
+        if msg.offset < 0 or msg.offset + m.cur_ed > T:
+            raise OutOfRange(f"match {j} at offset {msg.offset} + {m.cur_ed} exceeds the "
+                             f"buffer's {T} tokens")
+        if len(m.chunk_hash) != DIGEST_BYTES:
+            raise BadRequest(f"match {j} has a chunk_hash of {len(m.chunk_hash)} bytes")
+
+
+def _check_layerwise(msg: RetrieveChunks, buf: "InstanceBuffer") -> None:
+    if not msg.layer_groups:
+        if msg.layer_events:
+            raise BadRequest("layer_events were given for a retrieve that is not layer-wise")
+        return
+    if msg.layer_groups > buf.layout.num_layers:
+        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
+    if len(msg.matches) > MAX_LAYER_GROUP_MATCHES:
+        raise BadRequest(f"a layer-wise retrieve takes at most {MAX_LAYER_GROUP_MATCHES} matches, "
+                         f"got {len(msg.matches)}: split it")
+    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
+                             not buf.records_events):
+        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
+
+
+def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
+                  progress: Callable[[LayersReady], None] | None = None) -> Call:
+    """Copy the matches into the instance's buffer; a layer-wise retrieve announces each group
+    of layers through ``progress`` (``dataplane.messages.RetrieveChunks``), any other once every
+    copy is queued and the done event recorded. Its phases are ``_RetrieveCall``'s, in order."""
+    call = _RetrieveCall(sh, inst, msg)  # every check, before any side effect
+    sh.events.record(RetrieveStart(**call.base))
+    call.promote()
+    buf = inst.buffer
+    try:
+        buf.begin(msg.event)
+        call.copy(progress)
+        marker = buf.end(msg.done_event)
+        if progress is not None and not msg.layer_groups:
+            progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
+                                 failed=np.flatnonzero(call.why != VERIFIED).tolist()))
+        yield
+        buf.wait(marker)
+    except BaseException:
+        drain(buf)
+        raise
+    finally:
+        call.unpin()
+    return call.report()
+
+
+class _RetrieveCall:
+    """One retrieve, phase by phase: checked (``__init__``, no side effect), ``promote`` (remote
+    matches into the local store), ``copy`` (pin, check and queue, batch by batch or layer-wise),
+    ``unpin`` (every batch still held, once its copies completed or failed), ``report``.
+
+    Attributes:
+        slots: per match, its pinned slot (-1: none).
+        why: per match, ``VERIFIED`` (copied) or why not (``_FAILURES``).
+        held: pinned batches ``(first, end, marker)`` not yet unpinned.
+    """
+
+    def __init__(self, sh: Shared, inst: "Instance", msg: RetrieveChunks) -> None:
+        self.t0 = time.monotonic()
+        self.sh, self.inst, self.msg = sh, inst, msg
+        self.tokens = tokens_of(msg.token_ids)
+        buf, C = inst.buffer, sh.chunk_size
+        _check_matches(msg, len(self.tokens), C, buf.bind(msg.block_table))
+        _check_layerwise(msg, buf)
+        n = len(msg.matches)
+        self.C, self.n = C, n
+        self.cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+        self.turn = _Turn.of(inst, msg, self.cur, C)
+        buf.check(msg.offset + self.cur, C)
+        self.ns = namespace_of(inst, msg.cache_salt)
+        self.base = dict(request_id=msg.request_id, instance_id=inst.id,
+                         tokens=len(self.tokens), chunks=n)
+        self.keys = chunk_keys(self.ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+        self.slots = np.full(n, -1, np.int64)
+        self.why = np.full(n, NOT_PINNED, np.int8)
+        self.held: list[tuple[int, int, Any]] = []
+
+    def promote(self) -> None:
+        """Remote matches first become local (a miss fails at the pin)."""
+        if self.sh.promoter is not None and self.n:
+            self.sh.promoter.ensure(self.inst.class_id, self.ns.root, keys_of(self.keys),
+                                    self.tokens[self.cur[:, None] + np.arange(self.C)])
+
+    def copy(self, progress: Callable[[LayersReady], None] | None) -> None:
+        if self.msg.layer_groups:
+            self._copy_layerwise(progress or (lambda _: None))
+        else:
+            self._copy_batches()
+
+    def _pin_and_check(self, lo: int, hi: int) -> np.ndarray:
+        """Pin matches ``[lo, hi)`` as a batch held by this call and check them against the
+        prompt; the indexes of the verified ones."""
+        store, C, cur = self.sh.store, self.C, self.cur
+        self.slots[lo:hi], full = _pin(store, self.inst.buffer, self.keys[lo:hi], self.slots,
+                                       self.held)
+        self.held.append((lo, hi, None))
+        self.why[lo:hi] = PINS_FULL if full else store.check_pinned(
+            self.inst.class_id, self.slots[lo:hi], self.keys[lo:hi],
+            self.tokens[cur[lo:hi, None] + np.arange(C)])
+        return lo + np.flatnonzero(self.why[lo:hi] == VERIFIED)
+
+    def _copy_batches(self) -> None:
+        """Pin, check and copy batch by batch; a batch is unpinned once the next one is
+        copying."""
+        sh, store, buf, C, turn = self.sh, self.sh.store, self.inst.buffer, self.C, self.turn
+        for lo, hi in batches(self.n, self.inst.layout.chunk_bytes(C), sh.tuning.first_bytes,
+                               PIN_BATCH):
+            idx = self._pin_and_check(lo, hi)
+            if len(idx):
+                at = (self.msg.offset + self.cur[idx]).tolist()
+                buf.from_slab_many(store.kv_offsets(self.slots[idx]).tolist(), C, at)
+                if turn is not None:
+                    buf.turn_k(at, C, turn.of_batch(idx, store.positions(self.slots[idx])),
+                               turn.cfg, 0, self.inst.layout.num_layers)
+            self.held[-1] = (lo, hi, buf.mark())
+            if len(self.held) > 1:  # the batch before this one: unpin once its copies completed
+                _release(store, buf, self.slots, self.held.pop(0))
+
+    def _copy_layerwise(self, progress: Callable[[LayersReady], None]) -> None:
+        """Pin every match (one batch), then copy group by group of layers, announcing each."""
+        msg, store, buf, C, turn = self.msg, self.sh.store, self.inst.buffer, self.C, self.turn
+        L = self.inst.layout.num_layers
+        idx = self._pin_and_check(0, self.n)
+        offsets = store.kv_offsets(self.slots[idx]).tolist()
+        starts = (msg.offset + self.cur[idx]).tolist()
+        batch = turn.of_batch(idx, store.positions(self.slots[idx])) if turn is not None else None
+        failed = np.flatnonzero(self.why != VERIFIED).tolist()
+        bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
+        copies = buf.layer_copies(starts, C, offsets, to_slab=False)
+        try:
+            for g in range(msg.layer_groups):
+                if len(idx):
+                    copies.copy(bounds[g], bounds[g + 1])
+                    if turn is not None:
+                        buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
+                if msg.layer_events:
+                    buf.record(msg.layer_events[g])  # the engine's stream waits on it
+                else:
+                    buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
+                progress(LayersReady(instance_id=self.inst.id, layers=bounds[g + 1],
+                                     failed=failed))
+        finally:
+            copies.close()
+
+    def unpin(self) -> None:
+        for lo, hi, _ in self.held:
+            self.sh.store.unpin_slots(self.slots[lo:hi])
+
+    def report(self) -> TransferDone:
+        """Record the events and counters; the reply."""
+        sh, inst, n = self.sh, self.inst, self.n
+        failed = np.flatnonzero(self.why != VERIFIED).tolist()
+        copied = n - len(failed)
+        nbytes = copied * inst.layout.chunk_bytes(self.C)
+        done = TransferDone(instance_id=inst.id, num_chunks=n, copied=copied,
+                            failed=failed, nbytes=nbytes, duration_s=time.monotonic() - self.t0,
+                            reasons=[_FAILURES[c] for c in self.why[failed].tolist()])
+        sh.events.record(RetrieveEnd(**self.base, copied=copied, failed=failed, bytes=nbytes,
+                                     duration_s=done.duration_s, ok=not failed))
+        sh.events.add_many({Counter.RETRIEVES: 1, Counter.RETRIEVE_CHUNKS: copied,
+                            Counter.RETRIEVE_BYTES: nbytes,
+                            Counter.RETRIEVE_FAILED_CHUNKS: len(failed),
+                            **RETRIEVE_SECONDS.observe(done.duration_s)})
+        sh.events.add_model(inst.request.model_name, {Counter.RETRIEVE_CHUNKS: copied,
+                                                      Counter.RETRIEVE_BYTES: nbytes}, claim=True)
+        return done
+
+
+class _Turn:
+    """The re-rotation of a retrieve's chunks: each chunk's K turns from the positions it was
+    computed at (its slot's ``POS0``, the store's ``first_position`` plus the chunk's place) to the
+    prompt's (``first_position + cur_st``)."""
+
+    def __init__(self, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int) -> None:
+        from kvblend.dataplane import rotary
+        self._rotary, self._freqs, self._C = rotary, inst.rotary_freqs, C
+        self.cfg = inst.request.rotary
+        self._new = msg.first_position + cur
+        if len(cur) and self._new.max() + C > MAX_POSITION:
+            raise BadRequest(f"positions past {MAX_POSITION} cannot be turned")
+
+    @classmethod
+    def of(cls, inst: "Instance", msg: RetrieveChunks, cur: np.ndarray, C: int
+           ) -> "_Turn | None":
+        """None when the instance has no rotary config or the call opted out."""
+        if inst.request.rotary is None or not msg.rotate:
+            return None
+        return cls(inst, msg, cur, C)
+
+    def of_batch(self, idx: np.ndarray, stored: np.ndarray) -> Any:
+        """The ``dataplane.rotary.Turn`` of matches ``idx``, stored from positions ``stored``."""
+        step = np.arange(self._C)
+        return self._rotary.Turn(self._freqs, stored[:, None] + step, self._new[idx, None] + step)
+
+
+def _pin(store: Store, buf: "InstanceBuffer", keys: np.ndarray, slots: np.ndarray,
+         held: list[tuple[int, int, Any]]) -> tuple[np.ndarray, bool]:
+    """Pin ``keys`` (slot per key, -1 where not stored); when the pin table is full, give back
+    the batches this call still holds and try once more; still full: nothing of this batch is
+    pinned (its matches fail) and the flag says so."""
+    try:
+        return store.pin_slots(keys), False
+    except CapacityError:
+        pass
+    while held:
+        _release(store, buf, slots, held.pop(0))
+    try:
+        return store.pin_slots(keys), False
+    except CapacityError:
+        return np.full(len(keys), -1, np.int64), True
+
+
+PINS_FULL = 4  # beside shm.slots.check's answers: the pin table was full
+_FAILURES = {NOT_PINNED: ChunkFailure.MISSING, OTHER_LAYOUT: ChunkFailure.LAYOUT_MISMATCH,
+             OTHER_TOKENS: ChunkFailure.TOKENS_MISMATCH, PINS_FULL: ChunkFailure.PINS_FULL}
+
+
+def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,
+             batch: tuple[int, int, Any]) -> None:
+    """Unpin a batch once the copies before its marker completed."""
+    lo, hi, marker = batch
+    buf.wait(buf.mark() if marker is None else marker)
+    store.unpin_slots(slots[lo:hi])
+
+
+def prefetch(sh: Shared, inst: "Instance", msg: PrefetchChunks) -> int:
+    """Start promoting the remote chunks among ``msg``'s matches (``dataplane.promote``) and
+    return at once; a retrieve of them later waits for those promotions. Returns how many
+    chunks are being promoted (0 without a remote tier)."""
+    tokens = tokens_of(msg.token_ids)
+    C = sh.chunk_size
+    for j, m in enumerate(msg.matches):
+        if m.cur_ed - m.cur_st != C or m.cur_ed > len(tokens) or len(m.chunk_hash) != DIGEST_BYTES:
+            raise BadRequest(f"match {j} is not one chunk of {C} tokens inside the prompt: {m}")
+    if sh.promoter is None or not msg.matches:
+        return 0
+    ns = namespace_of(inst, msg.cache_salt)
+    keys = chunk_keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, len(msg.matches))
+    return len(sh.promoter.start(inst.class_id, ns.root, keys_of(keys),
+                                 tokens[cur[:, None] + np.arange(C)]))
+
+
+__all__ = ["retrieve_call", "prefetch", "PIN_BATCH"]
