@@ -36,7 +36,8 @@ What each mode computes (``Mode``), over the prompt's N positions, "hit" = rows 
     DEFAULT         cacheblend(0.15) with gradual filtering (``widen=2``): what the measurements
                     on a real model favour (docs/blend.md)
 
-Any mode can also recompute the first ``sinks`` rows of every stored run (the chunks stored
+The modes are ``engine.modes``'s, the selection step ``engine.select``'s and the rotary config
+``engine.rotary``'s, all re-exported here. Any mode can also recompute the first ``sinks`` rows of every stored run (the chunks stored
 together, in order): alone, a document's first token draws the attention a prompt's first token
 draws (an attention sink); inside a prompt it should not.
 
@@ -55,159 +56,19 @@ vLLM 0.32 pins ``past_key_values``.
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
 from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
-from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES, RotaryConfig
-
-log = logging.getLogger("kvblend.engine")
-_reported: set[str] = set()  # the frequency dtypes already reported in the log
-
-
-@dataclass(frozen=True)
-class Mode:
-    """Which rows a prefill computes (module docstring). Build with ``FULL``, ``NAIVE``,
-    ``cacheblend(r)``, ``epic(k)`` or ``random_blend(r)``."""
-
-    kind: str
-    ratio: float = 0.0
-    check_layer: int = 1
-    first: int = 0
-    sinks: int = 0
-    rows: tuple[int, ...] = ()
-    score: str = "kv"
-    accumulate: bool = False
-    widen: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("full", "naive", "cacheblend", "epic", "random", "given"):
-            raise ValueError(f"unknown mode {self.kind!r}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"a recompute ratio lies in [0, 1], got {self.ratio}")
-        if self.check_layer < 0 or self.first < 0 or self.sinks < 0:
-            raise ValueError("check_layer, first and sinks must be >= 0")
-        if self.rows and self.kind != "given":
-            raise ValueError("rows are for the given mode")
-        if self.score not in ("kv", "k", "v"):
-            raise ValueError(f"unknown deviation score {self.score!r}")
-        if self.widen < 1.0:
-            raise ValueError(f"widen is >= 1, got {self.widen}")
-
-    def steps(self) -> dict[int, float]:
-        """The layers after which a selection runs, and the share of chunk rows each keeps:
-        the check layer, and with ``widen`` > 1 (gradual filtering) a first, wider one there and
-        the final one a layer later, among the rows the first kept."""
-        if self.widen > 1.0:
-            return {self.check_layer: min(1.0, self.ratio * self.widen),
-                    self.check_layer + 1: self.ratio}
-        return {self.check_layer: self.ratio}
-
-
-FULL = Mode("full")
-NAIVE = Mode("naive")
-
-
-def cacheblend(ratio: float, check_layer: int = 1, sinks: int = 0, score: str = "kv",
-               accumulate: bool = False, widen: float = 1.0) -> Mode:
-    """Recompute the top ``ratio`` of the chunk tokens by KV deviation at ``check_layer``.
-
-    Args:
-        sinks: the first rows of every stored run are among them whatever their deviation.
-        score: the deviation of ``kv`` (K and V), ``k`` or ``v`` alone.
-        accumulate: rank by the deviation summed over layers 1..check_layer (each layer's over
-            its mean) instead of the check layer's alone.
-        widen: gradual filtering: keep ``widen * ratio`` at the check layer, ``ratio`` of them
-            one layer later by that layer's deviation.
-    """
-    return Mode("cacheblend", ratio=ratio, check_layer=check_layer, sinks=sinks, score=score,
-                accumulate=accumulate, widen=widen)
-
-
-def random_blend(ratio: float, seed: int = 0, check_layer: int = 1, sinks: int = 0) -> Mode:
-    """A baseline for ``cacheblend``: recompute ``ratio`` of the chunk tokens drawn at random."""
-    return Mode("random", ratio=ratio, check_layer=check_layer, first=seed, sinks=sinks)
-
-
-DEFAULT = cacheblend(0.15, widen=2.0)
-"""The engine's default mode: CacheBlend's selection with gradual filtering, 30 % of the chunk
-rows kept after check layer 1, 15 % of them after layer 2 (``docs/blend.md``: on SmolLM2-135M in
-bf16 it closes 0.73 / 0.70 / 0.74 of the naive-to-full gap at 2k / 4k / 8k tokens, random
-selection 0.17 / 0.14 / 0.15, for 0.5 % more compute than a single check)."""
-
-
-def given(rows: Any, check_layer: int = 1) -> Mode:
-    """Recompute the chunk rows ``rows`` (prompt positions) after ``check_layer``, chosen by the
-    caller: an oracle's selection, for measuring."""
-    return Mode("given", rows=tuple(int(r) for r in rows), check_layer=check_layer)
-
-
-def epic(first: int) -> Mode:
-    """Recompute the first ``first`` tokens of every chunk."""
-    return Mode("epic", first=first)
-
-
-def rotary_config(config: Any) -> RotaryConfig:
-    """The kvblend rotary config of a transformers model config (``rope_parameters``).
-
-    Raises:
-        ValueError: a rotary type kvblend does not turn (dynamic NTK, longrope, ...).
-    """
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    head_dim = int(getattr(config, "head_dim", None)
-                   or config.hidden_size // config.num_attention_heads)
-    partial = float(rope.get("partial_rotary_factor",
-                             getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-    kind = rope.get("rope_type", "default")
-    scaling = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}.get(kind)
-    if scaling is None:
-        raise ValueError(f"rope_type {kind!r} is not one kvblend re-rotates")
-    extra: dict[str, Any] = {}
-    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                 "truncate"):
-        if rope.get(name) is not None:
-            extra[name] = rope[name]
-    if rope.get("original_max_position_embeddings") is not None:
-        extra["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
-    return RotaryConfig(head_dim=head_dim, rotary_dim=int(head_dim * partial),
-                        theta=float(rope.get("rope_theta", 10000.0)), scaling=scaling, **extra)
-
-
-def model_rotary(model: Any) -> RotaryConfig:
-    """The rotary config of a transformers model as it really runs: ``rotary_config`` of its
-    config, with the frequencies of its rotary module's ``inv_freq`` buffer, in the buffer's dtype.
-
-    ``model.to(torch.bfloat16)`` also casts that buffer, so the model rotates with frequencies
-    rounded to bf16 (for rope theta 1e5 up to 0.33 % off: at position 4,096 a pair's angle moves
-    by up to 5.7 rad). K turned with the exact frequencies of ``theta`` would sit at other angles
-    than the model's own, further off the further a chunk moves. Every scaling is in the buffer
-    already. A buffer of lower precision than float32 is reported once per dtype in the log.
-
-    Raises:
-        ValueError: a rotary type kvblend does not turn (``rotary_config``), or a rotary module
-            whose frequencies do not fit the config.
-    """
-    cfg = rotary_config(model.config)
-    inner = getattr(model, "model", model)
-    inv_freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
-    if inv_freq is None:
-        return cfg
-    if inv_freq.numel() != cfg.dim // 2:
-        raise ValueError(f"the rotary module has {inv_freq.numel()} frequencies; rotary_dim "
-                         f"{cfg.dim} needs {cfg.dim // 2}")
-    if inv_freq.dtype != torch.float32 and str(inv_freq.dtype) not in _reported:
-        _reported.add(str(inv_freq.dtype))
-        log.warning("the model's rotary frequencies are %s (the model was cast): K is turned "
-                    "with those rounded frequencies, as the model rotates", inv_freq.dtype)
-    return msgspec.structs.replace(cfg, inv_freq=inv_freq.detach().float().cpu().tolist())
+from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES
+from kvblend.engine.modes import (DEFAULT, FULL, NAIVE, Mode, cacheblend, epic, given,
+                                  random_blend)
+from kvblend.engine.rotary import model_rotary, rotary_config
+from kvblend.engine.select import Selection, rows_on, select_rows, sink_rows
 
 
 class _Cache:
@@ -416,31 +277,12 @@ class BlendEngine:
                              f"engine's buffer of {self.kv.shape[2]} rows")
         t0 = time.perf_counter()
         times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
-        hit = np.zeros(n, bool)
-        transfer: Transfer | None = None
-        layerwise = False
-        starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
-        heads = list(starts)  # where a stored run begins: its first rows are fake sinks
-        if mode.kind != "full" and spans is None:
-            matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
-                                         standalone_only=standalone_only).matches
-            times["lookup"] = time.perf_counter() - t0
-            if matches:
-                layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
-                transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
-                                                cache_salt=self.salt,
-                                                layer_groups=self.layers if layerwise else 0,
-                                                first_position=positions)
-            starts = [m.cur_st for m in matches]
-            chunk = [m.cur_ed - m.cur_st for m in matches]
-            heads = [m.cur_st for j, m in enumerate(matches)
-                     if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
-                     != (m.cur_st, m.old_st)]
+        loads, heads = self._fetch(ids, mode, positions, standalone_only, spans, times)
         # everything from here on overlaps the retrieve's first copies
         cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
                        self.device)
         cache.length = n
-        loads = _Loads(self, transfer, layerwise, starts, chunk, hit, times)
+        hit = loads.hit
         pos = torch.arange(positions, positions + n, device=self.device)[None]
         inner = self.model.model
         with torch.no_grad():
@@ -459,7 +301,7 @@ class BlendEngine:
                 if layer_idx == 0 and mode.kind in ("naive", "epic"):
                     loads.ready(0)  # the rows they compute depend on which chunks came
                     if hit.any():
-                        rows = self._rows(hit, mode, starts, chunk, heads)
+                        rows = self._rows(hit, mode, loads.starts, loads.chunk, heads)
                         h = everything[:, rows]
                 if rows is not None:
                     loads.into_cache(cache, layer_idx)
@@ -474,19 +316,9 @@ class BlendEngine:
                     d = self.deviation(cache, layer_idx, n, mode.score)
                     acc += d / d.mean().clamp_min(1e-30)
                 if layer_idx in steps:
-                    loads.ready(layer_idx)  # the deviation reads it; the hit rows are known
-                if layer_idx in steps and hit.any():
-                    w = time.perf_counter()
-                    # a later step picks among the rows the one before picked
-                    among = hit if picked is None else picked
                     summed = acc if layer_idx == mode.check_layer else None
-                    sel = self._select(cache, layer_idx, hit, among, mode, heads,
-                                       steps[layer_idx], summed)
-                    times["select"] += time.perf_counter() - w
-                    picked = sel.picked
-                    if len(sel.rows) < n:  # every row: keep transformers' own mask
-                        keep = sel.rows if rows is None else torch.searchsorted(rows, sel.rows)
-                        rows, h = sel.rows, h[:, keep]
+                    rows, h, picked = self._select_step(cache, layer_idx, loads, mode, heads,
+                                                        steps[layer_idx], summed, rows, h, picked)
             logits = self.model.lm_head(inner.norm(h))[0].float()
             last = torch.arange(n, device=self.device) if rows is None else rows
         failed = loads.finish()
@@ -495,6 +327,55 @@ class BlendEngine:
         times["total"] = time.perf_counter() - t0
         return Prefill(logits, hit, computed, failed, cache, n, last.cpu().numpy() + positions,
                        times)
+
+    def _fetch(self, ids: torch.Tensor, mode: Mode, positions: int, standalone_only: bool,
+               spans: list[tuple[int, int]] | None, times: dict[str, float]
+               ) -> tuple["_Loads", list[int]]:
+        """Look the prompt up and send the retrieve of its matches (layer-wise where it may be),
+        or take ``spans`` the buffer holds already: the prefill's loads, and where each stored
+        run begins (its first rows are fake attention sinks)."""
+        t0 = time.perf_counter()
+        transfer: Transfer | None = None
+        layerwise = False
+        starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
+        heads = list(starts)
+        if mode.kind != "full" and spans is None:
+            matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
+                                         standalone_only=standalone_only).matches
+            times["lookup"] = time.perf_counter() - t0
+            if matches:
+                layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
+                transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
+                                                cache_salt=self.salt,
+                                                layer_groups=self.layers if layerwise else 0,
+                                                first_position=positions)
+            starts = [m.cur_st for m in matches]
+            chunk = [m.cur_ed - m.cur_st for m in matches]
+            heads = [m.cur_st for j, m in enumerate(matches)
+                     if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
+                     != (m.cur_st, m.old_st)]
+        hit = np.zeros(len(ids), bool)
+        return _Loads(self, transfer, layerwise, starts, chunk, hit, times), heads
+
+    def _select_step(self, cache: _Cache, layer: int, loads: "_Loads", mode: Mode,
+                     heads: list[int], ratio: float, summed: torch.Tensor | None,
+                     rows: torch.Tensor | None, h: torch.Tensor, picked: torch.Tensor | None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """A selection step after ``layer`` (``_select``), among the hit rows (a first step) or
+        the rows the step before picked: the rows computed from now on (None: every row), their
+        hidden states, and the chunk rows picked."""
+        loads.ready(layer)  # the deviation reads it; the hit rows are known
+        hit = loads.hit
+        if not hit.any():
+            return rows, h, picked
+        w = time.perf_counter()
+        sel = self._select(cache, layer, hit, hit if picked is None else picked, mode, heads,
+                           ratio, summed)
+        loads.times["select"] += time.perf_counter() - w
+        if len(sel.rows) == len(hit):  # every row: keep transformers' own mask
+            return rows, h, sel.picked
+        keep = sel.rows if rows is None else torch.searchsorted(rows, sel.rows)
+        return sel.rows, h[:, keep], sel.picked
 
     def _loaded(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the buffer's K and V of ``layer``, rows ``[0, n)``, as ``[kv_heads, n,
@@ -510,7 +391,7 @@ class BlendEngine:
             for s, c in zip(starts, chunk):
                 if hit[s]:
                     want[s:s + min(mode.first, c)] = True
-        return _on(np.flatnonzero(want), self.device)
+        return rows_on(np.flatnonzero(want), self.device)
 
     def deviation(self, cache: _Cache, layer: int, n: int, score: str = "kv") -> torch.Tensor:
         """Per row ``[0, n)``, the squared L2 distance of ``cache``'s K and V (``score``) of
@@ -536,91 +417,7 @@ class BlendEngine:
         self.client.unregister(self.inst)
 
 
-def _always(hit: np.ndarray) -> np.ndarray:
-    """The rows every mode computes: those no chunk filled, and the last."""
-    want = ~hit
-    want[-1] = True
-    return want
 
-
-def sink_rows(hit: np.ndarray, mode: Mode, heads: list[int]) -> np.ndarray:
-    """The rows every mode computes (those no chunk filled, and the last) and the first
-    ``mode.sinks`` rows of every stored run (``heads``: where each begins): alone, a document's
-    first tokens draw the attention a prompt's first token draws (an attention sink); inside a
-    prompt they should not."""
-    want = _always(hit)
-    for s in heads:
-        if hit[s]:
-            want[s:s + mode.sinks] = True
-    return want
-
-
-@dataclass(frozen=True)
-class Selection:
-    """What a selection step keeps (``select_rows``), on the deviation's device.
-
-    Attributes:
-        rows: the sorted prompt positions computed after the step.
-        picked: the chunk rows it ranked and kept: the candidates of a later step.
-    """
-
-    rows: torch.Tensor
-    picked: torch.Tensor
-
-
-def select_rows(hit: np.ndarray, among: np.ndarray | torch.Tensor, mode: Mode, heads: list[int],
-                ratio: float, deviation: Callable[[], torch.Tensor], device: torch.device,
-                span: tuple[int, int] | None = None) -> Selection:
-    """A selection step of CacheBlend: the rows every mode computes and the sink rows
-    (``sink_rows``), and chunk rows among the candidates up to ``ratio`` of the chunk rows in all,
-    those whose fresh KV deviates most from the loaded KV (``deviation()``, per row, called only
-    when a row is to be ranked; ``random``: drawn at random, seeded, as a baseline; ``given``: the
-    mode's rows). The reference engine and the vLLM connector both select with it.
-
-    Candidates (``among``): a host mask of rows (a first step), or the ``picked`` rows of the step
-    before (a later one; those are hit rows, no sink rows). Ties rank the lower row first. Only rows
-    in ``span`` are returned (vLLM computes its claim only). The ranking, the top-k and the rows
-    stay on ``device``: nothing waits for the device but ``random``'s draw among earlier picks.
-    """
-    n = len(hit)
-    want = sink_rows(hit, mode, heads)
-    lo, hi = span if span is not None else (0, n)
-    none = torch.zeros(0, dtype=torch.long, device=device)
-
-    def rows_of(picked: torch.Tensor) -> Selection:
-        fixed = np.flatnonzero(want)
-        fixed = fixed[(fixed >= lo) & (fixed < hi)]
-        rows = _on(fixed, device)
-        return Selection(torch.sort(torch.cat([rows, picked])).values if len(picked) else rows,
-                         picked)
-
-    if mode.kind == "given":
-        rows = np.asarray(mode.rows, np.int64)
-        want[rows[(rows >= 0) & (rows < n)]] = True
-        return rows_of(none)
-    forced = want & hit
-    if isinstance(among, np.ndarray):
-        cand = _on(np.flatnonzero(among & ~forced), device)
-    else:
-        cand = among
-    take = min(len(cand), max(0, math.ceil(ratio * hit.sum()) - int(forced.sum())))
-    if not take:
-        return rows_of(none)
-    if mode.kind == "random":
-        hits = cand.cpu().numpy()
-        return rows_of(torch.from_numpy(np.sort(np.random.default_rng(mode.first).choice(
-            hits, take, replace=False))).to(device))
-    order = torch.argsort(deviation()[cand], descending=True, stable=True)
-    return rows_of(torch.sort(cand[order[:take]]).values)
-
-
-def _on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host rows on ``device`` without waiting for it: a copy from pageable memory may wait for
-    the stream's queued work, one from pinned memory does not."""
-    host = torch.from_numpy(rows)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _ids(tokens: Any) -> torch.Tensor:

@@ -245,11 +245,7 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
     """
     inner = model.model
     device = next(model.parameters()).device
-    first = set(wait_layer(0))
-    if reduce is not None:  # every rank counts a chunk only if every rank loaded it
-        lost = torch.zeros(len(load.matches), device=device)
-        lost[list(first)] = 1.0
-        first = set(np.flatnonzero(reduce(lost).cpu().numpy() > 0).tolist())
+    first = _failed_on_any_rank(set(wait_layer(0)), len(load.matches), device, reduce)
     hit, heads = hit_rows(load, first)
     n, claim = len(hit), load.claim
     table = torch.as_tensor(load.block_ids, dtype=torch.long, device=device)
@@ -291,6 +287,17 @@ def blend(model: Any, caches: list[PagedLayer], block_size: int, load: BlendLoad
             keep = torch.searchsorted(rows, sel.rows)
             rows, h, residual = rows[keep], h[keep], residual[keep]
     return Blended(first, late, rows.cpu().numpy(), computed)
+
+
+def _failed_on_any_rank(failed: set[int], matches: int, device: torch.device,
+                        reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> set[int]:
+    """The match indexes some rank did not load: every rank counts a chunk only if every rank
+    loaded it (one rank: its own)."""
+    if reduce is None:
+        return failed
+    lost = torch.zeros(matches, device=device)
+    lost[list(failed)] = 1.0
+    return set(np.flatnonzero(reduce(lost).cpu().numpy() > 0).tolist())
 
 
 __all__ = ["Blended", "BlendLoad", "PagedLayer", "blend", "check_model", "gaps", "hit_rows"]

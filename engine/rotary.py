@@ -1,0 +1,74 @@
+"""The rotary config a model registers with kvblend, so that the data plane turns K as the model
+rotates it: the formula (``rotary_config``, from the transformers config) and the model's own
+frequencies (``model_rotary``, from its ``inv_freq`` buffer, in its dtype)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import torch
+
+from kvblend.dataplane.messages import RotaryConfig
+
+log = logging.getLogger("kvblend.engine")
+_reported: set[str] = set()  # the frequency dtypes already reported in the log
+
+
+def rotary_config(config: Any) -> RotaryConfig:
+    """The kvblend rotary config of a transformers model config (``rope_parameters``).
+
+    Raises:
+        ValueError: a rotary type kvblend does not turn (dynamic NTK, longrope, ...).
+    """
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = int(getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
+    partial = float(rope.get("partial_rotary_factor",
+                             getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+    kind = rope.get("rope_type", "default")
+    scaling = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}.get(kind)
+    if scaling is None:
+        raise ValueError(f"rope_type {kind!r} is not one kvblend re-rotates")
+    extra: dict[str, Any] = {}
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "truncate"):
+        if rope.get(name) is not None:
+            extra[name] = rope[name]
+    if rope.get("original_max_position_embeddings") is not None:
+        extra["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    return RotaryConfig(head_dim=head_dim, rotary_dim=int(head_dim * partial),
+                        theta=float(rope.get("rope_theta", 10000.0)), scaling=scaling, **extra)
+
+
+def model_rotary(model: Any) -> RotaryConfig:
+    """The rotary config of a transformers model as it really runs: ``rotary_config`` of its
+    config, with the frequencies of its rotary module's ``inv_freq`` buffer, in the buffer's dtype.
+
+    ``model.to(torch.bfloat16)`` also casts that buffer, so the model rotates with frequencies
+    rounded to bf16 (for rope theta 1e5 up to 0.33 % off: at position 4,096 a pair's angle moves
+    by up to 5.7 rad). K turned with the exact frequencies of ``theta`` would sit at other angles
+    than the model's own, further off the further a chunk moves. Every scaling is in the buffer
+    already. A buffer of lower precision than float32 is reported once per dtype in the log.
+
+    Raises:
+        ValueError: a rotary type kvblend does not turn (``rotary_config``), or a rotary module
+            whose frequencies do not fit the config.
+    """
+    cfg = rotary_config(model.config)
+    inner = getattr(model, "model", model)
+    inv_freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
+    if inv_freq is None:
+        return cfg
+    if inv_freq.numel() != cfg.dim // 2:
+        raise ValueError(f"the rotary module has {inv_freq.numel()} frequencies; rotary_dim "
+                         f"{cfg.dim} needs {cfg.dim // 2}")
+    if inv_freq.dtype != torch.float32 and str(inv_freq.dtype) not in _reported:
+        _reported.add(str(inv_freq.dtype))
+        log.warning("the model's rotary frequencies are %s (the model was cast): K is turned "
+                    "with those rounded frequencies, as the model rotates", inv_freq.dtype)
+    return msgspec.structs.replace(cfg, inv_freq=inv_freq.detach().float().cpu().tolist())
+
+
+__all__ = ["rotary_config", "model_rotary"]
