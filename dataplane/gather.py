@@ -277,7 +277,7 @@ class SegmentCopier:
         with cupy.cuda.Device(self.device):
             ext = self._stream(stream_handle(stream))
             # a held table is reused once its last kernel completed; else a new one
-            fits = [t for t in self._tables if t.words >= len(seg) and t.done.query()]
+            fits = [t for t in self._tables if t.words >= len(seg) and t.done.done]
             slot = fits[0] if fits else _Slot(max(len(seg), 3072))
             if fits:
                 self._tables.remove(slot)
@@ -300,7 +300,7 @@ class SegmentCopier:
         """Give ``table`` back; its buffers serve a later ``upload`` once its kernels ran."""
         self._tables.append(table.slot)
         while len(self._tables) > HELD_TABLES:  # drop idle ones only: kernels may read the rest
-            idle = next((t for t in self._tables if t.done.query()), None)
+            idle = next((t for t in self._tables if t.done.done), None)
             if idle is None:
                 break
             self._tables.remove(idle)
