@@ -22,7 +22,7 @@ import numpy as np
 import pydantic
 
 from kvblend.dataplane import default_address, kernels
-from kvblend.dataplane.backend import make_engine
+from kvblend.dataplane.engines import make_engine
 from kvblend.dataplane.server import DataPlane
 from kvblend.dataplane.settings import DataPlaneSettings
 from kvblend.dataplane.transfer import Shared

@@ -1,9 +1,10 @@
 """The copy-engine interface: what the data plane asks of a buffer backend (CPU or CUDA).
 
-This module owns the interface and the backend choice; the implementations live in
-``dataplane.cpu`` (POSIX shm buffers, memcpy) and ``dataplane.cuda`` (CUDA IPC buffers, DMA into
-host-registered slabs). The store logic (keys, reservations, pins, commit order) lives in
-``dataplane.transfer`` and is the same for both.
+This module owns the interface; the implementations live in ``dataplane.cpu`` (POSIX shm
+buffers, memcpy) and ``dataplane.cuda`` (CUDA IPC buffers, DMA into host-registered slabs), and
+``dataplane.engines`` picks one (it imports them; they import this module, never the reverse).
+The store logic (keys, reservations, pins, commit order) lives in ``dataplane.transfer`` and is
+the same for both.
 
 Life of one call on an ``InstanceBuffer`` (all on the instance's own worker thread, in order)::
 
@@ -29,7 +30,6 @@ import numpy as np
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import Backend, BufferSpec
 from kvblend.shm.layout import KVLayout
-from kvblend.shm.store import Store
 
 
 class InstanceBuffer(abc.ABC):
@@ -173,28 +173,4 @@ class CopyEngine(abc.ABC):
         """Release process-wide resources (host registration of the slab)."""
 
 
-def make_engine(backend: str, store: Store, staging_bytes: int = 128 << 20) -> CopyEngine:
-    """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is present).
-
-    CUDA code is imported here, lazily: CPU-only machines have no cupy.
-    """
-    if backend == "auto":
-        backend = Backend.CUDA.value if _cuda_present() else Backend.CPU.value
-    if backend == Backend.CUDA.value:
-        from kvblend.dataplane.cuda import CudaEngine
-        return CudaEngine(store, staging_bytes)
-    if backend == Backend.CPU.value:
-        from kvblend.dataplane.cpu import CpuEngine
-        return CpuEngine(store)
-    raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto")
-
-
-def _cuda_present() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-__all__ = ["InstanceBuffer", "LayerCopies", "CopyEngine", "make_engine"]
+__all__ = ["InstanceBuffer", "LayerCopies", "CopyEngine"]

@@ -8,9 +8,9 @@ obj and pin tables of ``P_meta``; a snapshot is a copy, taken under the lock).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -19,14 +19,26 @@ from kvblend.shm.header import Hdr
 from kvblend.shm.keys import ChunkKey
 from kvblend.shm.layout import ChunkClass
 
-if TYPE_CHECKING:
-    from kvblend.shm.store import Store
+
+class SlotOwner(Protocol):
+    """What a record asks of the store that handed it out (``shm.store.Store``; named here, not
+    imported, so that the store imports its records and not the other way round)."""
+
+    def slot_kv(self, slot: int) -> np.ndarray: ...
+
+    def slot_tokens(self, slot: int) -> np.ndarray: ...
+
+    def commit(self, res: Reservation) -> None: ...
+
+    def abort(self, res: Reservation) -> None: ...
+
+    def unpin(self, pinned: Sequence[PinnedChunk | None]) -> None: ...
 
 
 class Reservation:
     """A reserved slot: fill ``kv`` (and nothing else), then ``commit()``; or ``abort()``."""
 
-    def __init__(self, store: Store, slot: int, class_id: int, key: ChunkKey) -> None:
+    def __init__(self, store: SlotOwner, slot: int, class_id: int, key: ChunkKey) -> None:
         self.store, self.slot, self.class_id, self.key = store, slot, class_id, key
         self.kv = store.slot_kv(slot)
 
@@ -40,7 +52,7 @@ class Reservation:
 class PinnedChunk:
     """A committed object pinned for reading: ``kv`` stays valid until ``release()``."""
 
-    def __init__(self, store: Store, slot: int, key: ChunkKey) -> None:
+    def __init__(self, store: SlotOwner, slot: int, key: ChunkKey) -> None:
         self.store, self.slot, self.key = store, slot, key
         self.kv = store.slot_kv(slot)
 

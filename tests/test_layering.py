@@ -1,5 +1,6 @@
 """The drawing held: every import between kvblend's modules is one that the rules table of
-docs/architecture.md allows (read from the doc here, so the rules are written once)."""
+docs/architecture.md allows (read from the doc here, so the rules are written once), and no
+module imports one that imports it."""
 
 from __future__ import annotations
 
@@ -76,6 +77,44 @@ def offences(root: Path, table: dict[str, list[str]]) -> list[str]:
             if not any(matches(p, target) for p in allowed):
                 out.append(f"{name} imports {target}")
     return out
+
+
+def cycles(root: Path) -> list[list[str]]:
+    """Import circles among the modules (``a`` imports ``b`` which imports ``a``, at any depth;
+    imports inside functions and for type checking count too), each as a path back to its
+    start."""
+    found = modules(root)
+    graph = {name: imports(path.read_text(), set(found)) - {name} for name, path in found.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    out: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name] & set(graph)):
+            if state.get(target) == 1:
+                out.append(path[path.index(target):] + [name, target])
+            elif target not in state:
+                visit(target, path + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return out
+
+
+def test_no_module_imports_one_that_imports_it() -> None:
+    assert cycles(ROOT) == []
+
+
+def test_a_circle_is_found(tmp_path: Path) -> None:
+    for room in ROOMS:
+        (tmp_path / room).mkdir()
+        (tmp_path / room / "__init__.py").write_text("")
+    (tmp_path / "shm" / "store.py").write_text("from kvblend.shm.records import Pin\n")
+    (tmp_path / "shm" / "records.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvblend.shm.store import Store\n")
+    assert cycles(tmp_path) == [["shm.records", "shm.store", "shm.records"]]
 
 
 def test_every_import_is_one_the_rules_allow() -> None:

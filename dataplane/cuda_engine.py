@@ -1,0 +1,125 @@
+"""The CUDA copy engine: host registration of the slab (``cudaHostRegister`` in pieces of at most
+64 GiB) and the opening of engine buffers shared by CUDA IPC on the device named by UUID, as
+contiguous buffers (``dataplane.cuda``) or paged caches (``dataplane.cuda_paged``).
+
+NOTE: the slab is registered with ``cudaHostRegisterPortable`` so every device and context sees it
+as pinned (a copy from an unregistered page would fall back to staged, pageable speed), and
+``Mapped`` so kernels may read it where the device uses host pointers of registered memory
+(``dataplane.cuda_paged``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import cupy
+import torch
+
+from kvblend.dataplane import paged
+from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.cuda import CudaBuffer, normalize_uuid
+from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
+from kvblend.dataplane.errors import BackendError, BadRequest
+from kvblend.dataplane.gather import can_use_host_pointer
+from kvblend.dataplane.messages import Backend, BufferSpec, CudaIpcBuffer, PagedBuffer
+from kvblend.shm.layout import KVLayout
+from kvblend.shm.store import Store
+
+PIECE = 64 << 30
+HOST_REGISTER_PORTABLE = 1
+HOST_REGISTER_MAPPED = 2  # kernels may read the slab (a paged layer-wise retrieve does)
+IPC_LAZY_PEER_ACCESS = 1
+
+
+class CudaEngine(CopyEngine):
+    backend = Backend.CUDA
+
+    def __init__(self, store: Store, staging_bytes: int = 128 << 20) -> None:
+        if not torch.cuda.is_available():
+            raise BackendError("no CUDA device: start the data plane with --backend cpu")
+        self._devices = {normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
+                         for i in range(torch.cuda.device_count())}
+        self._slab_ptr = int(store.slab.ctypes.data)
+        self._staging_bytes = staging_bytes
+        self._size = int(store.size)
+        self._pieces: list[int] = []
+        self._lock = threading.Lock()
+        cupy.cuda.runtime.setDevice(0)
+        for off in range(0, self._size, PIECE):
+            ptr = self._slab_ptr + off
+            cupy.cuda.runtime.hostRegister(ptr, min(PIECE, self._size - off),
+                                           HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+            self._pieces.append(ptr)
+
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+        if isinstance(spec, PagedBuffer):
+            return self._open_paged(spec, layout)
+        if not isinstance(spec, CudaIpcBuffer):
+            raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
+        device = self._devices.get(normalize_uuid(spec.device_uuid))
+        if device is None:
+            raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
+        base = self._open_ipc(device, spec, layout.nbytes)
+        return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+
+    def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> InstanceBuffer:
+        paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
+                    layout.dtype.itemsize)
+        check_gatherable(spec)
+        if not all(isinstance(b, CudaIpcBuffer) for b in spec.buffers):
+            raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
+        devices = {self._devices.get(normalize_uuid(b.device_uuid)) for b in spec.buffers}
+        device = devices.pop() if len(devices) == 1 else None
+        if device is None:
+            raise BadRequest("a paged cache's buffers must all be on one GPU of this host")
+        bases: list[int] = []
+        try:
+            for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
+                bases.append(self._open_ipc(device, b, need))  # type: ignore[arg-type]
+            return CudaPagedBuffer(device, bases, spec, layout, self._slab_ptr,
+                                   can_use_host_pointer(device), self._staging_bytes)
+        except BaseException:
+            for base in bases:
+                cupy.cuda.runtime.ipcCloseMemHandle(base)
+            raise
+
+    def _open_ipc(self, device: int, spec: CudaIpcBuffer, nbytes: int) -> int:
+        """The base of an opened IPC allocation that holds ``spec.offset + nbytes`` bytes."""
+        if len(spec.handle) != 64 or spec.offset < 0:
+            raise BadRequest("a CUDA IPC handle is 64 bytes and its offset >= 0")
+        try:
+            with self._lock:
+                cupy.cuda.runtime.setDevice(device)
+                base = cupy.cuda.runtime.ipcOpenMemHandle(spec.handle, IPC_LAZY_PEER_ACCESS)
+                size = allocation_size(base)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise BackendError(f"cannot open the CUDA IPC buffer: {exc}") from exc
+        if spec.offset + nbytes > size:
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+            raise BadRequest(f"the CUDA allocation holds {size} bytes; offset {spec.offset} + the "
+                             f"layout's {nbytes} bytes do not fit in it")
+        return base
+
+    def close(self) -> None:
+        for ptr in self._pieces:
+            try:
+                cupy.cuda.runtime.hostUnregister(ptr)
+            except cupy.cuda.runtime.CUDARuntimeError:
+                pass
+        self._pieces = []
+
+
+def allocation_size(base: int) -> int:
+    """Bytes of the device allocation that starts at ``base`` (``cuMemGetAddressRange``): a
+    registration must not describe more memory than the engine shared."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    start, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size),
+                                     ctypes.c_uint64(base))
+    if rc != 0:
+        raise BackendError(f"cuMemGetAddressRange failed with CUDA error {rc}")
+    return int(size.value) - (base - int(start.value))
+
+
+__all__ = ["CudaEngine", "allocation_size"]
