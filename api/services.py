@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvblend.api.link import DataPlaneLink
-from kvblend.api.settings import Backend, Settings, resolve_backend
+from kvblend.api.settings import Settings
+from kvblend.dataplane.backends import Backend, resolve
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.remotes import RemoteChunks
@@ -52,7 +53,7 @@ class Services:
                              settings.ping_timeout_s)
         remotes = (RemoteChunks.open(prefix, settings.remote_capacity) if settings.remote
                    else None)
-        return cls(settings, resolve_backend(settings.backend), store, fingerprints, events, link,
+        return cls(settings, resolve(settings.backend), store, fingerprints, events, link,
                    remotes)
 
     def close(self) -> None:

@@ -8,21 +8,14 @@ the settings to its API worker processes through these same variables.
 from __future__ import annotations
 
 import ipaddress
-from enum import StrEnum
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvblend.dataplane.backends import Backend
+
 MIB = 1 << 20
 MAX_PAGE_BYTES = 256 * MIB
-
-
-class Backend(StrEnum):
-    """Where engine KV buffers live; ``AUTO`` resolves to ``CUDA`` when a GPU is present."""
-
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 class Settings(BaseSettings):
@@ -171,12 +164,3 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def resolve_backend(backend: Backend) -> Backend:
-    """``AUTO`` -> ``CUDA`` when torch sees a GPU, else ``CPU``. Probes only when asked."""
-    if backend is not Backend.AUTO:
-        return backend
-    try:
-        import torch
-    except ImportError:
-        return Backend.CPU
-    return Backend.CUDA if torch.cuda.is_available() else Backend.CPU

@@ -45,7 +45,8 @@ import threading
 import time
 
 from kvblend.api.child import Child, StartupFailed
-from kvblend.api.settings import Backend, Settings, resolve_backend
+from kvblend.api.settings import Settings
+from kvblend.dataplane.backends import Backend, resolve
 from kvblend.shm.errors import LayoutMismatch
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
@@ -201,7 +202,7 @@ class Supervisor:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.backend: Backend = resolve_backend(settings.backend)
+        self.backend: Backend = resolve(settings.backend)
         self._wake = threading.Event()
         self._stopping = False
         self._lock_fd = -1

@@ -22,6 +22,7 @@ import numpy as np
 import pydantic
 
 from kvblend.dataplane import default_address, kernels
+from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.engines import make_engine
 from kvblend.dataplane.server import DataPlane
 from kvblend.dataplane.settings import DataPlaneSettings
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--shm-prefix", help="segment prefix of the store to attach")
     p.add_argument("--chunk-size", type=int, help="tokens per chunk")
-    p.add_argument("--backend", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--backend", choices=[b.value for b in Backend])
     p.add_argument("--socket", help="Unix socket path (default: under /dev/shm)")
     p.add_argument("--reclaim-interval", type=float,
                    help="seconds between reclaim passes over dead pids' reservations and pins")

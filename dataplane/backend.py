@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import Backend, BufferSpec
+from kvblend.dataplane.messages import BufferSpec
 from kvblend.shm.layout import KVLayout
 
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from kvblend.dataplane import paged
 from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
-from kvblend.dataplane.messages import Backend, BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
+from kvblend.dataplane.messages import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.names import Names
 from kvblend.shm.private import shm_path

@@ -20,9 +20,10 @@ from kvblend.dataplane import paged
 from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
 from kvblend.dataplane.cuda import CudaBuffer, normalize_uuid
 from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
+from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.dataplane.gather import can_use_host_pointer
-from kvblend.dataplane.messages import Backend, BufferSpec, CudaIpcBuffer, PagedBuffer
+from kvblend.dataplane.messages import BufferSpec, CudaIpcBuffer, PagedBuffer
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.store import Store
 

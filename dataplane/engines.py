@@ -5,32 +5,27 @@ implementations (``dataplane.cpu``, ``dataplane.cuda_engine``), which import the
 from __future__ import annotations
 
 from kvblend.dataplane.backend import CopyEngine
-from kvblend.dataplane.messages import Backend
+from kvblend.dataplane.backends import Backend, resolve
 from kvblend.shm.store import Store
 
 
-def make_engine(backend: str, store: Store, staging_bytes: int = 128 << 20) -> CopyEngine:
-    """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is present).
+def make_engine(backend: Backend | str, store: Store, staging_bytes: int = 128 << 20
+                ) -> CopyEngine:
+    """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is
+    present). CUDA code is imported here, lazily: CPU-only machines have no cupy.
 
-    CUDA code is imported here, lazily: CPU-only machines have no cupy.
+    Raises:
+        ValueError: not a backend.
     """
-    if backend == "auto":
-        backend = Backend.CUDA.value if _cuda_present() else Backend.CPU.value
-    if backend == Backend.CUDA.value:
+    try:
+        chosen = resolve(backend)
+    except ValueError:
+        raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto") from None
+    if chosen is Backend.CUDA:
         from kvblend.dataplane.cuda_engine import CudaEngine
         return CudaEngine(store, staging_bytes)
-    if backend == Backend.CPU.value:
-        from kvblend.dataplane.cpu import CpuEngine
-        return CpuEngine(store)
-    raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto")
-
-
-def _cuda_present() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+    from kvblend.dataplane.cpu import CpuEngine
+    return CpuEngine(store)
 
 
 __all__ = ["make_engine"]

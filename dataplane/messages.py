@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvblend.dataplane.backends import Backend
 from kvblend.shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES
 
 HEADER = struct.Struct("<IQ")
@@ -49,11 +50,6 @@ InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=64)]
 EventHandle = IpcHandle | None
-
-
-class Backend(str, enum.Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 class WireDType(enum.StrEnum):

@@ -8,11 +8,10 @@ It owns the knobs, not what they do: ``dataplane.instances.Limits`` (leases and 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.instances import Limits
 from kvblend.dataplane.transfer import Tuning
 
@@ -54,7 +53,7 @@ class DataPlaneSettings(BaseSettings):
 
     shm_prefix: str = Field(min_length=1)
     chunk_size: int = Field(gt=0)
-    backend: Literal["cpu", "cuda", "auto"] = "auto"
+    backend: Backend = Backend.AUTO
     socket: str | None = None
     reclaim_interval: float = Field(1.0, gt=0)
     lease: float = Field(Limits.lease_s, gt=0)
