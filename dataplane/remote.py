@@ -1,44 +1,11 @@
-"""The remote tier's value format and its Redis/Valkey client: one value per chunk, checked on
-every read, so that a missing, expired, truncated or corrupted value is a miss, never wrong bytes.
+"""The remote tier's client: one Redis/Valkey deployment (a server or a cluster) holding chunks,
+each written with its record and read back checked, every call bounded by a timeout and a breaker.
 
-This module owns how a chunk looks in the remote store and how one is written and read back. It
-does not own when chunks go there (write-behind), how hosts find them (discovery) or the local
-slab they are promoted into.
-
-Key of a chunk: ``kvblend:1:<chunk hash, 32 hex>:<rank>``. The chunk hash is rooted in the
-namespace (model, world size, cache salt: ``shm.hashing``), so tenants with different salts get
-different keys on every host sharing the store, and the value repeats the root to check it.
-
-Value of a chunk (little-endian)::
-
-    offset    bytes   field
-    0         8       MAGIC    b"kvblendC"
-    8         2       FORMAT   1
-    10        2       DTYPE    ``shm.layout.DType`` code
-    12        4       LAYERS   L
-    16        4       CHUNK    C, tokens per chunk
-    20        4       HIDDEN   D, elements per token and layer, for K and again for V
-    24        4       RANK     the tensor-parallel shard
-    28        4       ORIGIN   ``shm.header``: 1 pre-computed (ORIGIN_STANDALONE), 2 final
-    32        8       POS0     the position of the chunk's first token when its KV was computed
-    40        16      ROOT     the namespace root
-    56        16      KEY      the chunk hash
-    72        16      DIGEST   SHA-256 of every other byte of the value ([0, 72) and [88, end)),
-                               its first 16 bytes
-    88        4 C     TOKENS   uint32 token ids
-    ...               zero padding to KV_AT = round_up(88 + 4 C, 64)
-    KV_AT     2 L C D itemsize   KV, [2, L, C, D] of DTYPE (the slab's canonical layout)
-
-A read checks, in order: the length against the header's geometry, MAGIC and FORMAT, the key,
-root, rank and layout the caller expects, the token ids the caller expects, then the digest. The
-first failure names the miss (``Miss``); a value that passes every check is returned.
-
-Record of a chunk, for discovery: the first ``88 + 4 C`` bytes of its value (header and token ids,
-no KV), added to the stream ``kvblend:1:fp`` (field ``v``) beside its expiry in Unix milliseconds
-(field ``x``) right after the value is written. The stream is capped (``XADD MAXLEN ~``), so it
-holds the newest records; a host that tails it learns which chunks exist and where their KV was
-computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
-been evicted since, and the read that follows checks the value as above.
+This module owns talking to the store: what a write and each read send, the pieces of a read into
+a caller's buffer, and the circuit breaker. It does not own the value format and its checks
+(``dataplane.remoteformat``, whose names it re-exports), how a range's reply comes off the wire
+(``dataplane.redis_wire``), when chunks go there (write-behind), how hosts find them (discovery) or
+the local slab they are promoted into.
 
 Two reads of a chunk. ``get``: one GET, the value as Python bytes, then ``decode``. ``get_into``,
 into memory the caller owns (a slab slot), without a Python bytes object of the KV::
@@ -50,14 +17,11 @@ into memory the caller owns (a slab slot), without a Python bytes object of the 
     3. SHA-256 of header, tokens, padding, then the pieces in order: the first as it comes in
        (the calling thread receives it), each other one once it is in
 
-A piece's reply is parsed here, not by redis-py: ``$<n>\r\n``, then the n bytes received with
-``recv_into`` straight into the caller's buffer, then ``\r\n``; an error line (MOVED, ASK,
-WRONGTYPE, ...) fails the call. The value may be replaced between the steps or between pieces: a
-piece shorter than asked is TRUNCATED, any other mix of two values fails the digest (CORRUPT), so a
-mix is never returned. NOTE: a connection that failed mid-reply (timeout, reset, a reply not
-understood) is closed before it goes back to its pool: the rest of that reply would otherwise be
-read as the answer to the connection's next command. After a miss the caller's buffer holds
-undefined bytes.
+Each piece's reply goes straight into the caller's buffer (``dataplane.redis_wire``; on a redis-py
+it does not know, through redis-py's ``getrange`` and one more copy). The value may be replaced
+between the steps or between pieces: a piece shorter than asked is TRUNCATED, any other mix of two
+values fails the digest (CORRUPT), so a mix is never returned. After a miss the caller's buffer
+holds undefined bytes.
 
 The client (``RemoteTier``) bounds every call by a timeout and goes through a circuit breaker:
 after ``failures`` errors in a row it stops calling for ``cooldown_s`` (every call a miss at once),
@@ -68,223 +32,20 @@ for the server (connect, every receive), as redis-py's own reads do, not a whole
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from kvblend.dataplane.redis_wire import BadReply, ReadAt, direct_reads, range_reader
+from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MAGIC, ORIGINS,
+                                            STREAM, ChunkId, Fetched, Miss, Record, check_head,
+                                            decode, encode, hash_head, parse_record)
 from kvblend.dataplane.remoteurl import parse_url
 from kvblend.shm.hashing import DIGEST_BYTES
-from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
-from kvblend.shm.layout import DType
-
-MAGIC = b"kvblendC"
-FORMAT = 1
-_HEAD = struct.Struct("<8sHHIIIIIq16s16s16s")
-HEADER_BYTES = _HEAD.size  # 88
-_DIGEST_AT = 72
-assert HEADER_BYTES == 88 and _DIGEST_AT + DIGEST_BYTES == HEADER_BYTES
-KEY_PREFIX = "kvblend:1:"
-STREAM = "kvblend:1:fp"  # the records of every chunk written (module docstring)
-MAX_LAYERS, MAX_CHUNK, MAX_HIDDEN, MAX_RANK = 1 << 12, 1 << 16, 1 << 20, 1 << 10
-_ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
-
-
-class Miss(Enum):
-    """Why a read gave no chunk."""
-
-    ABSENT = "absent"            # no such key (never written, expired, evicted, flushed)
-    UNAVAILABLE = "unavailable"  # the remote did not answer in time, or the breaker is open
-    TRUNCATED = "truncated"      # shorter or longer than its header says
-    FORMAT = "format"            # not a value of this format
-    OTHER_CHUNK = "other_chunk"  # another key, root, rank or layout than asked for
-    OTHER_TOKENS = "other_tokens"
-    CORRUPT = "corrupt"          # the digest disagrees
-
-
-@dataclass(frozen=True)
-class ChunkId:
-    """What a reader expects of a chunk: its key and where it comes from.
-
-    Attributes:
-        root: the namespace root (``Namespace.root``, 16 bytes).
-        chunk_hash: the chunk's key (16 bytes).
-        rank: the tensor-parallel shard.
-        dtype, num_layers, chunk_size, hidden_dim: the layout of its KV.
-    """
-
-    root: bytes
-    chunk_hash: bytes
-    rank: int
-    dtype: DType
-    num_layers: int
-    chunk_size: int
-    hidden_dim: int
-
-    def __post_init__(self) -> None:
-        if len(self.root) != DIGEST_BYTES or len(self.chunk_hash) != DIGEST_BYTES:
-            raise ValueError("a namespace root and a chunk hash have 16 bytes each")
-        if min(self.num_layers, self.chunk_size, self.hidden_dim) < 1 or self.rank < 0:
-            raise ValueError("layers, chunk size and hidden dim must be >= 1, the rank >= 0")
-
-    @property
-    def key(self) -> str:
-        """The chunk's key in the remote store."""
-        return f"{KEY_PREFIX}{self.chunk_hash.hex()}:{self.rank}"
-
-    @property
-    def kv_at(self) -> int:
-        """Offset of the KV bytes in the value."""
-        return -(-(HEADER_BYTES + 4 * self.chunk_size) // 64) * 64
-
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * self.num_layers * self.chunk_size * self.hidden_dim * self.dtype.itemsize
-
-    @property
-    def value_bytes(self) -> int:
-        return self.kv_at + self.kv_bytes
-
-
-def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) -> memoryview:
-    """The value of ``chunk``: its header, ``tokens`` (``chunk_size`` ids) and ``kv`` (any buffer
-    of ``kv_bytes`` bytes, ``[2, L, C, D]``), as a read-only view of the one buffer it was built
-    in (redis-py sends a memoryview as it is: no copy of a value of megabytes).
-
-    Raises:
-        ValueError: the tokens or the KV do not fit the chunk's layout, the KV is not contiguous,
-            or origin is not ORIGIN_STANDALONE or ORIGIN_FINAL.
-    """
-    tokens = np.ascontiguousarray(tokens, "<u4")
-    kv_view = memoryview(kv)
-    if not kv_view.c_contiguous:
-        raise ValueError("the KV bytes must be one contiguous buffer")
-    kv_view = kv_view.cast("B")
-    if tokens.shape != (chunk.chunk_size,):
-        raise ValueError(f"{tokens.shape} token ids for a chunk of {chunk.chunk_size}")
-    if kv_view.nbytes != chunk.kv_bytes:
-        raise ValueError(f"{kv_view.nbytes} KV bytes for a layout of {chunk.kv_bytes}")
-    if origin not in _ORIGINS:
-        raise ValueError(f"origin must be one of {_ORIGINS}, got {origin}")
-    out = bytearray(chunk.value_bytes)
-    _HEAD.pack_into(out, 0, MAGIC, FORMAT, int(chunk.dtype), chunk.num_layers, chunk.chunk_size,
-                    chunk.hidden_dim, chunk.rank, origin, pos0, chunk.root, chunk.chunk_hash,
-                    bytes(DIGEST_BYTES))
-    out[HEADER_BYTES:HEADER_BYTES + tokens.nbytes] = tokens.tobytes()
-    out[chunk.kv_at:] = kv_view
-    out[_DIGEST_AT:HEADER_BYTES] = _digest(out)
-    return memoryview(out).toreadonly()
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A chunk read back and checked: ``kv`` is a flat byte view of its KV, read-only over the
-    value (``get``) or over the caller's buffer (``get_into``)."""
-
-    kv: memoryview
-    pos0: int
-    origin: int
-
-
-def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
-    """``value`` checked against what the reader expects (module docstring); a ``Miss`` says
-    which check failed."""
-    if value is None:
-        return Miss.ABSENT
-    head = _check_head(value, len(value), chunk, tokens)
-    if isinstance(head, Miss):
-        return head
-    pos0, origin, digest = head
-    if _digest(value) != digest or origin not in _ORIGINS:
-        return Miss.CORRUPT
-    return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
-
-
-def _check_head(head: bytes, length: int, chunk: ChunkId, tokens: np.ndarray
-                ) -> tuple[int, int, bytes] | Miss:
-    """Every check but the digest, on the first bytes of a value (at least through its token
-    ids when its length is right) and its length: ``(pos0, origin, digest)`` or the miss."""
-    if len(head) < HEADER_BYTES:
-        return Miss.TRUNCATED
-    (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
-     digest) = _HEAD.unpack_from(head, 0)
-    if magic != MAGIC or fmt != FORMAT:
-        return Miss.FORMAT
-    if (root, key, rank, dtype, layers, size, hidden) != (
-            chunk.root, chunk.chunk_hash, chunk.rank, int(chunk.dtype), chunk.num_layers,
-            chunk.chunk_size, chunk.hidden_dim):
-        return Miss.OTHER_CHUNK
-    if length != chunk.value_bytes:
-        return Miss.TRUNCATED
-    want = np.ascontiguousarray(tokens, "<u4")
-    if want.tobytes() != head[HEADER_BYTES:HEADER_BYTES + 4 * size]:
-        return Miss.OTHER_TOKENS
-    return pos0, origin, digest
-
-
-@dataclass(frozen=True)
-class Record:
-    """A chunk another host wrote (module docstring): what discovery needs, no KV.
-
-    Attributes:
-        chunk: the chunk's key, root, rank and layout.
-        tokens: its ``chunk_size`` token ids.
-        pos0: the position of its first token when its KV was computed.
-        origin: ``shm.header`` ORIGIN_STANDALONE or ORIGIN_FINAL.
-        expires_ms: when its value expires, Unix milliseconds.
-    """
-
-    chunk: ChunkId
-    tokens: np.ndarray
-    pos0: int
-    origin: int
-    expires_ms: int
-
-
-def parse_record(head: bytes, expires: bytes | str) -> Record | None:
-    """A stream record's fields checked for form (sizes, magic, format, bounds); None when any
-    check fails. The digest covers the KV too, so it is checked when the value is read."""
-    if len(head) < HEADER_BYTES:
-        return None
-    (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
-     _) = _HEAD.unpack_from(head, 0)
-    try:
-        expires_ms = int(expires)
-        kind = DType(dtype)
-    except ValueError:
-        return None
-    if (magic != MAGIC or fmt != FORMAT or origin not in _ORIGINS or pos0 < 0
-            or not (0 < layers <= MAX_LAYERS and 0 < size <= MAX_CHUNK
-                    and 0 < hidden <= MAX_HIDDEN and rank < MAX_RANK)
-            or len(head) != HEADER_BYTES + 4 * size):
-        return None
-    chunk = ChunkId(root, key, rank, kind, layers, size, hidden)
-    tokens = np.frombuffer(head, "<u4", size, HEADER_BYTES)
-    return Record(chunk, tokens, pos0, origin, expires_ms)
-
-
-def _digest(value: bytes | bytearray) -> bytes:
-    """SHA-256 rather than BLAKE2b: CPUs hash it in hardware, 1.65 GB/s against 0.63 on the
-    2-core VM (32 MiB), and a fetch checks every byte it reads. Unkeyed, it catches corruption
-    and truncation, not a forger with write access to the remote (that needs a shared key)."""
-    return _hash(value).digest()[:DIGEST_BYTES]
-
-
-def _hash(head: bytes | bytearray) -> Any:
-    """SHA-256 begun over the first bytes of a value, less the digest field; a reader of the KV
-    apart goes on with ``update``."""
-    h = hashlib.sha256()
-    view = memoryview(head)
-    h.update(view[:_DIGEST_AT])
-    h.update(view[HEADER_BYTES:])
-    return h
 
 
 class Breaker:
@@ -336,12 +97,6 @@ class Breaker:
                 self._open_until = self._clock() + self._cooldown
 
 
-class _BadReply(Exception):
-    """A piece's reply was not the bulk string asked for: an error line, bytes that are not RESP2,
-    or the connection closed mid-reply."""
-
-
-_LINE = 256  # bytes received for a reply's first line: ``$<n>\r\n`` fits with room to spare
 MAX_STREAMS = 64  # connections (and threads) one get_into may hold at once
 #: a smaller piece costs more in its round trip than it gains by going in parallel
 MIN_PIECE_BYTES = 1 << 16
@@ -359,95 +114,6 @@ def _byte_view(dest: np.ndarray, size: int) -> memoryview:
             and dest.flags.c_contiguous and dest.flags.writeable):
         raise ValueError(f"dest must be a writable C-contiguous uint8 array of {size} bytes")
     return memoryview(dest).cast("B")
-
-
-def _buffered(conn: Any) -> bool:
-    """Whether redis-py's parser of ``conn`` holds received bytes it has not parsed: the hiredis
-    parser in its ``_reader``, the Python one (RESP2) in its ``_buffer``, a ``SocketBuffer``."""
-    reader = getattr(conn._parser, "_reader", None)
-    if reader is not None:
-        return bool(reader.has_data())
-    buffer = getattr(conn._parser, "_buffer", None)
-    return buffer is not None and buffer.unread_bytes() > 0
-
-
-def _getrange_into(pool: Any, key: str, start: int, dest: memoryview,
-                   seen: Callable[[memoryview], object] | None = None) -> int:
-    """``GETRANGE key start start+len(dest)-1`` on a connection of ``pool``, its reply received
-    into ``dest`` (``seen`` given each span of it as it comes in): the bytes the value had there.
-    A connection that fails is closed before it goes back (module docstring)."""
-    conn = pool.get_connection()
-    try:
-        if _buffered(conn):  # the pool checks it too: a stray byte would shift every reply after
-            raise _BadReply("a pooled connection holds bytes nobody read")
-        conn.send_command("GETRANGE", key, start, start + len(dest) - 1)
-        return _recv_bulk(conn._sock, dest, seen)
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-
-
-def _recv_bulk(sock: Any, dest: memoryview, seen: Callable[[memoryview], object] | None) -> int:
-    """One RESP2 bulk reply of at most ``len(dest)`` bytes, received into ``dest``: its length.
-
-    Raises:
-        _BadReply: an error line, another reply, a longer one, or the socket closed.
-        OSError: a receive failed or timed out (the socket's timeout).
-    """
-    line, early = _recv_line(sock)
-    if line[:1] == b"-":
-        raise _BadReply(line[1:].decode(errors="replace"))
-    if line[:1] != b"$" or not line[1:].isdigit() or int(line[1:]) > len(dest):
-        raise _BadReply(f"{line[:32]!r} for a bulk string of at most {len(dest)} bytes")
-    n = int(line[1:])
-    k = min(early.nbytes, n)
-    dest[:k] = early[:k]
-    if seen is not None:
-        seen(dest[:k])
-    _recv_exact(sock, dest[k:n], seen)
-    _recv_crlf(sock, early[k:])
-    return n
-
-
-def _recv_crlf(sock: Any, early: memoryview) -> None:
-    """The CRLF that ends a bulk string, of which ``early`` holds the bytes received already."""
-    if early.nbytes > 2:
-        raise _BadReply("bytes after the reply")
-    end = bytearray(2)
-    end[:early.nbytes] = early
-    _recv_exact(sock, memoryview(end)[early.nbytes:])
-    if end != b"\r\n":
-        raise _BadReply(f"{bytes(end)!r} after a bulk string")
-
-
-def _recv_line(sock: Any) -> tuple[bytes, memoryview]:
-    """A reply's first line, less its CRLF, and the bytes received after it. The socket holds
-    one reply at most, so nothing received here belongs to another."""
-    buf = bytearray(_LINE)
-    filled = 0
-    while (end := buf.find(b"\r\n", 0, filled)) < 0:
-        if filled == _LINE:
-            raise _BadReply(f"a reply line longer than {_LINE} bytes: {bytes(buf[:32])!r}")
-        filled += _recv_some(sock, memoryview(buf)[filled:])
-    return bytes(buf[:end]), memoryview(buf)[end + 2:filled]
-
-
-def _recv_exact(sock: Any, view: memoryview,
-                seen: Callable[[memoryview], object] | None = None) -> None:
-    while view.nbytes:
-        got = _recv_some(sock, view)
-        if seen is not None:  # while this runs, the kernel buffers what the server sends next
-            seen(view[:got])
-        view = view[got:]
-
-
-def _recv_some(sock: Any, view: memoryview) -> int:
-    got = sock.recv_into(view)
-    if got == 0:
-        raise _BadReply("the server closed the connection mid-reply")
-    return int(got)
 
 
 class RemoteTier:
@@ -487,8 +153,11 @@ class RemoteTier:
         common = dict(username=username, password=password, socket_timeout=timeout_s,
                       socket_connect_timeout=timeout_s, ssl=tls, protocol=2,
                       retry=Retry(NoBackoff(), 1 if cluster else 0))
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, _BadReply)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, BadReply)
         self._cluster = cluster
+        # ranges off the socket where this redis-py is one dataplane.redis_wire knows (else it
+        # logs that reads go through redis-py's public GETRANGE)
+        self._direct = direct_reads(redis.__version__)
 
         def client(timeout: float) -> Any:
             kw = dict(common, socket_timeout=timeout)
@@ -591,14 +260,14 @@ class RemoteTier:
         value_head, length, exists = pipe.execute()
         if not exists:
             return Miss.ABSENT
-        head = _check_head(value_head, length, chunk, tokens)
+        head = check_head(value_head, length, chunk, tokens)
         if isinstance(head, Miss):
             return head
         pos0, origin, digest = head
-        h = _hash(value_head)
+        h = hash_head(value_head)
         if not self._read_kv(chunk, dest, streams, h):
             return Miss.TRUNCATED
-        if h.digest()[:DIGEST_BYTES] != digest or origin not in _ORIGINS:
+        if h.digest()[:DIGEST_BYTES] != digest or origin not in ORIGINS:
             return Miss.CORRUPT
         return Fetched(dest, pos0, origin)
 
@@ -607,11 +276,12 @@ class RemoteTier:
         order: the first piece as it comes in (this thread receives it), the others once they are
         in. False when a piece was short (the value was replaced since its head was read).
         Returns or raises only once every piece is done with ``dest``."""
-        pool = self._pool_of(chunk.key)
+        read: ReadAt = range_reader(self._client_of("main"), self._cluster, chunk.key,
+                                   self._direct)
         pieces = _split(dest.nbytes, streams)
 
         def piece(lo: int, hi: int, seen: Any = None) -> Callable[[], int]:
-            return lambda: _getrange_into(pool, chunk.key, chunk.kv_at + lo, dest[lo:hi], seen)
+            return lambda: read(chunk.kv_at + lo, dest[lo:hi], seen)
 
         waits = [piece(*pieces[0], h.update)] + [f.result for f in self._submit(
             [piece(lo, hi) for lo, hi in pieces[1:]])]
@@ -627,14 +297,6 @@ class RemoteTier:
         if error is not None:
             raise error
         return whole
-
-    def _pool_of(self, key: str) -> Any:
-        """The connection pool of the server that holds ``key`` (in a cluster: its slot's master,
-        as the slot map the client holds says)."""
-        client = self._client_of("main")
-        if not self._cluster:
-            return client.connection_pool
-        return client.get_redis_connection(client.get_node_from_key(key)).connection_pool
 
     def _submit(self, calls: list[Callable[[], int]]) -> list[Future[int]]:
         if not calls:
