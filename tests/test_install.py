@@ -8,13 +8,14 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.harness import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torch-index.sh"
 
@@ -44,9 +45,7 @@ def index() -> Iterator[str]:
 
 
 def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/whl/cpu"
+    return f"http://127.0.0.1:{free_port()}/whl/cpu"
 
 
 def run(url: str, *args: str, gpu: bool, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -7,11 +7,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
-
 import pytest
 
-from tests.test_e2e import Service
+from tests.harness import Service, Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
@@ -19,10 +17,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromiu
 
 
 @pytest.fixture
-def service(shm_prefix: str) -> Iterator[Service]:
-    svc = Service(shm_prefix)
-    yield svc
-    svc.stop()
+def service(services: Services) -> Service:
+    return services.start()
 
 
 def rendered(url: str, done: re.Pattern[str]) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from kvblend.api.cli import main
 from kvblend.shm.names import leftovers
-from tests.test_e2e import START_DEADLINE, kvblend_argv, poll
+from tests.harness import START_DEADLINE, kvblend_argv, poll
 from tests.test_supervisor import Serve
 
 

@@ -27,7 +27,7 @@ from kvblend.api.cli import build_parser
 from kvblend.api.settings import Settings
 from kvblend.api.supervisor import Supervisor
 from tests.stderr_lines import collect_stderr
-from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
+from tests.harness import START_DEADLINE, free_port, kvblend_argv, poll
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()

@@ -13,7 +13,7 @@ import torch
 
 from kvblend.dataplane import rotary
 from kvblend.dataplane.client import BlendClient
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 from tests.dataplane.test_rotary import CASES, DH, H, close, gptj_k, hf_k, pair_ulps
 

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import (FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend,
                                   rotary_config)
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 L, HKV, DH, V = 3, 2, 16, 1000

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvblend.dataplane import rotary
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import BlendEngine, model_rotary, rotary_config
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.scalings import SCALINGS
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 

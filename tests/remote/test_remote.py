@@ -20,8 +20,9 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
-from tests.conftest import remove_prefix
-from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
+from tests.harness import remove_prefix
+from tests.harness import poll
+from tests.remote.conftest import ClusterProcs, RedisProc
 
 C, L, D = 16, 2, 32
 DEADLINE = 30.0
@@ -63,7 +64,7 @@ def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), = chunks(1)
     with RemoteTier(redis_url, ttl_s=0.05) as tier:
         assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_FINAL))
-        poll_until(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
+        poll(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
 
 
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
@@ -223,7 +224,7 @@ def test_writers_write_at_once(store: Store) -> None:
     tier = BlockedTier()
     wb = WriteBehind(store, tier, writers=3)  # type: ignore[arg-type]
     assert wb.offer(class_id, ns.root, keys, tokens.reshape(3, C)) == 3
-    poll_until(lambda: tier.inside == 3, DEADLINE, "three writes in the remote at once")
+    poll(lambda: tier.inside == 3, DEADLINE, "three writes in the remote at once")
     tier.release.set()
     assert wb.flush(timeout=DEADLINE) and tier.puts == 3 and tier.most_inside == 3
     wb.close(timeout=DEADLINE)

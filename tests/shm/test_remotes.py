@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import re
 import signal
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from kvblend.shm.names import Names, destroy
 from kvblend.shm.private import shm_path
 from kvblend.shm.remotes import HEADER_BYTES, RemoteChunks, RemoteHdr, Slot
 from kvblend.shm.segment import Segment
+from tests.harness import assert_drawing_is_declaration
 
 CAP = 64
 T0 = 1_000_000  # ms: a clock far from 0 (EXPIRES 0 marks a free slot)
@@ -65,16 +65,9 @@ def table(shm_prefix: str) -> Iterator[RemoteChunks]:
 # -- the layout is one fact ------------------------------------------------------------------------
 
 
-def _drawn(doc: str, title: str) -> dict[str, int]:
-    table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
-    rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
-    return {m.group(2): int(m.group(1)) for m in rows if m}
-
-
 def test_the_drawing_is_the_declaration(table: RemoteChunks) -> None:
-    doc = remotes.__doc__ or ""
-    assert _drawn(doc, "Remote header") == {w.name: int(w) for w in RemoteHdr}
-    assert _drawn(doc, "Slot (") == {w.name: int(w) for w in Slot}
+    assert_drawing_is_declaration(remotes, "Remote header", RemoteHdr)
+    assert_drawing_is_declaration(remotes, "Slot (", Slot)
     h = header(table)
     assert (h[RemoteHdr.MAGIC], h[RemoteHdr.VERSION]) == (remotes.MAGIC, remotes.VERSION)
     assert (h[RemoteHdr.CAP], h[RemoteHdr.SLOTS]) == (CAP, 2 * CAP)

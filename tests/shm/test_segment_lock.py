@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from kvblend.shm.lock import FileLock, pid_alive
 from kvblend.shm.private import shm_path
 from kvblend.shm.segment import Segment, exists, unlink
 
+from ..harness import poll
 from ..squat import Squatter, foreign_uid, needs_root, snapshot
 
 
@@ -80,10 +80,12 @@ def test_timeout_rule(shm_prefix: str) -> None:
         waiter = threading.Thread(target=wait_forever)
         waiter.start()
         # the waiter must queue in the kernel behind the holder; getting the lock instead fails
-        deadline = time.monotonic() + 30
-        while not queued_for(path, os.getpid()):
+        def queued() -> bool:
+            if queued_for(path, os.getpid()):
+                return True
             assert not got.wait(0.01), "acquire(timeout=None) got a lock another process holds"
-            assert time.monotonic() < deadline, "acquire(timeout=None) never waited for the lock"
+            return False
+        poll(queued, 30, "acquire(timeout=None) to wait for the lock", every_s=0)
         released.set()
         holder.kill()          # the kernel drops the dead holder's lock
         holder.wait(30)
