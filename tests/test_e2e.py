@@ -15,11 +15,14 @@ import signal
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.shm.lock import pid_alive
 from tests.harness import Service, Services
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 256
 L, T, D = 2, 4096, 64

@@ -63,17 +63,20 @@ def run(url: str, *args: str, gpu: bool, tmp_path: Path) -> subprocess.Completed
                           env={**os.environ, "PATH": os.pathsep.join(path)}, timeout=60)
 
 
+@pytest.mark.slow
 def test_no_gpu_and_the_cpu_index_answers(index: str, tmp_path: Path) -> None:
     out = run(index, gpu=False, tmp_path=tmp_path)
     assert (out.stdout, out.stderr) == ("cpu\n", "")
 
 
+@pytest.mark.slow
 def test_no_gpu_and_no_cpu_index(tmp_path: Path) -> None:
     url = closed_port()
     out = run(url, gpu=False, tmp_path=tmp_path)
     assert out.stdout == "default\n" and out.stderr == f"{url} unreachable: torch from the default index\n"
 
 
+@pytest.mark.slow
 def test_a_gpu_keeps_the_default_index_unless_any_machine(index: str, tmp_path: Path) -> None:
     assert run(index, gpu=True, tmp_path=tmp_path).stdout == "default\n"
     assert run(index, "any", gpu=True, tmp_path=tmp_path).stdout == "cpu\n"

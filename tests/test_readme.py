@@ -307,6 +307,7 @@ def run_shell(block: Block, live: Live) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_examples_run(live: Live, tmp_path: Path) -> None:
     session: Session | None = None
     try:
@@ -329,6 +330,7 @@ def test_the_examples_run(live: Live, tmp_path: Path) -> None:
     assert session is not None and session.stderr() == "", session and session.stderr()
 
 
+@pytest.mark.slow
 def test_commands_that_change_the_machine_fail(live: Live) -> None:
     for command in ("pip --version", "make --version", "docker --version"):
         done = subprocess.run(["bash", "-c", command], env=live.env, capture_output=True,
@@ -421,6 +423,7 @@ def fits(claimed: Any, actual: Any) -> bool:
 # ----------------------------------------------------------------------------- the error sample
 
 
+@pytest.mark.slow
 def test_the_error_sample_is_what_the_service_answers(live: Live) -> None:
     """README's problem+json sample, titles included (``api.errors.TITLES``): an invalid token id
     in README's own lookup."""

@@ -71,6 +71,7 @@ def assert_refused(result: subprocess.CompletedProcess[str], path: str) -> None:
 # -- the same uid planted a name ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix, how", [("_meta", "symlink"), ("_serve.lock", "mode 0666"),
                                          ("_dataplane.sock", "file"), ("_events", "mode 0666")])
 def test_serve_refuses_a_planted_name(squat: Squatter, outside: Path, suffix: str,
@@ -139,6 +140,7 @@ def stranger() -> OtherUser:
     return other_user()
 
 
+@pytest.mark.slow
 def test_another_user_cannot_open_or_remove_any_name(shm_prefix: str,
                                                      stranger: OtherUser) -> None:
     with Store.open(shm_prefix, SMALL), FingerprintIndex.open(shm_prefix, 16, 64), \
@@ -164,6 +166,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix, how", [("_serve.lock", "0600"), ("_meta", "symlink"),
                                          ("_slab", "0666"), ("_dataplane.sock", "socket")])
 def test_serve_refuses_a_name_another_user_planted(squat: Squatter, stranger: OtherUser,

@@ -9,8 +9,12 @@ import socket
 import subprocess
 from typing import Any
 
+import pytest
+
 from tests.harness import START_DEADLINE, STOP_DEADLINE, Service, Services, poll
 from tests.stderr_lines import collect_stderr
+
+pytestmark = pytest.mark.slow
 
 SMALL = ["--backend", "cpu", "--storage-mb", "8", "--page-mb", "1", "--min-slot-kb", "4",
          "--fingerprint-capacity", "4096", "--log-level", "info"]

@@ -12,8 +12,9 @@ import pytest
 from tests.harness import Service, Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
-                                "(apt-get install chromium); .ci/run installs it")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
+                                 "(apt-get install chromium); .ci/run installs it")]
 
 
 @pytest.fixture

@@ -143,6 +143,7 @@ def test_an_instance_token_longer_than_any_token_is_refused_at_the_edge(client: 
 
 # -- found by the long run -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None:
     body = {"model_name": "m", "num_layers": 2, "num_tokens": 64, "hidden_dim": 8,
             "cuda_ipc": {"handle": "A" * 86 + "==", "offset": 2**64, "device_uuid": "GPU-1"}}
@@ -151,6 +152,7 @@ def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None
 
 # -- the fuzz run --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [(None, None), (TOKEN, ADMIN)], ids=["open", "token"])
 def test_schema_fuzzing_finds_nothing(shm_prefix: str, tmp_path: Path,
                                       tokens: tuple[str | None, str | None]) -> None:

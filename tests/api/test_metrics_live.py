@@ -18,6 +18,8 @@ from kvblend.dataplane.client import BlendClient
 from tests.api.test_observability import samples
 from tests.harness import Service, remove_prefix, unique_prefix
 
+pytestmark = pytest.mark.slow
+
 CHUNK = 256
 MODEL = "metrics-model"
 

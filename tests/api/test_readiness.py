@@ -16,6 +16,8 @@ from tests.api.conftest import make_settings, problem
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 from tests.harness import poll
 
+pytestmark = pytest.mark.slow
+
 GENEROUS = 5.0  # far above the 1 s bound, far below the 10-20 s a hung call used to take
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
@@ -17,6 +18,8 @@ from kvblend.shm.segment import exists as segment_exists
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, start_dataplane
 from tests.harness import poll
+
+pytestmark = pytest.mark.slow
 
 L, T, D = 2, 1024, 64
 

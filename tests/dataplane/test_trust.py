@@ -33,6 +33,8 @@ from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_d
 from tests.dataplane.test_faults import seeded
 from tests.harness import poll
 
+pytestmark = pytest.mark.slow
+
 L, T, D = 2, 512, 64
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another uid")

@@ -5,12 +5,15 @@ stored back with ``store_final``."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import FULL, NAIVE, BlendEngine, cacheblend
 from tests.engine.test_blend import V, tiny_llama
 from tests.harness import Services
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 256  # the service's default
 

@@ -18,6 +18,8 @@ from kvblend.dataplane.remote import STREAM
 from tests.harness import Service, free_port, poll, remove_prefix, unique_prefix
 from tests.remote.conftest import ClusterProcs, RedisProc
 
+pytestmark = pytest.mark.slow
+
 C, L, D = 256, 2, 64
 MODEL = "two-hosts"
 DEADLINE = 60.0

@@ -26,6 +26,8 @@ from kvblend.shm.layout import DType
 from tests.harness import HOST, poll
 from tests.remote.conftest import ClusterProcs, RedisProc
 
+pytestmark = pytest.mark.slow
+
 C = 16
 SMALL = (2, 32)    # (layers, hidden): 4 KiB of KV, always one piece
 LARGE = (4, 4096)  # 1 MiB of KV: up to 16 pieces, several receives each; not a multiple of 3

@@ -39,6 +39,7 @@ def chunks(n: int, salt: str = "") -> list[tuple[ChunkId, np.ndarray, np.ndarray
     return out
 
 
+@pytest.mark.slow
 def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), (other, other_tokens, _) = chunks(2)
     with RemoteTier(redis_url, ttl_s=3600) as tier:
@@ -60,6 +61,7 @@ def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
         raw.close()
 
 
+@pytest.mark.slow
 def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), = chunks(1)
     with RemoteTier(redis_url, ttl_s=0.05) as tier:
@@ -67,6 +69,7 @@ def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
         poll(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
 
 
+@pytest.mark.slow
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
         redis_server: RedisProc) -> None:
     (cid, tokens, kv), = chunks(1)
@@ -90,6 +93,7 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
         assert tier.put(cid, value) and isinstance(tier.get(cid, tokens), Fetched)
 
 
+@pytest.mark.slow
 def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
         redis_cluster: ClusterProcs) -> None:
     items = chunks(60)
@@ -149,6 +153,7 @@ def commit(store: Store, class_id: int, ns: Namespace, tokens: np.ndarray, pos0:
     return keys
 
 
+@pytest.mark.slow
 def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> None:
     ns = Namespace("remote-wb")
     cc = ChunkClass.of(ns.model_name, 1, _layout(), C)
@@ -237,6 +242,7 @@ def _layout() -> KVLayout:
 # ------------------------------------------------------------------------------- promotion
 
 
+@pytest.mark.slow
 def test_a_chunk_written_behind_on_one_host_is_promoted_on_another(
         shm_prefix: str, store: Store, redis_url: str) -> None:
     """Two stores stand for two hosts: host A writes behind, host B promotes the chunk into its

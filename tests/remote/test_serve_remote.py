@@ -19,6 +19,8 @@ from kvblend.shm.layout import DType
 from tests.harness import Service, Services, poll
 from tests.remote.conftest import RedisProc
 
+pytestmark = pytest.mark.slow
+
 C, L, D = 256, 2, 64
 MODEL = "remote-serve"
 PASSWORD = "remote-" + uuid.uuid4().hex

@@ -12,6 +12,8 @@ from redis.retry import Retry
 from tests.harness import poll
 from tests.remote.conftest import ClusterProcs, RedisProc
 
+pytestmark = pytest.mark.slow
+
 KEYS = [f"kvb:{i}" for i in range(100)]
 
 

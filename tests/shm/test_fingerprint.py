@@ -624,6 +624,7 @@ def _worker(prefix: str, seed: int, n_docs: int, errors: mp.Queue) -> None:
         errors.put(repr(exc))
 
 
+@pytest.mark.slow
 def test_processes_register_and_match_concurrently(make: Make) -> None:
     idx = make(capacity=1024)
     ctx = mp.get_context("spawn")
@@ -662,6 +663,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_writer_killed_with_sigkill_leaves_a_consistent_index(make: Make) -> None:
     idx = make(capacity=4096)
     repo = Path(__file__).resolve().parents[2]

@@ -303,6 +303,7 @@ def _reader_writer(rc: RemoteChunks, probe: list[bytes], mine: list[bytes], out:
         out.put(repr(exc))
 
 
+@pytest.mark.slow
 def test_another_process_sees_what_one_wrote_and_writes_back(table: RemoteChunks) -> None:
     hs = hashes(20, 6)
     table.put(hs[:10], 0, T0 + 100, 5, 1, now_ms=T0)
@@ -329,6 +330,7 @@ def _die_inside(prefix: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @BOTH
 def test_a_writer_killed_inside_leaves_dirty_and_the_next_holder_empties(
         table: RemoteChunks, lock_free: bool) -> None:
@@ -353,6 +355,7 @@ def test_a_writer_killed_inside_leaves_dirty_and_the_next_holder_empties(
         assert rc.knows(hs, T0).tolist() == [True] * 3 + [False] * 9
 
 
+@pytest.mark.slow
 def test_a_writer_killed_inside_is_repaired_by_the_next_writer(table: RemoteChunks) -> None:
     hs = hashes(4, 8)
     ctx = mp.get_context("spawn")

@@ -54,6 +54,7 @@ def queued_for(path: str, pid: int) -> bool:
                if len(r) > 6)
 
 
+@pytest.mark.slow
 def test_timeout_rule(shm_prefix: str) -> None:
     path = shm_path(f"{shm_prefix}_t.lock")
     holder = subprocess.Popen(
@@ -111,6 +112,7 @@ def test_threads_of_one_process_exclude_each_other(shm_prefix: str) -> None:
     lock.close()
 
 
+@pytest.mark.slow
 def test_pid_alive() -> None:
     assert pid_alive(os.getpid())
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
