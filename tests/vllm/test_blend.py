@@ -19,6 +19,8 @@ from tests.harness import Service, free_port, poll, remove_prefix, unique_prefix
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import close, engine, generate, generate_all, save_model, tokens  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines beside a kvblend serve
+
 CHUNK = 256  # kvblend serve's default chunk size
 D1, D2, SYSTEM, QUESTION = tokens(CHUNK, 11), tokens(CHUNK, 12), tokens(300, 14), tokens(64, 13)
 # (prompt, the claim, where the chunks sit): the shapes a RAG prompt takes

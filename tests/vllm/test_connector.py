@@ -20,6 +20,8 @@ from tests.harness import Service, Services, poll  # noqa: E402
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines beside a kvblend serve
+
 CHUNK = 256  # kvblend serve's default chunk size
 
 
