@@ -18,8 +18,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,14 +25,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvblend.api.settings import Settings
-from kvblend.api.supervisor import prepare
-from kvblend.shm.fingerprint import FingerprintIndex
-from kvblend.shm.hashing import Namespace, chunk_hashes
-from kvblend.shm.layout import ChunkClass, KVLayout
-from kvblend.shm.lookup import lookup
-from kvblend.shm.names import destroy
-from kvblend.shm.store import ChunkKey, Store
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package
+from kvblend.api.settings import Settings  # noqa: E402
+from kvblend.api.supervisor import prepare  # noqa: E402
+from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
+from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
+from kvblend.shm.layout import ChunkClass, KVLayout  # noqa: E402
+from kvblend.shm.lookup import lookup  # noqa: E402
+from kvblend.shm.names import destroy  # noqa: E402
+from kvblend.shm.store import ChunkKey, Store  # noqa: E402
+from tests.harness import Service  # noqa: E402
 
 CHUNK = 256
 SEQ_CHUNKS = 64
@@ -150,31 +150,11 @@ def concurrent(url: str, req: dict, clients: int, seconds: float) -> float:
     return total / seconds
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve(settings: Settings, workers: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    script = Path(sys.executable).with_name("kvblend")
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "kvblend.api.cli"]
-    proc = subprocess.Popen([*argv, "serve"], env={
-        **os.environ, **settings.model_copy(update={"port": port, "workers": workers}).to_env()})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    with httpx.Client(base_url=url) as http:
-        while True:
-            try:
-                if http.get("/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvblend serve did not become ready")
-            time.sleep(0.1)  # start-up poll with a deadline
-    return proc, url
+def serve(settings: Settings, workers: int) -> Service:
+    """``kvblend serve`` with ``settings`` (in its environment) and ``workers`` API workers, on a
+    free port; returns once ready."""
+    return Service(settings.shm_prefix, defaults=(),
+                   env=settings.model_copy(update={"workers": workers}).to_env())
 
 
 def pct(times: list[float], q: float) -> float:
@@ -206,17 +186,16 @@ def main() -> None:
         assert hit == HITS * CHUNK, f"expected {HITS} chunks hit, got {hit // CHUNK}"
         rows = [("in-process lookup()", "-", pct(floor, 50), pct(floor, 99), None)]
         for workers in (int(w) for w in args.workers.split(",")):
-            proc, url = serve(settings, workers)
+            svc = serve(settings, workers)
             try:
                 for kind, req in requests_for(prompt).items():
-                    times, hit = one_client(url, req, args.iters)
+                    times, hit = one_client(svc.url, req, args.iters)
                     assert hit == HITS * CHUNK
-                    rate = concurrent(url, req, args.clients, args.seconds)
+                    rate = concurrent(svc.url, req, args.clients, args.seconds)
                     rows.append((f"HTTP {kind}", str(workers), pct(times, 50), pct(times, 99),
                                  rate))
             finally:
-                proc.terminate()
-                proc.wait(90)
+                svc.stop()
         print(f"\n{args.chunks:,} registered chunks, {PROMPT:,}-token prompt, {HITS} hits, "
               f"{args.iters} timed lookups; {args.clients} clients for {args.seconds:.0f} s; "
               f"1-min load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")

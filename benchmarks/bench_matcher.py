@@ -3,7 +3,8 @@
 For each index size (registered chunks, chunk size 256) it registers synthetic sequences of 64 chunks,
 builds a 32k-token query holding 30 of the stored chunks at unaligned offsets, and times ``match``.
 With ``--peer PYTHON`` the same data goes through LMCache 0.5.6's ``BlendTokenRangeMatcher`` in a
-subprocess run by that interpreter (its own venv), and the table shows both and their ratio.
+subprocess run by that interpreter (its own venv; ``matcher_peer.py``), and the table shows both and
+their ratio.
 
     python benchmarks/bench_matcher.py --peer .peer/venv/bin/python
 
@@ -30,6 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.matcher_peer import sequences  # noqa: E402
 from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
 from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
 
@@ -38,69 +40,7 @@ PER_SEQ = 64
 VOCAB = 128_256  # a Llama-3 sized vocabulary
 SEED = 20260
 NS = Namespace("bench-model")
-
-# Run by both interpreters: the sequences must be identical on both sides.
-GEN = '''
-import numpy as np
-def sequences(n_chunks, chunk, per_seq, vocab, seed):
-    """(index, tokens) of the registered sequences: per_seq chunks each, the last one shorter."""
-    for i in range(-(-n_chunks // per_seq)):
-        k = min(per_seq, n_chunks - i * per_seq)
-        yield i, np.random.default_rng([seed, i]).integers(0, vocab, k * chunk, dtype=np.uint32)
-'''
-exec(GEN)
-
-PEER = GEN + '''
-import importlib.util, json, logging, sys, time, types
-from dataclasses import dataclass
-
-import lmcache.v1.multiprocess as mp_pkg
-
-@dataclass
-class CBMatchResult:  # stand-in for the torch-importing custom_types module: the same five fields
-    old_st: int
-    old_ed: int
-    cur_st: int
-    cur_ed: int
-    hash: bytes
-
-shim = types.ModuleType("lmcache.v1.multiprocess.custom_types")
-shim.CBMatchResult = CBMatchResult
-sys.modules["lmcache.v1.multiprocess.custom_types"] = shim
-# load matcher.py by path: its package __init__ imports the whole GPU blend module
-path = mp_pkg.__path__[0] + "/modules/blend/matcher.py"
-spec = importlib.util.spec_from_file_location("peer_matcher", path)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-
-args = json.loads(sys.argv[1])
-q = np.load(args["query"])
-query, exp_pos, exp_seq, exp_chunk = q["query"].astype(np.uint64), q["pos"], q["seq"], q["chunk"]
-warm = mod.BlendTokenRangeMatcher(chunk_size=args["chunk"])  # numba load/compile, untimed
-warm.on_new_token_hashes(np.arange(args["chunk"], dtype=np.uint64), [b"w" * 16])
-warm.match_sub_sequence(np.arange(2 * args["chunk"], dtype=np.uint64))
-del warm
-m = mod.BlendTokenRangeMatcher(chunk_size=args["chunk"])
-reg_s = 0.0
-n_reg = 0
-for i, toks in sequences(args["n"], args["chunk"], args["per_seq"], args["vocab"], args["seed"]):
-    keys = [i.to_bytes(8, "little") + c.to_bytes(8, "little") for c in range(len(toks) // args["chunk"])]
-    t0 = time.perf_counter()
-    n_reg += m.on_new_token_hashes(toks, keys)
-    reg_s += time.perf_counter() - t0
-want = {(int(p), int(s).to_bytes(8, "little") + int(c).to_bytes(8, "little"))
-        for p, s, c in zip(exp_pos, exp_seq, exp_chunk)}
-for _ in range(args["warmup"]):
-    m.match_sub_sequence(query)
-times = []
-for _ in range(args["iters"]):
-    t0 = time.perf_counter()
-    res = m.match_sub_sequence(query)
-    times.append(time.perf_counter() - t0)
-hits = sum((r.cur_st, r.hash) in want for r in res)
-print(json.dumps({"times": times, "hits": hits, "found": len(res), "registered": n_reg,
-                  "reg_s": reg_s}))
-'''
+PEER = Path(__file__).resolve().with_name("matcher_peer.py")  # run by the peer's interpreter
 
 
 def build_query(n_chunks: int, q_len: int, n_hits: int, rng: np.random.Generator):
@@ -166,7 +106,7 @@ def run_peer(python: str, n_chunks: int, qfile: str, iters: int, warmup: int) ->
     args = {"n": n_chunks, "chunk": CHUNK, "per_seq": PER_SEQ, "vocab": VOCAB, "seed": SEED,
             "query": qfile, "iters": iters, "warmup": warmup}
     env = dict(os.environ, LMCACHE_LOG_LEVEL="WARNING")
-    out = subprocess.run([os.path.abspath(python), "-c", PEER, json.dumps(args)], capture_output=True, text=True,
+    out = subprocess.run([os.path.abspath(python), str(PEER), json.dumps(args)], capture_output=True, text=True,
                          env=env, cwd=tempfile.gettempdir(), timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"peer failed:\n{out.stderr[-4000:]}")

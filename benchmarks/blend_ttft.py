@@ -26,15 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
@@ -44,6 +40,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from kvblend.dataplane.client import BlendClient  # noqa: E402
 from kvblend.engine.blend import FULL, BlendEngine, cacheblend  # noqa: E402
 from kvblend.shm.names import destroy  # noqa: E402
+from tests.harness import Service  # noqa: E402
 
 LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -71,40 +68,21 @@ def build_model(name: str, device: str) -> Any:
     return model.eval()
 
 
-def start_service(prefix: str, backend: str, storage_mb: int) -> tuple[subprocess.Popen, str]:
+def start_service(prefix: str, backend: str, storage_mb: int) -> Service:
     """``kvblend serve`` on a free loopback port; returns once ``/readyz`` answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "kvblend.api.cli", "serve", "--backend", backend,
-                             "--port", str(port), "--shm-prefix", prefix, "--storage-mb",
-                             str(storage_mb), "--fingerprint-capacity", str(1 << 18),
-                             "--log-level", "warning"])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvblend serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError("kvblend serve did not become ready in 600 s")
-        time.sleep(0.2)  # a poll interval with a deadline
+    return Service(prefix, "--backend", backend, "--storage-mb", str(storage_mb),
+                   "--fingerprint-capacity", str(1 << 18), "--log-level", "warning",
+                   defaults=(), start_deadline_s=600)
 
 
 @contextlib.contextmanager
 def served(prefix: str, backend: str, storage_mb: int) -> Iterator[str]:
     """``start_service`` for a block: its URL; stopped and its shared memory removed after."""
-    proc, url = start_service(prefix, backend, storage_mb)
+    svc = start_service(prefix, backend, storage_mb)
     try:
-        yield url
+        yield svc.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        svc.stop(120)
         destroy(prefix)
 
 
@@ -130,14 +108,14 @@ def main() -> None:
     token_bytes = 2 * layers * kv * hd * 2
     storage = args.storage_mb or int(1.5 * max(lengths) * token_bytes / (1 << 20)) + 256
     prefix = f"kvttft_{os.getpid()}"
-    proc, url = start_service(prefix, args.device, storage)
+    svc = start_service(prefix, args.device, storage)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()} CPUs"
     print(f"# {device}; {args.model} ({layers} layers, {kv} kv heads x {hd}), bf16, SDPA; "
           f"documents of {args.doc_tokens} tokens + a {args.question}-token question; "
           f"medians of {args.iters}", flush=True)
     rng = np.random.default_rng(0)
     try:
-        with BlendClient(url) as client:
+        with BlendClient(svc.url) as client:
             engine = BlendEngine(model, client, "ttft", num_tokens=max(lengths) + 64)
             print(f"{'tokens':>7} {'full ms':>8} {'r':>5} {'blend ms':>9} {'floor ms':>9} "
                   f"{'speedup':>8} {'floor x':>8} {'of floor':>8}  where a blend's time goes",
@@ -172,12 +150,7 @@ def main() -> None:
                           f"{blend - sum(parts.values()):.1f} ms", flush=True)
             engine.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        svc.stop(120)
         destroy(prefix)
 
 

@@ -16,13 +16,12 @@ import argparse
 import logging
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package
 
-from tests.conftest import remove_prefix  # noqa: E402
 from tests.faults import FaultTrials  # noqa: E402
+from tests.harness import remove_prefix, unique_prefix  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the engine's client warns when a lease renewal meets the data plane restarting: expected
     logging.getLogger("kvblend.client").setLevel(logging.ERROR)
-    prefix = f"kvbf_{uuid.uuid4().hex[:10]}"
+    prefix = unique_prefix("kvbf")
     log = args.log or Path(tempfile.mkstemp(prefix="kvblend-faults-", suffix=".log")[1])
     plan = {"dataplane": args.dataplane, "api": args.api, "supervisor": args.supervisor}
     print(f"prefix {prefix}; service log {log}", flush=True)

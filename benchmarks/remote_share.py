@@ -40,7 +40,6 @@ import statistics
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,9 +56,8 @@ from kvblend.dataplane.remote import ChunkId, encode  # noqa: E402
 from kvblend.shm.hashing import Namespace  # noqa: E402
 from kvblend.shm.header import ORIGIN_STANDALONE  # noqa: E402
 from kvblend.shm.layout import DType  # noqa: E402
-from tests.conftest import remove_prefix  # noqa: E402
+from tests.harness import Service, poll, remove_prefix, unique_prefix  # noqa: E402
 from tests.remote.conftest import ClusterProcs, RedisProc, started  # noqa: E402
-from tests.test_e2e import Service  # noqa: E402
 
 C = 256
 MODEL = "bench-share"
@@ -111,7 +109,7 @@ class Host:
 
     def __init__(self, remote: str, storage_mb: int, buffer_chunks: int, geo: Geometry,
                  seed: int) -> None:
-        self.prefix = f"kvbs_{uuid.uuid4().hex[:10]}"
+        self.prefix = unique_prefix("kvbs")
         self.service: Service | None = None
         self.client: BlendClient | None = None
         try:
@@ -238,16 +236,12 @@ def poll_counters(host: Host, names: tuple[str, ...], before: dict[str, float], 
                   every_s: float) -> tuple[float, dict[str, float]]:
     """Reads ``host``'s counters until ``names`` together grew by ``n``; returns when that was
     seen (perf_counter) and each one's growth."""
-    deadline = time.perf_counter() + DEADLINE_S
-    while True:
+    def grown() -> tuple[float, dict[str, float]] | None:
         now = host.counters(*names)
         seen = time.perf_counter()
         grew = {k: now[k] - before.get(k, 0.0) for k in names}
-        if sum(grew.values()) >= n:
-            return seen, grew
-        if seen > deadline:
-            raise TimeoutError(f"{names} grew by {grew}, not {n}, within {DEADLINE_S:.0f} s")
-        time.sleep(every_s)  # a poll interval with a deadline, not a wait for an event
+        return (seen, grew) if sum(grew.values()) >= n else None
+    return poll(grown, DEADLINE_S, f"{names} to grow by {n}", every_s=every_s)
 
 
 def write_behind(a: Host, docs: Docs, chunks: int, per_call: int) -> dict[str, Any]:
@@ -357,11 +351,10 @@ def share(a: Host, b: Host, docs: Docs, k: int) -> tuple[np.ndarray, list[Any]]:
     for part in parts:
         assert a.api.store_pre_computed(a.inst, part).wait(timeout=DEADLINE_S).ok
     prompt = np.concatenate(parts)
-    deadline = time.perf_counter() + DEADLINE_S
-    while len(matches := b.api.lookup(prompt, model_name=MODEL).matches) < k:
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"{len(matches)} of {k} chunks found on B")
-        time.sleep(PROMOTE_POLL_S)  # a poll interval with a deadline, not a wait for an event
+    def found() -> list[Any] | None:
+        matches = b.api.lookup(prompt, model_name=MODEL).matches
+        return matches if len(matches) >= k else None
+    matches = poll(found, DEADLINE_S, f"{k} chunks found on B", every_s=PROMOTE_POLL_S)
     assert [m.location for m in matches] == ["remote"] * k, matches
     return prompt, matches
 

@@ -27,7 +27,6 @@ import glob
 import os
 import sys
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 from kvblend.shm.names import Names
 from kvblend.shm.private import SHM_DIR
 from tests.churn import Churn, Schedule, Sizes, SoakFailure
-from tests.conftest import remove_prefix
+from tests.harness import PollTimeout, ServiceExited, remove_prefix, unique_prefix
 
 # sparser than CI's (about 50 documents a second on 2 cores): a data plane lives for about 5
 # minutes, the API and the supervisor for about 20, the store is cleared every minute or so
@@ -217,7 +216,7 @@ def run(args: argparse.Namespace, prefix: str) -> int:
             churn.checkpoint()
             mem.sample(churn.service.proc.pid)
             errors = churn.service.errors()
-    except SoakFailure as exc:
+    except (SoakFailure, ServiceExited, PollTimeout) as exc:
         failure = str(exc)
         errors = []
     c = churn.counts
@@ -246,7 +245,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvblend-soak"),
                         help="where the service's log goes")
     args = parser.parse_args()
-    prefix = f"kvbsoak_{uuid.uuid4().hex[:10]}"
+    prefix = unique_prefix("kvbsoak")
     try:
         return run(args, prefix)
     finally:

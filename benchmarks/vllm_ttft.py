@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from blend_ttft import start_service  # noqa: E402
 from kvblend.dataplane.client import BlendClient  # noqa: E402
 from kvblend.shm.names import destroy  # noqa: E402
+from tests.harness import poll  # noqa: E402
 
 DOC, CONTINUATION, PREAMBLE, SEPARATOR, SYSTEM = 256, 128, 5, 7, 300
 SHAPES = ("boundaries", "preamble", "separators", "system")
@@ -147,11 +148,8 @@ def store(llm: Any, url: str, model: Path, docs: list[list[int]]) -> None:
     with BlendClient(url) as client:
         for d in docs:
             ttft(llm, d)
-            deadline = time.monotonic() + 60
-            while not client.lookup(d, str(model)).matches:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("a document was not stored within 60 s")
-                time.sleep(0.01)  # a poll interval with a deadline
+            poll(lambda: client.lookup(d, str(model)).matches, 60, "a document to be stored",
+                 every_s=0.01)
 
 
 def closed_ci(naive: np.ndarray, full: np.ndarray, mode: np.ndarray, seed: int = 0
@@ -172,7 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     by_shape, docs = prompts(ids, args.docs, args.prompts)
     res: dict[str, Any] = {"ttft": {}, "nll": {}, "loaded": {}}
     prefix = f"kvvllm_{os.getpid()}"
-    proc, url = start_service(prefix, "cpu", 1024)
+    svc = start_service(prefix, "cpu", 1024)
+    url = svc.url
     try:
         llm = engine(model, url, MODES["prefix"])
         store(llm, url, model, docs)
@@ -189,8 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"NLL {np.mean(res['nll'][mode, shape]):.4f}", flush=True)
             close(llm)
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        svc.stop(120)
         destroy(prefix)
     return res
 

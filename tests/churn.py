@@ -40,15 +40,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import numpy as np
 import torch
 
@@ -57,12 +54,9 @@ from kvblend.dataplane.errors import DataPlaneUnavailable
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.store import ChunkKey, Store, StoreStats
-from tests.test_e2e import free_port, kvblend_argv
+from tests.harness import START_DEADLINE, PollTimeout, Service, poll
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256
-START_DEADLINE = 120.0
-STOP_DEADLINE = 90.0
 CALL_TIMEOUT = 120.0
 T = TypeVar("T")
 
@@ -203,48 +197,14 @@ def _check_pages(st: StoreStats) -> list[str]:
 # -- the service --------------------------------------------------------------------------------
 
 
-def poll(check: Callable[[], T], deadline_s: float, what: str) -> T:
-    """Call ``check`` until it returns something truthy; ``SoakFailure`` after ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SoakFailure(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.05)  # a poll interval with a deadline, not a wait for an event
-
-
-class Service:
-    """One ``kvblend serve --backend cpu`` on ``prefix`` and ``port``; its stderr goes to ``log``
-    (appended: a restarted service writes on)."""
+class ChurnService(Service):
+    """One ``kvblend serve --backend cpu`` on ``prefix`` (and ``port``, to start again where one
+    stopped) sized by ``sizes``; its stderr goes to ``log`` (appended: a restarted service writes
+    on)."""
 
     def __init__(self, prefix: str, log: Path, sizes: Sizes, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-        env["NUMBA_CACHE_DIR"] = os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba"))
-        with log.open("ab") as err:
-            self.proc = subprocess.Popen(
-                [*kvblend_argv(), "serve", "--backend", "cpu", "--port", str(self.port),
-                 "--shm-prefix", prefix, *sizes.argv(), "--log-level", "info"],
-                env=env, stdout=subprocess.DEVNULL, stderr=err)
-        self.http = httpx.Client(base_url=self.url, timeout=30.0)
-        try:
-            poll(self._ready, START_DEADLINE, "/readyz")
-        except BaseException:
-            self.kill()
-            raise
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise SoakFailure(f"kvblend serve exited with code {self.proc.returncode}: "
-                              f"{self.log.read_text(errors='replace')[-2000:]}")
-        try:
-            return self.http.get("/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
+        super().__init__(prefix, "--backend", "cpu", *sizes.argv(), "--log-level", "info",
+                         port=port, defaults=(), log=log, http_timeout_s=30.0)
 
     def status(self) -> dict[str, Any]:
         r = self.http.get("/v1/status")
@@ -252,34 +212,13 @@ class Service:
             raise SoakFailure(f"GET /v1/status: {r.status_code} {r.text}")
         return dict(r.json())
 
-    def dataplane_pid(self) -> int:
-        return int(poll(lambda: self.status()["dataplane"]["pid"], START_DEADLINE, "its pid"))
-
-    def wait_dataplane_after(self, old_pid: int) -> None:
-        """Until the supervisor's new data plane answers."""
-        def back() -> bool:
-            d = self.status()["dataplane"]
-            return bool(d["alive"] and d["pid"] not in (None, old_pid))
-        poll(back, START_DEADLINE, "the data plane's restart")
-
-    def stop(self) -> int:
-        """SIGTERM and wait for the exit code (SIGKILL past the deadline)."""
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_DEADLINE)
-        except subprocess.TimeoutExpired:
-            return self.kill()
-
-    def kill(self) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        return self.proc.wait()
+    def live_dataplane_pid(self) -> int:
+        """The live data plane's pid, once there is one."""
+        return poll(self.dataplane_pid, START_DEADLINE, "its pid")
 
     def errors(self) -> list[str]:
         """ERROR lines and tracebacks the service logged."""
+        assert self.log is not None, "started with a log"
         return [line for line in self.log.read_text(errors="replace").splitlines()
                 if " ERROR " in line or line.startswith("Traceback")]
 
@@ -348,7 +287,7 @@ class Churn:
         self._sample = random.Random(seed + 1)  # the checkpoints' own: the schedule ignores them
         self.counts = Counts()
         self.docs = Documents()
-        self.service: Service | None = None
+        self.service: ChurnService | None = None
         self.engine: Engine | None = None
         self._store: Store | None = None
         self._fps: FingerprintIndex | None = None
@@ -361,7 +300,7 @@ class Churn:
     # -- life cycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.service = Service(self.prefix, self.log, self.sizes)
+        self.service = ChurnService(self.prefix, self.log, self.sizes)
         self.engine = Engine(self.service.url, self.sizes, self.schedule.live_models)
         self._attach()
         self._evictions0 = self.store.stats().evictions
@@ -416,7 +355,7 @@ class Churn:
         assert self._fps is not None, "start() the churn first"
         return self._fps
 
-    def _svc(self) -> Service:
+    def _svc(self) -> ChurnService:
         assert self.service is not None, "start() the churn first"
         return self.service
 
@@ -476,12 +415,12 @@ class Churn:
 
     def _event_kill(self) -> None:
         self.counts.kills += 1
-        pid = self._svc().dataplane_pid()
+        pid = self._svc().live_dataplane_pid()
         if self.counts.kills % 2 == 0 and self.docs.model:
             self._kill_in_flight(pid)
         else:
             os.kill(pid, signal.SIGKILL)
-        self._svc().wait_dataplane_after(pid)
+        self._svc().dataplane_after(pid)
         self.checkpoint()
 
     def _kill_in_flight(self, pid: int) -> None:
@@ -496,7 +435,7 @@ class Churn:
             self._check_store(doc, transfer.wait(CALL_TIMEOUT))
         except DataPlaneUnavailable:
             self.counts.interrupted += 1
-            self._svc().wait_dataplane_after(pid)
+            self._svc().dataplane_after(pid)
             self.store_document(doc)
 
     def _event_restart(self) -> None:
@@ -504,7 +443,7 @@ class Churn:
         rc = svc.stop()
         if rc != 0:
             raise SoakFailure(f"kvblend serve exited with {rc} after SIGTERM")
-        self.service = Service(self.prefix, self.log, self.sizes, port=svc.port)
+        self.service = ChurnService(self.prefix, self.log, self.sizes, port=svc.port)
         self._attach()
         self.counts.restarts += 1
         self.checkpoint()
@@ -533,15 +472,21 @@ class Churn:
     def _with_retry(self, call: Callable[[], T]) -> T:
         """``call()``, sent again while it fails with ``DataPlaneUnavailable`` (the data plane
         restarting), for at most ``START_DEADLINE`` seconds."""
-        deadline = time.monotonic() + START_DEADLINE
-        while True:
+        failures: list[DataPlaneUnavailable] = []
+
+        def attempt() -> tuple[T] | None:
             try:
-                return call()
+                return (call(),)  # in a tuple: truthy whatever the call returns
             except DataPlaneUnavailable as exc:
-                if time.monotonic() > deadline:
-                    raise SoakFailure(f"the data plane stayed away: {exc}") from exc
-                self.counts.retries += 1
-                time.sleep(0.05)  # a poll interval with a deadline
+                failures.append(exc)
+                return None
+        try:
+            (result,) = poll(attempt, START_DEADLINE, "the data plane to take the call",
+                             every_s=0.05)
+        except PollTimeout as exc:
+            raise SoakFailure(f"the data plane stayed away: {failures[-1]}") from exc
+        self.counts.retries += len(failures)
+        return result
 
     def _check_store(self, doc: int, res: TransferResult) -> None:
         n = len(doc_tokens(self.seed, doc, self.sizes.max_chunks)) // CHUNK
@@ -606,7 +551,7 @@ class Churn:
             return st.num_reserved == 0 and st.num_pinned == 0
         try:
             poll(quiet, START_DEADLINE, "no reservation and no pin")
-        except SoakFailure as exc:
+        except PollTimeout as exc:
             problems.append(f"{exc}: {self.store.stats()}")
 
     def _hashes(self, doc: int) -> tuple[np.ndarray, list[bytes]]:
@@ -679,4 +624,4 @@ class Churn:
         return problems
 
 
-__all__ = ["CHUNK", "Churn", "Counts", "Schedule", "Service", "Sizes", "SoakFailure"]
+__all__ = ["CHUNK", "Churn", "ChurnService", "Counts", "Schedule", "Sizes", "SoakFailure"]

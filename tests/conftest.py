@@ -1,15 +1,14 @@
-"""Shared fixtures: every test gets its own shared-memory prefix, removed afterwards."""
+"""Shared fixtures: every test gets its own shared-memory prefix, removed afterwards, and the
+services it starts on it (``tests/harness.py`` owns how a service starts and stops)."""
 
 from __future__ import annotations
 
-import glob
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.harness import Services, remove_prefix, unique_prefix
 from tests.squat import Squatter
 
 
@@ -30,21 +29,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def remove_prefix(prefix: str) -> None:
-    """Unlink every name under ``prefix`` in /dev/shm, whoever owns it: segments, lock files,
-    sockets, and the foreign names and symlinks tests plant (the prefix is the test's own)."""
-    for path in glob.glob(f"/dev/shm/{prefix}*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+@pytest.fixture
+def shm_prefix() -> Iterator[str]:
+    prefix = unique_prefix()
+    yield prefix
+    remove_prefix(prefix)
 
 
 @pytest.fixture
-def shm_prefix() -> Iterator[str]:
-    prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
-    yield prefix
-    remove_prefix(prefix)
+def services(shm_prefix: str) -> Iterator[Services]:
+    """``services.start(*flags, **options)``: a ``kvblend serve`` on the test's prefix. Every one
+    still running is stopped afterwards (SIGTERM, a bounded wait, SIGKILL); then ``shm_prefix``
+    removes the prefix."""
+    started = Services(shm_prefix)
+    yield started
+    started.stop_all()
 
 
 @pytest.fixture

@@ -55,7 +55,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +62,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import httpx
 import numpy as np
 import torch
 
@@ -75,11 +73,10 @@ from kvblend.shm.matches import Match
 from kvblend.shm.names import Names, destroy
 from kvblend.shm.private import SHM_DIR
 from kvblend.shm.store import ChunkKey, Store
-from tests.test_e2e import free_port, kvblend_argv
+from tests.harness import PollTimeout, Service, free_port, poll
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64
 LAYERS, HIDDEN = 1, 16                # a chunk is 4 KiB of KV: 29,000 fit in 128 MiB
 BUFFER_TOKENS = 8192
@@ -132,15 +129,12 @@ def doc_hashes(seed: int, doc: int) -> list[bytes]:
 
 
 def within(check: Callable[[], T | None], deadline_s: float) -> T | None:
-    """``check()``'s first truthy value, polled every POLL_S; None after ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(POLL_S)  # a poll interval with a deadline, not a wait for an event
+    """``check()``'s first truthy value, polled every POLL_S (the resolution of kill-to-ready);
+    None after ``deadline_s``: a trial counts that, it does not stop."""
+    try:
+        return poll(check, deadline_s, "a trial's condition", every_s=POLL_S)
+    except PollTimeout:
+        return None
 
 
 def _proc_pids() -> Iterator[int]:
@@ -199,37 +193,12 @@ def load_average() -> str:
 # -- the service -------------------------------------------------------------------------------
 
 
-class Service:
-    """One ``kvblend serve`` on ``prefix`` and ``port``; its stderr is appended to ``log``."""
+class TrialService(Service):
+    """One ``kvblend serve`` on ``prefix`` and ``port``, returned at once (a trial times how soon
+    it is ready); its stderr is appended to ``log``."""
 
     def __init__(self, prefix: str, port: int, log: Path) -> None:
-        self.prefix, self.port = prefix, port
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-        env["NUMBA_CACHE_DIR"] = os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba"))
-        with log.open("ab") as err:
-            self.proc = subprocess.Popen(
-                [*kvblend_argv(), "serve", "--port", str(port), "--shm-prefix", prefix,
-                 *SERVE_FLAGS], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=10.0)
-
-    @property
-    def exited(self) -> bool:
-        return self.proc.poll() is not None
-
-    def ready(self) -> bool:
-        try:
-            return self.http.get("/readyz", timeout=2.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def dataplane_pid(self) -> int | None:
-        try:
-            r = self.http.get("/v1/status")
-        except httpx.TransportError:
-            return None
-        dp = r.json()["dataplane"] if r.status_code == 200 else {}
-        return int(dp["pid"]) if dp.get("alive") and dp.get("pid") else None
+        super().__init__(prefix, port=port, defaults=SERVE_FLAGS, log=log, wait=False)
 
     def api_pid(self) -> int | None:
         """The API process: the supervisor's child that runs uvicorn."""
@@ -237,17 +206,6 @@ class Service:
             if b"uvicorn" in _read(f"/proc/{p}/cmdline"):
                 return p
         return None
-
-    def stop(self) -> int:
-        """SIGTERM and the exit code (SIGKILL past the deadline: then -9)."""
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(START_DEADLINE)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -570,7 +528,7 @@ class FaultTrials:
         self.sample_rng = random.Random(seed + 1)       # earlier documents re-checked
         self.port = free_port()
         self.out = out or (lambda line: None)
-        self.service: Service | None = None
+        self.service: TrialService | None = None
         self.engine: Engine | None = None
         self.store: Store | None = None
         self._checked = 0  # documents [0, _checked) of engine.acked checked after a trial
@@ -601,7 +559,7 @@ class FaultTrials:
     # -- start and finish ---------------------------------------------------------------------
 
     def _start(self) -> None:
-        self.service = svc = Service(self.prefix, self.port, self.log)
+        self.service = svc = TrialService(self.prefix, self.port, self.log)
         if within(lambda: svc.exited or svc.ready(), START_DEADLINE) is None or svc.exited:
             raise TrialError(f"kvblend serve did not start: see {self.log}")
         self.store = Store.open(self.prefix)
@@ -656,7 +614,7 @@ class FaultTrials:
         for pid in processes_of(self.prefix):
             _kill(pid)
 
-    def _parts(self) -> tuple[Service, Engine, Store]:
+    def _parts(self) -> tuple[TrialService, Engine, Store]:
         assert self.service and self.engine and self.store, "run() starts them first"
         return self.service, self.engine, self.store
 
@@ -692,7 +650,7 @@ class FaultTrials:
             trial.check = self._check(self._to_check(full=kind == "supervisor"))
         return trial
 
-    def _target(self, kind: str, svc: Service) -> int:
+    def _target(self, kind: str, svc: TrialService) -> int:
         """The pid a trial of ``kind`` kills."""
         if kind == "supervisor":
             return svc.proc.pid
@@ -701,7 +659,7 @@ class FaultTrials:
             raise TrialError(f"no {kind} process to kill")
         return pid
 
-    def _restarted(self, svc: Service, kind: str, pid: int, t_kill: float, trial: Trial) -> None:
+    def _restarted(self, svc: TrialService, kind: str, pid: int, t_kill: float, trial: Trial) -> None:
         """Until the supervisor's new data plane (or API) serves: ``trial.ready_s``."""
         def back() -> bool:
             if svc.exited:
@@ -713,7 +671,7 @@ class FaultTrials:
         if within(back, START_DEADLINE) and not svc.exited:
             trial.ready_s = time.monotonic() - t_kill
 
-    def _new_service(self, svc: Service, children: list[int], t_kill: float,
+    def _new_service(self, svc: TrialService, children: list[int], t_kill: float,
                      trial: Trial) -> None:
         """After the supervisor's SIGKILL: its children gone (``trial.exit_s``; those left are
         counted and killed), then a new ``kvblend serve`` on the prefix and port
@@ -727,7 +685,7 @@ class FaultTrials:
         for pid in left:  # so that the new service can start
             _kill(pid)
         within(lambda: not any(pid_alive(p) for p in left), CHILD_EXIT_DEADLINE)
-        self.service = new = Service(self.prefix, self.port, self.log)
+        self.service = new = TrialService(self.prefix, self.port, self.log)
         if within(lambda: new.exited or new.ready(), START_DEADLINE) and not new.exited:
             trial.ready_s = time.monotonic() - t_kill
             old, self.store = self.store, None

@@ -12,108 +12,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.shm.lock import pid_alive
+from tests.harness import Service, Services
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 256
 L, T, D = 2, 4096, 64
 MODEL = "e2e-model"
-START_DEADLINE = 120.0
-STOP_DEADLINE = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kvblend_argv() -> list[str]:
-    script = Path(sys.executable).with_name("kvblend")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvblend.api.cli"]
-
-
-def poll(check: Callable[[], Any], deadline_s: float, what: str) -> Any:
-    """Call ``check`` until it returns something truthy; fail after ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.05)  # a poll interval with a deadline, not a wait for an event
-
-
-class Service:
-    """One ``kvblend serve`` subprocess."""
-
-    def __init__(self, prefix: str, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "NUMBA_CACHE_DIR": os.environ.get(
-            "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba")),
-            **(env or {})}
-        self.proc = subprocess.Popen(
-            [*kvblend_argv(), "serve", "--backend", "cpu", "--port", str(self.port),
-             "--shm-prefix", prefix, "--storage-mb", "64", "--fingerprint-capacity", "65536",
-             "--log-level", "warning", *flags], env=env)
-        self.http = httpx.Client(base_url=self.url, timeout=10.0)
-        poll(self._ready, START_DEADLINE, "/readyz")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"kvblend serve exited with code {self.proc.returncode}")
-        try:
-            return self.http.get("/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def status(self) -> dict[str, Any]:
-        r = self.http.get("/v1/status")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def metrics(self) -> dict[str, float]:
-        text = self.http.get("/metrics").text
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if not s.labels}
-
-    def stop(self) -> int:
-        """SIGTERM and wait for the exit code."""
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_DEADLINE)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail("kvblend serve did not exit after SIGTERM")
-
-
-@pytest.fixture
-def services(shm_prefix: str) -> Iterator[list[Service]]:
-    started: list[Service] = []
-    yield started
-    for svc in started:
-        if svc.proc.poll() is None:
-            svc.proc.kill()
-            svc.proc.wait()
 
 
 def documents() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -170,9 +83,8 @@ def check_paged(svc: Service, client: BlendClient, prompt: np.ndarray, matches: 
     client.unregister(inst)
 
 
-def test_service_end_to_end(shm_prefix: str, services: list[Service]) -> None:
-    svc = Service(shm_prefix)
-    services.append(svc)
+def test_service_end_to_end(services: Services) -> None:
+    svc = services.start()
     doc_a, doc_b, prompt = documents()
     a_at = 37 + len(doc_b) + 50
 
@@ -227,8 +139,7 @@ def test_service_end_to_end(shm_prefix: str, services: list[Service]) -> None:
     # the data plane dies; the supervisor restarts it; the cache and the instance survive
     old_pid = status["dataplane"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
-    restarted = poll(lambda: (lambda d: d if d["alive"] and d["pid"] != old_pid else None)(
-        svc.status()["dataplane"]), START_DEADLINE, "the data plane's restart")
+    restarted = svc.dataplane_after(old_pid)
     assert restarted["restarts"] == 1
     assert svc.metrics()["kvblend_dataplane_restarts_total"] == 1
     res2 = client.lookup(prompt, model_name=MODEL)
@@ -245,8 +156,7 @@ def test_service_end_to_end(shm_prefix: str, services: list[Service]) -> None:
     assert svc.stop() == 0
     assert not pid_alive(new_pid)
 
-    svc2 = Service(shm_prefix)
-    services.append(svc2)
+    svc2 = services.start()  # the same prefix
     status = svc2.status()
     assert status["storage"]["num_chunks"] == 10 and status["dataplane"]["restarts"] == 1
     after = lookup_binary(svc2, prompt)

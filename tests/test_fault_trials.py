@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.faults import KINDS, FaultTrials
+
+pytestmark = pytest.mark.slow
 
 SEED = 20261203
 PLAN = {"dataplane": 5, "api": 2, "supervisor": 2}

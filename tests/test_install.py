@@ -8,13 +8,14 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.harness import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torch-index.sh"
 
@@ -44,9 +45,7 @@ def index() -> Iterator[str]:
 
 
 def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/whl/cpu"
+    return f"http://127.0.0.1:{free_port()}/whl/cpu"
 
 
 def run(url: str, *args: str, gpu: bool, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -64,17 +63,20 @@ def run(url: str, *args: str, gpu: bool, tmp_path: Path) -> subprocess.Completed
                           env={**os.environ, "PATH": os.pathsep.join(path)}, timeout=60)
 
 
+@pytest.mark.slow
 def test_no_gpu_and_the_cpu_index_answers(index: str, tmp_path: Path) -> None:
     out = run(index, gpu=False, tmp_path=tmp_path)
     assert (out.stdout, out.stderr) == ("cpu\n", "")
 
 
+@pytest.mark.slow
 def test_no_gpu_and_no_cpu_index(tmp_path: Path) -> None:
     url = closed_port()
     out = run(url, gpu=False, tmp_path=tmp_path)
     assert out.stdout == "default\n" and out.stderr == f"{url} unreachable: torch from the default index\n"
 
 
+@pytest.mark.slow
 def test_a_gpu_keeps_the_default_index_unless_any_machine(index: str, tmp_path: Path) -> None:
     assert run(index, gpu=True, tmp_path=tmp_path).stdout == "default\n"
     assert run(index, "any", gpu=True, tmp_path=tmp_path).stdout == "cpu\n"

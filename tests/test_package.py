@@ -41,6 +41,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return found
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_only_kvblend(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names}
@@ -72,6 +73,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_the_old_names_import_the_new_modules_with_a_warning(wheel: Path, tmp_path: Path
                                                              ) -> None:
     target = tmp_path / "site"
@@ -90,6 +92,7 @@ def test_the_old_names_import_the_new_modules_with_a_warning(wheel: Path, tmp_pa
     assert got["aliases"] == []
 
 
+@pytest.mark.slow
 def test_without_the_hook_the_old_names_are_gone(tmp_path: Path) -> None:
     """A source checkout's folders are not importable under the old names by accident: the
     hook is what makes them work (a test run from the repository root would otherwise pass)."""

@@ -43,11 +43,9 @@ import json
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +55,7 @@ import httpx
 import pytest
 
 from kvblend.shm.names import destroy
-from tests.conftest import remove_prefix
-from tests.test_e2e import START_DEADLINE, STOP_DEADLINE, free_port, kvblend_argv, poll
+from tests.harness import Service, remove_prefix, serve_env, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -192,47 +189,22 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                         " by tests' >&2\nexit 1\n")
         stub.chmod(0o755)
     venv_bin = str(Path(sys.executable).parent)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
+    env = serve_env()
     env.update(PATH=os.pathsep.join([str(guard), venv_bin, env.get("PATH", "")]),
-               CURL_HOME=str(home),
-               NUMBA_CACHE_DIR=env.get("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba")))
-    prefix, port = f"kvbt_{uuid.uuid4().hex[:10]}", free_port()
-    log_path = home / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [*kvblend_argv(), "serve", "--backend", "cpu", "--port", str(port), "--shm-prefix",
-             prefix, "--storage-mb", "64", "--fingerprint-capacity", "65536", "--log-level",
-             "warning"], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"kvblend serve exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
+               CURL_HOME=str(home))
+    prefix, log_path = unique_prefix(), home / "serve.log"
     try:
-        poll(ready, START_DEADLINE, "/readyz")
-        yield Live(url, f"127.0.0.1:{port}", prefix, env)
+        svc = Service(prefix, env=env, log=log_path)
+        try:
+            yield Live(svc.url, f"127.0.0.1:{svc.port}", prefix, env)
+        finally:
+            rc = svc.stop()
     finally:
-        rc = stop(proc)
         try:
             destroy(prefix)
         finally:
             remove_prefix(prefix)  # what a failed block left: engine buffers under the prefix
     assert rc == 0, f"kvblend serve exited with {rc} after SIGTERM:\n{log_path.read_text()}"
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(STOP_DEADLINE)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
 
 
 # ----------------------------------------------------------------------------- the blocks
@@ -335,6 +307,7 @@ def run_shell(block: Block, live: Live) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_examples_run(live: Live, tmp_path: Path) -> None:
     session: Session | None = None
     try:
@@ -357,6 +330,7 @@ def test_the_examples_run(live: Live, tmp_path: Path) -> None:
     assert session is not None and session.stderr() == "", session and session.stderr()
 
 
+@pytest.mark.slow
 def test_commands_that_change_the_machine_fail(live: Live) -> None:
     for command in ("pip --version", "make --version", "docker --version"):
         done = subprocess.run(["bash", "-c", command], env=live.env, capture_output=True,
@@ -449,6 +423,7 @@ def fits(claimed: Any, actual: Any) -> bool:
 # ----------------------------------------------------------------------------- the error sample
 
 
+@pytest.mark.slow
 def test_the_error_sample_is_what_the_service_answers(live: Live) -> None:
     """README's problem+json sample, titles included (``api.errors.TITLES``): an invalid token id
     in README's own lookup."""

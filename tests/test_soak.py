@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.churn import Churn, Schedule, Sizes
+
+pytestmark = pytest.mark.slow
 
 SEED = 20261204
 SIZES = Sizes()

@@ -9,7 +9,6 @@ plane's ``_bind`` gets the same treatment for the socket path. As root, a second
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from kvblend.shm.names import Names
 from kvblend.shm.private import open_private
 from kvblend.shm.store import Store
 
+from .harness import free_port, serve_env
 from .shm.storeutil import SMALL
 from .squat import OtherUser, Squatter, foreign_uid, needs_root, other_user, snapshot
 
@@ -41,16 +41,9 @@ def outside(tmp_path: Path) -> Path:
     return target
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def serve(prefix: str) -> subprocess.CompletedProcess[str]:
     """``kvblend serve`` on ``prefix`` with a tiny CPU store, run until it exits by itself."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-    env.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba"))
+    env = serve_env()
     argv = [sys.executable, "-m", "kvblend.api.cli", "serve", "--storage-mb", "8", "--page-mb", "1",
             "--min-slot-kb", "4", "--backend", "cpu", "--shm-prefix", prefix,
             "--port", str(free_port()), "--fingerprint-capacity", "1024"]
@@ -78,6 +71,7 @@ def assert_refused(result: subprocess.CompletedProcess[str], path: str) -> None:
 # -- the same uid planted a name ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix, how", [("_meta", "symlink"), ("_serve.lock", "mode 0666"),
                                          ("_dataplane.sock", "file"), ("_events", "mode 0666")])
 def test_serve_refuses_a_planted_name(squat: Squatter, outside: Path, suffix: str,
@@ -146,6 +140,7 @@ def stranger() -> OtherUser:
     return other_user()
 
 
+@pytest.mark.slow
 def test_another_user_cannot_open_or_remove_any_name(shm_prefix: str,
                                                      stranger: OtherUser) -> None:
     with Store.open(shm_prefix, SMALL), FingerprintIndex.open(shm_prefix, 16, 64), \
@@ -171,6 +166,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix, how", [("_serve.lock", "0600"), ("_meta", "symlink"),
                                          ("_slab", "0666"), ("_dataplane.sock", "socket")])
 def test_serve_refuses_a_name_another_user_planted(squat: Squatter, stranger: OtherUser,

@@ -7,87 +7,79 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 
+from tests.harness import START_DEADLINE, STOP_DEADLINE, Service, Services, poll
 from tests.stderr_lines import collect_stderr
-from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
+
+pytestmark = pytest.mark.slow
 
 SMALL = ["--backend", "cpu", "--storage-mb", "8", "--page-mb", "1", "--min-slot-kb", "4",
          "--fingerprint-capacity", "4096", "--log-level", "info"]
 
 
-class Serve:
-    """A ``kvblend serve`` whose stderr lines are collected as they come."""
+class Serve(Service):
+    """A ``kvblend serve`` with a small store whose stderr lines are collected as they come;
+    returned at once, since some are meant to exit by themselves."""
 
     def __init__(self, prefix: str, *extra: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        env = {**os.environ, "NUMBA_CACHE_DIR": os.environ.get(
-            "NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "numba"))}
-        self.proc = subprocess.Popen(
-            [*kvblend_argv(), "serve", "--port", str(self.port), "--shm-prefix", prefix, *SMALL,
-             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines, self._reader = collect_stderr(self.proc)
+        super().__init__(prefix, *extra, port=port, defaults=SMALL, wait=False)
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        self.lines, self._reader = collect_stderr(proc)
+        return proc
 
     def errors(self) -> list[str]:
         return [line for line in self.lines if " ERROR " in line]
 
-    def ready(self) -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def status(self) -> dict:
-        return dict(httpx.get(f"http://127.0.0.1:{self.port}/v1/status", timeout=10).json())
-
     def wait(self) -> int:
+        """The exit code of a service that ends by itself (or was signalled); every line read."""
         rc = self.proc.wait(START_DEADLINE)
+        self._done()
+        return rc
+
+    def stop(self, deadline_s: float = STOP_DEADLINE) -> int:
+        rc = super().stop(deadline_s)
+        self._done()
+        return rc
+
+    def _done(self) -> None:
+        self.http.close()
         self._reader.join(30)
         assert self.proc.stderr is not None
         self.proc.stderr.close()
-        return rc
 
 
-@pytest.fixture
-def serves() -> Iterator[list[Serve]]:
-    started: list[Serve] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-            s.wait()
-
-
-def test_a_taken_port_ends_serve_with_one_line(shm_prefix: str, serves: list[Serve]) -> None:
+def test_a_taken_port_ends_serve_with_one_line(services: Services) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
-        serves.append(svc := Serve(shm_prefix, port=holder.getsockname()[1]))
+        svc = services.add(Serve(services.prefix, port=holder.getsockname()[1]))
         assert svc.wait() == 1  # before: the API restarted forever
     (line,) = svc.errors()
     assert f":{svc.port}" in line and "--port" in line
 
 
-def test_a_child_that_never_starts_ends_serve(shm_prefix: str, serves: list[Serve]) -> None:
-    socket_path = f"/dev/shm/{shm_prefix}_no_such_dir/dataplane.sock"
-    serves.append(svc := Serve(shm_prefix, "--dataplane-socket", socket_path))
+def test_a_child_that_never_starts_ends_serve(services: Services) -> None:
+    socket_path = f"/dev/shm/{services.prefix}_no_such_dir/dataplane.sock"
+    svc = services.add(Serve(services.prefix, "--dataplane-socket", socket_path))
     assert svc.wait() == 1
     (line,) = svc.errors()
     assert "dataplane failed at start-up" in line and "No such file" in line
 
 
-def test_a_crash_after_a_good_start_comes_back_at_once(shm_prefix: str,
-                                                       serves: list[Serve]) -> None:
-    serves.append(svc := Serve(shm_prefix))
+def test_a_crash_after_a_good_start_comes_back_at_once(services: Services) -> None:
+    svc = services.add(Serve(services.prefix))
     poll(svc.ready, START_DEADLINE, "/readyz")
     for kill in range(1, 4):  # before: 0.5, 1 and 2 s of backoff, growing to 15 s
         pid = poll(lambda: svc.status()["dataplane"]["pid"], START_DEADLINE, "its pid")
         os.kill(pid, signal.SIGKILL)
-        poll(lambda: svc.ready() and svc.status()["dataplane"]["pid"] != pid, START_DEADLINE,
+        # a new data plane alive: a dead one's status has no pid, which differs from ``pid`` too
+        poll(lambda: svc.ready() and svc.dataplane_pid() not in (None, pid), START_DEADLINE,
              "the data plane's restart")
         assert svc.status()["dataplane"]["restarts"] == kill
     restarts = [line for line in svc.lines if "dataplane exited" in line]

@@ -16,29 +16,21 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from kvblend.dataplane.client import BlendClient
-from tests.conftest import remove_prefix
-from tests.test_e2e import free_port, kvblend_argv, poll
+from tests.harness import Service, remove_prefix, unique_prefix
 
 TOKEN = "fuzz-api-token"
 ADMIN = "fuzz-admin-token"
-START_DEADLINE = 120.0
-STOP_DEADLINE = 90.0
-ROOT = Path(__file__).resolve().parents[2]
 
 # What a schema cannot say: whether an shm buffer by that name exists and belongs to the caller,
 # or whether a CUDA buffer fits a CPU data plane (registerInstance); that a binary body holds
@@ -71,61 +63,20 @@ def config(token: str | None, seed: int | None = None) -> str:
     return head + RULES + auth
 
 
-class Service:
-    """One ``kvblend serve`` subprocess on ``prefix``; its stderr (every log line of the
-    supervisor, the data plane and the API) goes to ``log``.
+def fuzz_service(prefix: str, log: Path, token: str | None = None,
+                 admin: str | None = None) -> Service:
+    """One ``kvblend serve`` on ``prefix``, ready; its stderr (every log line of the supervisor,
+    the data plane and the API) goes to ``log``, emptied first (``logged_errors`` reads it whole).
 
     Args:
-        prefix: the shm prefix (the test's own).
+        prefix: the shm prefix (the caller's own).
         log: file that receives the service's stderr.
         token: the API token, or None for an open service.
         admin: the admin token, or None.
     """
-
-    def __init__(self, prefix: str, log: Path, token: str | None = None,
-                 admin: str | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.token, self.log = token, log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-        env["NUMBA_CACHE_DIR"] = os.environ.get("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba"))
-        for name, value in (("KVBLEND_API_TOKEN", token), ("KVBLEND_ADMIN_TOKEN", admin)):
-            if value is not None:
-                env[name] = value  # off the command line, as the README advises
-        with log.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [*kvblend_argv(), "serve", "--backend", "cpu", "--port", str(self.port),
-                 "--shm-prefix", prefix, "--storage-mb", "64", "--fingerprint-capacity", "65536",
-                 "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=self.url, timeout=10.0, headers=headers)
-        try:
-            poll(self._ready, START_DEADLINE, "/readyz")
-        except BaseException:
-            self.proc.kill()
-            self.proc.wait()
-            self.http.close()
-            raise
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kvblend serve exited with code {self.proc.returncode}: "
-                               f"{self.log.read_text()[-2000:]}")
-        try:
-            return self.http.get("/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def stop(self) -> int:
-        """SIGTERM and wait for the exit code (SIGKILL past the deadline)."""
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_DEADLINE)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+    log.write_bytes(b"")
+    return Service(prefix, log=log, token=token,
+                   env={"KVBLEND_ADMIN_TOKEN": admin} if admin is not None else None)
 
 
 @contextmanager
@@ -226,10 +177,10 @@ def main() -> int:
     args = parser.parse_args()
     failed = False
     for name, token, admin in (("open", None, None), ("token", TOKEN, ADMIN)):
-        prefix = f"kvbfz_{uuid.uuid4().hex[:10]}"
+        prefix = unique_prefix("kvbfz")
         workdir = args.workdir / name
         workdir.mkdir(parents=True, exist_ok=True)
-        service = Service(prefix, workdir / "serve.log", token, admin)
+        service = fuzz_service(prefix, workdir / "serve.log", token, admin)
         try:
             with engine(service):
                 run = fuzz(service, args.max_examples, workdir, args.timeout, args.seed)

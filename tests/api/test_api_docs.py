@@ -7,22 +7,19 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
-
 import pytest
 
-from tests.test_e2e import Service
+from tests.harness import Service, Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
-                                "(apt-get install chromium); .ci/run installs it")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
+                                 "(apt-get install chromium); .ci/run installs it")]
 
 
 @pytest.fixture
-def service(shm_prefix: str) -> Iterator[Service]:
-    svc = Service(shm_prefix)
-    yield svc
-    svc.stop()
+def service(services: Services) -> Service:
+    return services.start()
 
 
 def rendered(url: str, done: re.Pattern[str]) -> str:

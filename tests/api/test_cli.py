@@ -12,7 +12,7 @@ import pytest
 
 from kvblend.api.cli import main
 from kvblend.shm.names import leftovers
-from tests.test_e2e import START_DEADLINE, kvblend_argv, poll
+from tests.harness import START_DEADLINE, kvblend_argv, poll
 from tests.test_supervisor import Serve
 
 
@@ -23,6 +23,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"kvblend {version('kvblend')}\n"
 
 
+@pytest.mark.slow
 def test_a_reader_that_left_is_no_error(shm_prefix: str) -> None:
     """``kvblend ... | head -1``: the pipe's reader is gone before anything is written. (Not
     ``--help``: argparse swallows that error itself, so it would pass without our handler.)"""
@@ -48,6 +49,7 @@ def test_a_bad_variable_is_named_not_the_flag(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().err.startswith("kvblend: --storage-mb: ")
 
 
+@pytest.mark.slow
 def test_destroy_refuses_while_serving_then_frees_the_cache(shm_prefix: str) -> None:
     svc = Serve(shm_prefix)
     try:

@@ -60,6 +60,7 @@ def mounts(service: dict[str, Any]) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_compose_file_matches_the_compose_spec() -> None:
     checker = shutil.which("check-jsonschema", path=str(Path(sys.executable).parent))
     if checker is None:
@@ -69,6 +70,7 @@ def test_the_compose_file_matches_the_compose_spec() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -55,6 +55,7 @@ def test_every_queried_metric_is_exported(client: TestClient) -> None:
     assert any(m.startswith(DATAPLANE) for m in queried)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="promtool not installed (Debian: apt-get install prometheus)")
 def test_promtool_parses_every_query(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from kvblend.api.cli import build_parser
 from kvblend.api.settings import Settings
 from kvblend.api.supervisor import Supervisor
 from tests.stderr_lines import collect_stderr
-from tests.test_e2e import START_DEADLINE, free_port, kvblend_argv, poll
+from tests.harness import START_DEADLINE, free_port, kvblend_argv, poll
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -97,6 +97,7 @@ def python_snippet(marker: str) -> str:
 # -- the Dockerfile ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hadolint_passes() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable)
                                                                               .parent))
@@ -147,6 +148,7 @@ def test_dependencies_install_from_pyproject_alone_before_the_source() -> None:
 
 
 # ids that do not say "gpu": that keyword marks tests skipped without CUDA
+@pytest.mark.slow
 @pytest.mark.parametrize("extras", ["", "gpu", "gpu,engine"], ids=["none", "cuda", "cuda+engine"])
 def test_the_dependency_list_is_pyprojects(extras: str) -> None:
     out = subprocess.run([sys.executable, "-c", python_snippet("tomllib"), extras], cwd=ROOT,
@@ -247,6 +249,7 @@ def containers() -> Iterator[list[Container]]:
         c.stop()
 
 
+@pytest.mark.slow
 def test_the_image_refuses_its_public_bind_without_a_token(shm_prefix: str, tmp_path: Path,
                                                            containers: list[Container]) -> None:
     containers.append(c := Container(shm_prefix, tmp_path))
@@ -254,6 +257,7 @@ def test_the_image_refuses_its_public_bind_without_a_token(shm_prefix: str, tmp_
     assert len(c.lines) == 1 and "--api-token" in c.lines[0] and "0.0.0.0" in c.lines[0], c.lines
 
 
+@pytest.mark.slow
 def test_the_image_serves_from_its_warm_cache_and_stops_on_sigterm(
         shm_prefix: str, image_cache: Path, containers: list[Container]) -> None:
     warmed = cache_files(image_cache)
@@ -270,6 +274,7 @@ def test_the_image_serves_from_its_warm_cache_and_stops_on_sigterm(
     assert not any("Traceback" in line or " ERROR " in line for line in c.lines), c.lines
 
 
+@pytest.mark.slow
 def test_kernels_are_compiled_before_the_service_is_ready(
         shm_prefix: str, image_cache: Path, tmp_path: Path, containers: list[Container]) -> None:
     """From an empty cache: once /readyz turns 200, everything the image's build step compiles
@@ -300,6 +305,7 @@ def _can_mount_privately() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_small_dev_shm_ends_serve_with_one_line_naming_shm_size(shm_prefix: str) -> None:
     why = _can_mount_privately()
     if why is not None:

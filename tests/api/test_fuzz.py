@@ -25,9 +25,9 @@ from kvblend.api.app import create_app
 from kvblend.dataplane.messages import TOKEN_HEX
 from tests.api.apps import ADMIN, bearer, serving
 from tests.api.conftest import TOKEN, Cache, make_settings, problem
-from tests.api.fuzzing import Service, engine, fuzz, logged_errors
+from tests.api.fuzzing import engine, fuzz, fuzz_service, logged_errors
 from tests.dataplane.conftest import CHUNK, create_store, start_dataplane
-from tests.test_e2e import poll
+from tests.harness import poll
 
 COMMITTED = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -143,6 +143,7 @@ def test_an_instance_token_longer_than_any_token_is_refused_at_the_edge(client: 
 
 # -- found by the long run -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None:
     body = {"model_name": "m", "num_layers": 2, "num_tokens": 64, "hidden_dim": 8,
             "cuda_ipc": {"handle": "A" * 86 + "==", "offset": 2**64, "device_uuid": "GPU-1"}}
@@ -151,10 +152,11 @@ def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None
 
 # -- the fuzz run --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [(None, None), (TOKEN, ADMIN)], ids=["open", "token"])
 def test_schema_fuzzing_finds_nothing(shm_prefix: str, tmp_path: Path,
                                       tokens: tuple[str | None, str | None]) -> None:
-    service = Service(shm_prefix, tmp_path / "serve.log", *tokens)
+    service = fuzz_service(shm_prefix, tmp_path / "serve.log", *tokens)
     try:
         with engine(service) as inst:
             run = fuzz(service, CI_EXAMPLES, tmp_path, CI_TIMEOUT)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,8 +16,9 @@ import torch
 
 from kvblend.dataplane.client import BlendClient
 from tests.api.test_observability import samples
-from tests.conftest import remove_prefix
-from tests.test_e2e import Service
+from tests.harness import Service, remove_prefix, unique_prefix
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 256
 MODEL = "metrics-model"
@@ -37,7 +37,7 @@ def start_time(pid: int) -> float:
 def scraped() -> Iterator[tuple[str, str, dict]]:
     """One service through its life: register, store, retrieve, look up, clear; the scrape text
     before the clear, after it, and the status."""
-    prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
+    prefix = unique_prefix()
     svc = Service(prefix)
     try:
         with BlendClient(svc.url) as client:

@@ -14,6 +14,9 @@ from fastapi.testclient import TestClient
 from kvblend.api.app import create_app
 from tests.api.conftest import make_settings, problem
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
+from tests.harness import poll
+
+pytestmark = pytest.mark.slow
 
 GENEROUS = 5.0  # far above the 1 s bound, far below the 10-20 s a hung call used to take
 
@@ -31,13 +34,6 @@ def live(shm_prefix: str) -> Iterator[tuple[TestClient, DataPlaneProc]]:
         assert dp.stop() == 0
 
 
-def until(check: object, deadline: float = 30.0) -> None:
-    end = time.monotonic() + deadline
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < end, "not reached before the deadline"
-        time.sleep(0.02)  # polling another process's state
-
-
 def answered_within(client: TestClient, path: str, seconds: float) -> int:
     t0 = time.monotonic()
     status = client.get(path).status_code
@@ -48,13 +44,13 @@ def answered_within(client: TestClient, path: str, seconds: float) -> int:
 def test_a_hung_data_plane_is_not_ready_and_holds_no_request(
         live: tuple[TestClient, DataPlaneProc]) -> None:
     client, dp = live
-    until(lambda: client.get("/readyz").status_code == 200)
+    poll(lambda: client.get("/readyz").status_code == 200, 30.0, "/readyz 200")
     os.kill(dp.proc.pid, signal.SIGSTOP)
-    until(lambda: client.get("/readyz").status_code == 503)
+    poll(lambda: client.get("/readyz").status_code == 503, 30.0, "/readyz 503 (data plane hung)")
     for path in ("/readyz", "/v1/instances", "/v1/instances/1", "/v1/status", "/healthz"):
         assert answered_within(client, path, GENEROUS) in (200, 503)
     assert client.get("/v1/status").json()["dataplane"]["alive"] is False
     problem(client.get("/v1/instances"), 503)
     os.kill(dp.proc.pid, signal.SIGCONT)
-    until(lambda: client.get("/readyz").status_code == 200)
+    poll(lambda: client.get("/readyz").status_code == 200, 30.0, "/readyz 200 again")
     assert client.get("/v1/instances").json() == {"instances": []}

@@ -24,6 +24,7 @@ def test_loopback_needs_none(host: str) -> None:
     assert Settings(host=host).api_token is None
 
 
+@pytest.mark.slow
 def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
     out = subprocess.run([sys.executable, "-m", "kvblend.api.cli", "serve", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=120)
@@ -31,6 +32,7 @@ def test_serve_refuses_with_one_line_and_exit_code_2() -> None:
     assert out.stderr.count("\n") == 1 and "--api-token" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_remote_url_with_credentials_is_refused_without_echoing_them() -> None:
     out = subprocess.run([sys.executable, "-m", "kvblend.api.cli", "serve", "--remote",
                           "redis://admin:hunter2@cache:6379"], capture_output=True, text=True,

@@ -14,6 +14,8 @@ from kvblend.dataplane.async_client import AsyncBlendClient
 from kvblend.dataplane.errors import BadRequest
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
+pytestmark = pytest.mark.slow
+
 L, D = 6, 32
 T = 4 * CHUNK
 

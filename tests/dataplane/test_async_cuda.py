@@ -15,7 +15,7 @@ import torch
 from kvblend.dataplane.async_client import AsyncBlendClient
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, T, D = 4, 1024, 128
 
 

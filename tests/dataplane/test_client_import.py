@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 CHECK = """
 import json, os, sys
 env = dict(os.environ)

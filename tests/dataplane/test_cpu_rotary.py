@@ -88,6 +88,7 @@ print(len(cpu_rotary.turn_raw.signatures) - before, before)
 """
 
 
+@pytest.mark.slow
 def test_warm_compiles_every_kind_of_k_the_cpu_engines_pass() -> None:
     """In a fresh interpreter (this one has compiled kernels in other tests): after ``warm``,
     turning K as ``dataplane.cpu`` views it compiles no new signature."""

@@ -41,6 +41,7 @@ def random_kv() -> torch.Tensor:
     return raw.view(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_cuda_store_retrieve_bit_exact(cuda_dataplane: DataPlaneProc) -> None:
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 30_000, n) for n in (5 * CHUNK, 3 * CHUNK + 7)]
@@ -74,6 +75,7 @@ def test_cuda_store_retrieve_bit_exact(cuda_dataplane: DataPlaneProc) -> None:
         client.unregister(inst2)
 
 
+@pytest.mark.slow
 def test_store_and_retrieve_wait_for_the_engine_event(cuda_dataplane: DataPlaneProc) -> None:
     doc = np.arange(4 * CHUNK) + 9
     with BlendClient(dataplane_address=cuda_dataplane.address) as client:
@@ -103,6 +105,7 @@ def test_store_and_retrieve_wait_for_the_engine_event(cuda_dataplane: DataPlaneP
         client.unregister(inst)
 
 
+@pytest.mark.slow
 def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlaneProc) -> None:
     rng = np.random.default_rng(3)
     with BlendClient(dataplane_address=cuda_dataplane.address) as client:
@@ -155,6 +158,7 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
         client.unregister(b)
 
 
+@pytest.mark.slow
 def test_a_layerwise_store_copies_each_group_after_its_event(
         cuda_dataplane: DataPlaneProc) -> None:
     doc = np.arange(2 * CHUNK) + 77

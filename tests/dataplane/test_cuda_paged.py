@@ -13,7 +13,7 @@ from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, B, S, H, DH = 4, 32, 16, 2, 64
 
 

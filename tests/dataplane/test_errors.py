@@ -68,6 +68,7 @@ def test_an_unexpected_error_is_a_500_not_a_422() -> None:
     assert type(dp.remote_error(RuntimeError("x"))) is dp.BackendError
 
 
+@pytest.mark.slow
 def test_a_full_class_table_is_capacity_not_a_layout_mismatch(dataplane: DataPlaneProc) -> None:
     with BlendClient(dataplane_address=dataplane.address) as client:
         for m in range(32):  # every class held by a live instance

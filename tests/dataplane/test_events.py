@@ -111,6 +111,7 @@ for i in range(200):
 """
 
 
+@pytest.mark.slow
 def test_concurrent_writer_processes(shm_prefix: str) -> None:
     EventLog.open(shm_prefix, capacity=1024).close()
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, shm_prefix, str(w)],
@@ -136,6 +137,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 def test_writer_killed_holding_the_lock_wedges_nobody(shm_prefix: str) -> None:
     log = EventLog.open(shm_prefix)
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, shm_prefix], env=os.environ.copy(),

@@ -6,10 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
@@ -18,16 +17,11 @@ from kvblend.shm.events import EventLog
 from kvblend.shm.segment import exists as segment_exists
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, start_dataplane
+from tests.harness import poll
+
+pytestmark = pytest.mark.slow
 
 L, T, D = 2, 1024, 64
-
-
-def poll(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    """Bounded poll with a deadline (the state we wait for is in another process)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)  # polling another process's shared state
 
 
 def seeded(kv: torch.Tensor, seed: int) -> None:
@@ -67,14 +61,16 @@ def test_client_killed_mid_call_leaves_no_reservation_or_pin(dataplane: DataPlan
 
     events = EventLog.open(dataplane.prefix)
     ends = lambda: {e.get("request_id") for e in events.recent() if e["kind"].endswith("_end")}
-    poll(lambda: {"killed-store", "killed-retrieve"} <= ends())
+    poll(lambda: {"killed-store", "killed-retrieve"} <= ends(), 30.0,
+         "the killed client's calls to end")
     store = Store.open(dataplane.prefix)
     store.reclaim()
     stats = store.stats()
     assert stats.num_reserved == 0 and stats.num_pinned == 0
     assert stats.num_objects == 16 + 40  # both stores committed in full
     with BlendClient(dataplane_address=dataplane.address) as c:
-        poll(lambda: c.list_instances() == [])  # the dead owner's lease ran out: dropped ...
+        # the dead owner's lease ran out: dropped ...
+        poll(lambda: c.list_instances() == [], 30.0, "the dead owner's instance to go")
         assert segment_exists(buf_name)  # ... but its buffer is the engine's: never unlinked
         expect = c.cpu_kv_buffer(L, T, D, torch.float16)
         seeded(expect, 11)

@@ -34,6 +34,7 @@ def words(kv: torch.Tensor) -> np.ndarray:
     return kv.view(torch.int16).numpy()
 
 
+@pytest.mark.slow
 def test_store_lookup_retrieve_bit_exact(dataplane: DataPlaneProc) -> None:
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50_000, n) for n in (3 * CHUNK, 2 * CHUNK + 5, 4 * CHUNK)]
@@ -82,6 +83,7 @@ def test_store_lookup_retrieve_bit_exact(dataplane: DataPlaneProc) -> None:
         assert client.list_instances() == []
 
 
+@pytest.mark.slow
 def test_evicted_chunk_fails_by_index_and_is_not_written(dataplane: DataPlaneProc) -> None:
     doc = np.arange(3 * CHUNK) + 7
     with BlendClient(dataplane_address=dataplane.address) as client:
@@ -131,6 +133,7 @@ def _ask(proc: subprocess.Popen, command: str) -> None:
     assert proc.stdout.readline() == b"done\n"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_worker_processes(dataplane: DataPlaneProc) -> None:
     doc = np.arange(4 * 16) + 500
     workers = [subprocess.Popen([sys.executable, "-c", _TP_WORKER, dataplane.address, str(r)],
@@ -153,6 +156,7 @@ def test_tensor_parallel_two_worker_processes(dataplane: DataPlaneProc) -> None:
         w.stdout.close()
 
 
+@pytest.mark.slow
 def test_bad_calls_get_typed_errors_and_the_process_keeps_serving(
         dataplane: DataPlaneProc) -> None:
     with BlendClient(dataplane_address=dataplane.address) as client, \

@@ -17,6 +17,8 @@ from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, ChunkFailure, L
                                         reply_decoder)
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
+pytestmark = pytest.mark.slow
+
 L, T, D = 6, 256, 32
 
 

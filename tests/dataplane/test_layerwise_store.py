@@ -13,6 +13,8 @@ from kvblend.dataplane.errors import BadRequest, LayersNotWritten, Timeout
 from kvblend.dataplane.messages import LayersWritten
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
+pytestmark = pytest.mark.slow
+
 L, D = 6, 32
 T = 4 * CHUNK
 

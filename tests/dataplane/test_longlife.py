@@ -15,6 +15,8 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 from tests.dataplane.conftest import CHUNK, start_dataplane
 
+pytestmark = pytest.mark.slow
+
 L, T, D = 2, 256, 64
 DOC = 4 * CHUNK
 

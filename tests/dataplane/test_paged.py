@@ -70,6 +70,7 @@ def slots_of(table: list[int], start: int, n: int) -> tuple[torch.Tensor, torch.
     return torch.tensor(table)[pos // S], pos % S
 
 
+@pytest.mark.slow
 def test_chunks_move_bit_exactly_between_layouts(dataplane: DataPlaneProc) -> None:
     """Stored from a FlashAttention cache at an unaligned offset through a shuffled block table;
     retrieved into every other layout (and a contiguous buffer) through tables with holes. Every
@@ -144,6 +145,7 @@ def _write(layer: torch.Tensor, layout: str, block: torch.Tensor, slot: torch.Te
         v[block, :, slot] = value[1]
 
 
+@pytest.mark.slow
 def test_block_tables_and_descriptors_are_checked_before_any_side_effect(
         dataplane: DataPlaneProc) -> None:
     doc = np.random.default_rng(4).integers(0, 50_000, 2 * CHUNK)
@@ -230,6 +232,7 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     assert written.sum() == 3 * 2 * L * C * H * DH * isz  # every chunk byte, once
 
 
+@pytest.mark.slow
 def test_an_engines_own_cpu_cache_is_shared_in_place(dataplane: DataPlaneProc) -> None:
     """A cache the engine allocated itself (plain torch memory, as vLLM's) is moved into shared
     memory in place: views taken before still hold their bytes and see what a retrieve writes.

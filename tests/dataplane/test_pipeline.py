@@ -15,6 +15,8 @@ from kvblend.dataplane.messages import MatchSpec
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
+pytestmark = pytest.mark.slow
+
 L, D = 4, 32
 
 

@@ -5,10 +5,13 @@ report both and can keep to standalone chunks."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
+
+pytestmark = pytest.mark.slow
 
 L, D = 2, 32
 

@@ -13,11 +13,11 @@ import torch
 
 from kvblend.dataplane import rotary
 from kvblend.dataplane.client import BlendClient
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 from tests.dataplane.test_rotary import CASES, DH, H, close, gptj_k, hf_k, pair_ulps
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, B, S, T = 3, 48, 16, 256
 N = 4 * CHUNK
 STORED_AT = 700  # the document's K was computed at positions 700..

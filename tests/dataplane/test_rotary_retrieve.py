@@ -16,6 +16,8 @@ from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import MatchSpec, RotaryConfig
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
+pytestmark = pytest.mark.slow
+
 L, HKV, DH = 2, 2, 16
 D, T = HKV * DH, 8 * CHUNK
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

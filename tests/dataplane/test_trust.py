@@ -30,7 +30,10 @@ from kvblend.shm.segment import Segment
 from kvblend.shm.segment import exists as segment_exists
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
-from tests.dataplane.test_faults import poll, seeded
+from tests.dataplane.test_faults import seeded
+from tests.harness import poll
+
+pytestmark = pytest.mark.slow
 
 L, T, D = 2, 512, 64
 NOBODY = 65534
@@ -176,11 +179,11 @@ def test_a_live_engine_keeps_its_instance_and_a_dead_one_loses_it(
     with Channel(dataplane.address) as ch:
         listed = lambda: [i.instance_id for i in ch.call(ListInstances(), timeout=30).instances]
         # four renewals at a third of the lease each: more than a whole lease has passed
-        poll(lambda: events.counters().get("lease_renewals", 0) >= 4, timeout=60)
+        poll(lambda: events.counters().get("lease_renewals", 0) >= 4, 60, "four lease renewals")
         assert listed() == [inst] and events.counters().get("instances_expired", 0) == 0
         engine.send_signal(signal.SIGKILL)
         engine.wait(timeout=30)
-        poll(lambda: listed() == [], timeout=60)
+        poll(lambda: listed() == [], 60, "the dead engine's instance to go")
     assert events.counters()["instances_expired"] == 1
     events.close()
     engine.stdin.close()

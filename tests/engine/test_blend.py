@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import (FULL, NAIVE, BlendEngine, Mode, cacheblend, epic, random_blend,
                                   rotary_config)
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
 L, HKV, DH, V = 3, 2, 16, 1000
@@ -72,6 +72,7 @@ def test_the_rotary_config_follows_the_model() -> None:
                                                                            500000.0, 8.0)
 
 
+@pytest.mark.slow
 def test_the_layer_loop_equals_the_model(engine: BlendEngine) -> None:
     ids = np.random.default_rng(1).integers(0, V, 70)
     got = engine.prefill(ids, FULL).logits
@@ -82,6 +83,7 @@ def test_the_layer_loop_equals_the_model(engine: BlendEngine) -> None:
         assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
+@pytest.mark.slow
 def test_recomputing_every_token_equals_full_prefill(engine: BlendEngine) -> None:
     a, b, prompt = docs_and_prompt(2)
     assert engine.precompute(a).ok and engine.precompute(b).ok
@@ -93,6 +95,7 @@ def test_recomputing_every_token_equals_full_prefill(engine: BlendEngine) -> Non
     assert engine.generate(prompt, cacheblend(1.0), 6) == engine.generate(prompt, FULL, 6)
 
 
+@pytest.mark.slow
 def test_naive_reuse_equals_a_cache_turned_by_hand(dataplane: DataPlaneProc) -> None:
     model = tiny_llama(torch.float32)
     rng = np.random.default_rng(3)
@@ -128,6 +131,7 @@ def test_naive_reuse_equals_a_cache_turned_by_hand(dataplane: DataPlaneProc) -> 
     assert float((got.logits[-1] - unturned).abs().max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
     a, b, prompt = docs_and_prompt(4)
     assert engine.precompute(a).ok and engine.precompute(b).ok
@@ -163,6 +167,7 @@ def test_modes_compute_what_they_say(engine: BlendEngine) -> None:
         engine.prefill(np.zeros(513, np.int64), FULL)
 
 
+@pytest.mark.slow
 def test_the_selection_variants_compute_what_they_say(engine: BlendEngine) -> None:
     a, b, prompt = docs_and_prompt(5)
     assert engine.precompute(a).ok and engine.precompute(b).ok
@@ -201,6 +206,7 @@ def test_the_selection_variants_compute_what_they_say(engine: BlendEngine) -> No
         cacheblend(0.25, widen=0.5)
 
 
+@pytest.mark.slow
 def test_a_blend_waits_for_a_loaded_layer_only_where_it_reads_it(engine: BlendEngine) -> None:
     """CacheBlend computes every row of the layers up to its check layer, so their loads are
     waited for at the check (the deviation reads them), not before layer 0: the first layers'

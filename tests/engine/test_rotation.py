@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvblend.dataplane import rotary
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import BlendEngine, model_rotary, rotary_config
-from tests.conftest import remove_prefix
+from tests.harness import remove_prefix
 from tests.scalings import SCALINGS
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
@@ -62,6 +62,7 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 def test_retrieved_k_is_the_cast_models_own(device_plane: tuple[str, DataPlaneProc],

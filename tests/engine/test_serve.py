@@ -5,18 +5,21 @@ stored back with ``store_final``."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import FULL, NAIVE, BlendEngine, cacheblend
 from tests.engine.test_blend import V, tiny_llama
-from tests.test_e2e import Service
+from tests.harness import Services
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 256  # the service's default
 
 
-def test_blend_through_a_real_service(shm_prefix: str) -> None:
-    svc = Service(shm_prefix)
+def test_blend_through_a_real_service(services: Services) -> None:
+    svc = services.start()
     try:
         rng = np.random.default_rng(7)
         a, b = rng.integers(0, V, CHUNK), rng.integers(0, V, 2 * CHUNK)

@@ -17,13 +17,10 @@ Fixtures:
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,23 +29,17 @@ from redis.backoff import NoBackoff
 from redis.cluster import key_slot
 from redis.retry import Retry
 
-HOST = "127.0.0.1"
+from tests.harness import HOST, PollTimeout, free_port, poll
+
 SLOTS = 16384
 #: generous: the suite shares two cores with other work; a healthy server answers in milliseconds
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 CLUSTER_TIMEOUT_S = 60.0
-POLL_S = 0.02
 #: short enough that a restarted master is trusted again within seconds (a FAIL flag is cleared
 #: 2 node timeouts after it was set), long enough that a loaded machine does not flap
 NODE_TIMEOUT_MS = 2000
-#: ports are drawn above this and outside the kernel's ephemeral range, so no outgoing connection
-#: takes a server's port while it is down between kill() and restart()
-LOWEST_PORT = 15000
 INSTALL_HINT = "install it with `apt-get install redis-server` (Debian/Ubuntu)"
-
-_random = random.SystemRandom()
-
 
 class RedisStartError(RuntimeError):
     """A redis-server exited or did not answer PING in time; the message ends with its log."""
@@ -69,40 +60,6 @@ def _redis_server_installed() -> None:
     if os.environ.get("KVBLEND_REQUIRE_REDIS") == "1":
         pytest.fail(f"KVBLEND_REQUIRE_REDIS=1 but {missing}", pytrace=False)
     pytest.skip(missing)
-
-
-def _ephemeral_ports() -> range:
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return range(low, high + 1)
-
-
-def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
-    """A loopback port nobody listens on now, outside the ephemeral range where that range allows."""
-    ephemeral = _ephemeral_ports()
-    pool = [p for p in range(LOWEST_PORT, 65536) if p not in ephemeral] or list(range(LOWEST_PORT, 65536))
-    for _ in range(200):
-        port = _random.choice(pool)
-        if port in exclude:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((HOST, port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port on {HOST} after 200 tries")
-
-
-def poll_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Calls ``check`` until it returns True; raises TimeoutError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(POLL_S)
 
 
 class RedisProc:
@@ -166,20 +123,18 @@ class RedisProc:
         with self.log.open("ab") as log:
             self._proc = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, cwd=self.dir)
-        deadline = time.monotonic() + timeout
+        proc = self._proc
         with self.client(socket_connect_timeout=1, socket_timeout=1) as probe:
-            while not self._answers(probe):
-                try:
-                    code = self._proc.wait(timeout=POLL_S)
-                except subprocess.TimeoutExpired:
-                    code = None
-                if code is not None:
-                    raise RedisStartError(f"redis-server on port {self.port} exited with {code}:\n"
-                                          f"{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RedisStartError(f"redis-server on port {self.port} did not answer PING "
-                                          f"within {timeout:.0f} s:\n{self.log_tail()}")
+            def up() -> bool:
+                if proc.poll() is not None:
+                    raise RedisStartError(f"redis-server on port {self.port} exited with "
+                                          f"{proc.returncode}:\n{self.log_tail()}")
+                return self._answers(probe)
+            try:
+                poll(up, timeout, f"redis-server on port {self.port} to answer PING")
+            except PollTimeout as e:
+                self.kill()
+                raise RedisStartError(f"{e}:\n{self.log_tail()}") from None
 
     def _answers(self, probe: redis.Redis) -> bool:
         # the pid tells our server from another that took the port between choosing and binding it
@@ -328,14 +283,14 @@ class ClusterProcs:
             return all(_cluster_info(other).get("cluster_slots_fail") == want for other in others)
 
         try:
-            poll_until(failed, timeout, f"port {node.port} flagged FAIL by every other node")
+            poll(failed, timeout, f"port {node.port} flagged FAIL by every other node")
         except TimeoutError as e:
             raise TimeoutError(f"{e}; nodes see: {self._views()}") from None
 
     def wait_ok(self, timeout: float = CLUSTER_TIMEOUT_S) -> None:
         """Returns once :meth:`healthy`; raises TimeoutError with every node's view after ``timeout`` s."""
         try:
-            poll_until(self.healthy, timeout, "cluster_state:ok on every node")
+            poll(self.healthy, timeout, "cluster_state:ok on every node")
         except TimeoutError as e:
             raise TimeoutError(f"{e}; nodes see: {self._views()}") from None
 

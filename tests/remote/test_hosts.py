@@ -6,7 +6,6 @@ a remote stopped and restarted mid-run stops nothing, and discovery resumes."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,10 +14,11 @@ import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.messages import ChunkFailure
-from tests.conftest import remove_prefix
 from kvblend.dataplane.remote import STREAM
-from tests.remote.conftest import ClusterProcs, RedisProc, free_port, poll_until
-from tests.test_e2e import Service
+from tests.harness import Service, free_port, poll, remove_prefix, unique_prefix
+from tests.remote.conftest import ClusterProcs, RedisProc
+
+pytestmark = pytest.mark.slow
 
 C, L, D = 256, 2, 64
 MODEL = "two-hosts"
@@ -30,7 +30,7 @@ class Host:
     """One ``kvblend serve --remote`` and a client with a CPU buffer registered on it."""
 
     def __init__(self, remote: str, *flags: str) -> None:
-        self.prefix = f"kvbh_{uuid.uuid4().hex[:10]}"
+        self.prefix = unique_prefix("kvbh")
         self.service = Service(self.prefix, "--remote", remote, *flags)
         self.client = BlendClient(self.service.url)
         self.kv = self.client.cpu_kv_buffer(num_layers=L, num_tokens=16 * C, hidden_dim=D,
@@ -77,7 +77,7 @@ def remote_matches(host: Host, prompt: np.ndarray, want: int) -> list:
         found[:] = host.client.lookup(prompt, model_name=MODEL).matches
         return len(found) >= want
 
-    poll_until(enough, DEADLINE, f"{want} chunks stored on A to be found on B")
+    poll(enough, DEADLINE, f"{want} chunks stored on A to be found on B")
     return found
 
 
@@ -130,8 +130,8 @@ def test_a_remote_down_at_start_up_stops_nothing(hosts: list[Host]) -> None:
         assert host.client.store_pre_computed(host.inst, document).wait(timeout=60).ok
         assert [m.location for m in host.client.lookup(document, model_name=MODEL).matches] == [
             "local", "local"]
-        poll_until(lambda: host.counter("remote_failed_writes") == 2, DEADLINE,
-                   "the failed writes counted")
+        poll(lambda: host.counter("remote_failed_writes") == 2, DEADLINE,
+             "the failed writes counted")
 
 
 def test_two_hosts_share_through_a_cluster_and_a_killed_master_gives_misses(
@@ -206,4 +206,4 @@ def test_expired_corrupted_and_a_restarted_remote_are_misses_never_wrong_bytes(
         assert a.client.store_pre_computed(a.inst, late[-1], offset=0).wait(timeout=60).ok
         return any(b.client.lookup(d, model_name=MODEL).matches for d in late)
 
-    poll_until(found_on_b, DEADLINE, "discovery to resume after the remote restarted")
+    poll(found_on_b, DEADLINE, "discovery to resume after the remote restarted")

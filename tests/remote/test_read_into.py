@@ -23,7 +23,10 @@ from kvblend.dataplane.remote import (MAX_STREAMS, Breaker, ChunkId, Fetched, Mi
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import DType
-from tests.remote.conftest import HOST, ClusterProcs, RedisProc, poll_until
+from tests.harness import HOST, poll
+from tests.remote.conftest import ClusterProcs, RedisProc
+
+pytestmark = pytest.mark.slow
 
 C = 16
 SMALL = (2, 32)    # (layers, hidden): 4 KiB of KV, always one piece
@@ -307,7 +310,7 @@ def test_a_value_replaced_while_it_is_read_is_never_a_mix(
         relay.hold()  # the head's reply waits here: no piece is asked for before it is in
         dest = buffer_for(cid)
         result = background(lambda: tier.get_into(cid, tokens, dest, streams))
-        poll_until(lambda: relay.held > 0, DEADLINE, "the head's reply at the relay")
+        poll(lambda: relay.held > 0, DEADLINE, "the head's reply at the relay")
         apply, outcomes = replacements(cid)[change]
         apply(raw)
         relay.release()
@@ -333,7 +336,7 @@ def test_a_piece_that_fails_mid_reply_leaves_no_stale_connection(
         relay.hold(after=cid.value_bytes // 2)  # past the head, half-way through the piece
         result = background(lambda: tier.get_into(cid, tokens, buffer_for(cid), streams=1))
         if fault == "cut":
-            poll_until(lambda: relay.held > 0, DEADLINE, "the piece's reply held at the relay")
+            poll(lambda: relay.held > 0, DEADLINE, "the piece's reply held at the relay")
             relay.cut()
         assert result() is Miss.UNAVAILABLE  # a receive timed out, or the reply ended early
         assert breaker.is_open and breaker.opened == 1
@@ -341,7 +344,7 @@ def test_a_piece_that_fails_mid_reply_leaves_no_stale_connection(
         # a GET sent now on a connection still owed the rest of that reply would read it back
         sent = relay.from_clients
         got = background(lambda: tier.get(cid, tokens))
-        poll_until(lambda: relay.from_clients > sent, DEADLINE, "the GET at the relay")
+        poll(lambda: relay.from_clients > sent, DEADLINE, "the GET at the relay")
         relay.release()
         fetched = got()
         assert isinstance(fetched, Fetched) and bytes(fetched.kv) == kv.tobytes()

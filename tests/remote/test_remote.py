@@ -20,8 +20,9 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
-from tests.conftest import remove_prefix
-from tests.remote.conftest import ClusterProcs, RedisProc, poll_until
+from tests.harness import remove_prefix
+from tests.harness import poll
+from tests.remote.conftest import ClusterProcs, RedisProc
 
 C, L, D = 16, 2, 32
 DEADLINE = 30.0
@@ -38,6 +39,7 @@ def chunks(n: int, salt: str = "") -> list[tuple[ChunkId, np.ndarray, np.ndarray
     return out
 
 
+@pytest.mark.slow
 def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), (other, other_tokens, _) = chunks(2)
     with RemoteTier(redis_url, ttl_s=3600) as tier:
@@ -59,13 +61,15 @@ def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
         raw.close()
 
 
+@pytest.mark.slow
 def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), = chunks(1)
     with RemoteTier(redis_url, ttl_s=0.05) as tier:
         assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_FINAL))
-        poll_until(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
+        poll(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
 
 
+@pytest.mark.slow
 def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
         redis_server: RedisProc) -> None:
     (cid, tokens, kv), = chunks(1)
@@ -89,6 +93,7 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
         assert tier.put(cid, value) and isinstance(tier.get(cid, tokens), Fetched)
 
 
+@pytest.mark.slow
 def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
         redis_cluster: ClusterProcs) -> None:
     items = chunks(60)
@@ -148,6 +153,7 @@ def commit(store: Store, class_id: int, ns: Namespace, tokens: np.ndarray, pos0:
     return keys
 
 
+@pytest.mark.slow
 def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> None:
     ns = Namespace("remote-wb")
     cc = ChunkClass.of(ns.model_name, 1, _layout(), C)
@@ -223,7 +229,7 @@ def test_writers_write_at_once(store: Store) -> None:
     tier = BlockedTier()
     wb = WriteBehind(store, tier, writers=3)  # type: ignore[arg-type]
     assert wb.offer(class_id, ns.root, keys, tokens.reshape(3, C)) == 3
-    poll_until(lambda: tier.inside == 3, DEADLINE, "three writes in the remote at once")
+    poll(lambda: tier.inside == 3, DEADLINE, "three writes in the remote at once")
     tier.release.set()
     assert wb.flush(timeout=DEADLINE) and tier.puts == 3 and tier.most_inside == 3
     wb.close(timeout=DEADLINE)
@@ -236,6 +242,7 @@ def _layout() -> KVLayout:
 # ------------------------------------------------------------------------------- promotion
 
 
+@pytest.mark.slow
 def test_a_chunk_written_behind_on_one_host_is_promoted_on_another(
         shm_prefix: str, store: Store, redis_url: str) -> None:
     """Two stores stand for two hosts: host A writes behind, host B promotes the chunk into its

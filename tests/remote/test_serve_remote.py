@@ -16,9 +16,10 @@ from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.remote import ChunkId, Fetched, RemoteTier
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import DType
-from tests.conftest import remove_prefix
-from tests.remote.conftest import RedisProc, poll_until
-from tests.test_e2e import Service
+from tests.harness import Service, Services, poll
+from tests.remote.conftest import RedisProc
+
+pytestmark = pytest.mark.slow
 
 C, L, D = 256, 2, 64
 MODEL = "remote-serve"
@@ -27,17 +28,15 @@ DEADLINE = 60.0
 
 
 @pytest.fixture
-def service(redis_server: RedisProc, redis_url: str) -> Iterator[Service]:
+def service(redis_server: RedisProc, redis_url: str, services: Services) -> Iterator[Service]:
     with redis_server.client() as admin:
         admin.config_set("requirepass", PASSWORD)
-    prefix = f"kvbt_{uuid.uuid4().hex[:10]}"
-    svc = Service(prefix, "--remote", redis_url.removesuffix("/0"),
-                  env={"KVBLEND_REMOTE_PASSWORD": PASSWORD})
+    svc = services.start("--remote", redis_url.removesuffix("/0"),
+                         env={"KVBLEND_REMOTE_PASSWORD": PASSWORD})
     try:
         yield svc
     finally:
-        svc.stop()
-        remove_prefix(prefix)
+        svc.stop()  # before the password goes
         if redis_server.running:
             with redis_server.client(password=PASSWORD) as admin:
                 admin.config_set("requirepass", "")
@@ -62,7 +61,7 @@ def test_stores_are_written_behind_and_survive_a_dead_remote(
                                                  dtype=torch.int16))
         doc = np.random.default_rng(1).integers(0, 50_000, 3 * C, dtype=np.uint32)
         assert client.store_pre_computed(inst, doc, offset=C).wait(timeout=60).ok
-        poll_until(lambda: len(remote_keys(redis_server)) == 3, DEADLINE, "3 chunks written")
+        poll(lambda: len(remote_keys(redis_server)) == 3, DEADLINE, "3 chunks written")
         with RemoteTier(redis_server.url.removesuffix("/0"), password=PASSWORD) as tier:
             for i, h in enumerate(chunk_hashes(ns, doc, C)):
                 cid = ChunkId(ns.root, h, 0, DType.BFLOAT16, L, C, D)
@@ -78,8 +77,8 @@ def test_stores_are_written_behind_and_survive_a_dead_remote(
         redis_server.kill()
         doc2 = np.random.default_rng(2).integers(0, 50_000, 2 * C, dtype=np.uint32)
         assert client.store_pre_computed(inst, doc2).wait(timeout=60).ok  # the host goes on
-        poll_until(lambda: service.metrics()["kvblend_remote_failed_writes_total"] >= 1,
-                   DEADLINE, "a failed remote write counted")
+        poll(lambda: service.metrics()["kvblend_remote_failed_writes_total"] >= 1,
+             DEADLINE, "a failed remote write counted")
         redis_server.restart()
         with redis_server.client() as admin:
             admin.config_set("requirepass", PASSWORD)
@@ -90,5 +89,5 @@ def test_stores_are_written_behind_and_survive_a_dead_remote(
             assert client.store_final(inst, doc, offset=C).wait(timeout=60).ok
             return len(remote_keys(redis_server)) >= 1
 
-        poll_until(resumed, DEADLINE, "writing behind to resume after the restart")
+        poll(resumed, DEADLINE, "writing behind to resume after the restart")
         client.unregister(inst)

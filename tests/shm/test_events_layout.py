@@ -3,26 +3,17 @@ agree, no two words share a position, and a created log reads back by those name
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from kvblend.shm import events
 from kvblend.shm.events import HEADER_WORDS, EventLog, EventsHdr
 from kvblend.shm.segment import Segment
 from kvblend.shm.telemetry import LookupEnd
-
-
-def _drawn(doc: str, title: str) -> dict[str, int]:
-    """``name -> word`` from the table that follows ``title`` in ``doc``."""
-    table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
-    rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
-    return {m.group(2): int(m.group(1)) for m in rows if m}
+from tests.harness import assert_drawing_is_declaration
 
 
 def test_the_drawing_is_the_declaration() -> None:
-    assert _drawn(events.__doc__ or "", "Event log header") == {w.name: int(w) for w in EventsHdr}
-    assert sorted(int(w) for w in EventsHdr) == list(range(len(EventsHdr)))  # no gap, no overlap
+    assert_drawing_is_declaration(events, "Event log header", EventsHdr)
     assert max(EventsHdr) < HEADER_WORDS
 
 

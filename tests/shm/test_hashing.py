@@ -63,6 +63,7 @@ def test_namespaces_differ() -> None:
     assert Namespace("m") == Namespace("m") and Namespace("m").id == Namespace("m").id
 
 
+@pytest.mark.slow
 def test_same_keys_in_another_process_with_another_hash_seed() -> None:
     toks = _tokens(64, seed=3)
     here = [k.hex() for k in chunk_hashes(NS, toks, 16)]

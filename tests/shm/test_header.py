@@ -15,16 +15,9 @@ from types import ModuleType
 from kvblend.shm import fpformat, header, index, pins, slab, store
 from kvblend.shm.fpformat import Entry, FpHdr
 from kvblend.shm.header import SLOT_HDR_BYTES, Hdr, SlotHdr
+from tests.harness import assert_drawing_is_declaration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _drawn(module: ModuleType, title: str) -> dict[str, int]:
-    """``name -> word`` from the table that follows ``title`` in the module's docstring."""
-    doc = module.__doc__ or ""
-    table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
-    rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
-    return {m.group(2): int(m.group(1)) for m in rows if m}
 
 
 @pytest.mark.parametrize("module,title,declared", [
@@ -32,8 +25,7 @@ def _drawn(module: ModuleType, title: str) -> dict[str, int]:
     (fpformat, "Header (``FpHdr``)", FpHdr), (fpformat, "Entry (``Entry``", Entry)])
 def test_the_drawing_is_the_declaration(module: ModuleType, title: str,
                                         declared: type[IntEnum]) -> None:
-    assert _drawn(module, title) == {w.name: int(w) for w in declared}
-    assert sorted(int(w) for w in declared) == list(range(len(declared)))  # no gap, no overlap
+    assert_drawing_is_declaration(module, title, declared)
 
 
 def test_the_kernels_use_the_declared_words() -> None:

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SHOW = "import os, kvblend.shm.table; print(os.environ['NUMBA_CACHE_DIR'])"
 

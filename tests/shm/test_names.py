@@ -36,6 +36,7 @@ def _service(prefix: str) -> str:
     return kvbuf
 
 
+@pytest.mark.slow
 def test_destroy_removes_every_name_of_the_service_and_no_engine_buffer(shm_prefix: str) -> None:
     kvbuf = _service(shm_prefix)
     assert len(leftovers(shm_prefix)) >= 10
@@ -44,6 +45,7 @@ def test_destroy_removes_every_name_of_the_service_and_no_engine_buffer(shm_pref
     assert os.path.exists(shm_path(kvbuf))
 
 
+@pytest.mark.slow
 def test_a_foreign_name_leaves_everything_in_place(shm_prefix: str) -> None:
     _service(shm_prefix)
     before = leftovers(shm_prefix)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import re
 import signal
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from kvblend.shm.names import Names, destroy
 from kvblend.shm.private import shm_path
 from kvblend.shm.remotes import HEADER_BYTES, RemoteChunks, RemoteHdr, Slot
 from kvblend.shm.segment import Segment
+from tests.harness import assert_drawing_is_declaration
 
 CAP = 64
 T0 = 1_000_000  # ms: a clock far from 0 (EXPIRES 0 marks a free slot)
@@ -65,16 +65,9 @@ def table(shm_prefix: str) -> Iterator[RemoteChunks]:
 # -- the layout is one fact ------------------------------------------------------------------------
 
 
-def _drawn(doc: str, title: str) -> dict[str, int]:
-    table = doc[doc.index(title):].split("::", 1)[1].split("\n\n")[1]
-    rows = [re.match(r"\s+(\d+)\s+([A-Z_0-9]+)\s", line) for line in table.splitlines()]
-    return {m.group(2): int(m.group(1)) for m in rows if m}
-
-
 def test_the_drawing_is_the_declaration(table: RemoteChunks) -> None:
-    doc = remotes.__doc__ or ""
-    assert _drawn(doc, "Remote header") == {w.name: int(w) for w in RemoteHdr}
-    assert _drawn(doc, "Slot (") == {w.name: int(w) for w in Slot}
+    assert_drawing_is_declaration(remotes, "Remote header", RemoteHdr)
+    assert_drawing_is_declaration(remotes, "Slot (", Slot)
     h = header(table)
     assert (h[RemoteHdr.MAGIC], h[RemoteHdr.VERSION]) == (remotes.MAGIC, remotes.VERSION)
     assert (h[RemoteHdr.CAP], h[RemoteHdr.SLOTS]) == (CAP, 2 * CAP)
@@ -310,6 +303,7 @@ def _reader_writer(rc: RemoteChunks, probe: list[bytes], mine: list[bytes], out:
         out.put(repr(exc))
 
 
+@pytest.mark.slow
 def test_another_process_sees_what_one_wrote_and_writes_back(table: RemoteChunks) -> None:
     hs = hashes(20, 6)
     table.put(hs[:10], 0, T0 + 100, 5, 1, now_ms=T0)
@@ -336,6 +330,7 @@ def _die_inside(prefix: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @BOTH
 def test_a_writer_killed_inside_leaves_dirty_and_the_next_holder_empties(
         table: RemoteChunks, lock_free: bool) -> None:
@@ -360,6 +355,7 @@ def test_a_writer_killed_inside_leaves_dirty_and_the_next_holder_empties(
         assert rc.knows(hs, T0).tolist() == [True] * 3 + [False] * 9
 
 
+@pytest.mark.slow
 def test_a_writer_killed_inside_is_repaired_by_the_next_writer(table: RemoteChunks) -> None:
     hs = hashes(4, 8)
     ctx = mp.get_context("spawn")

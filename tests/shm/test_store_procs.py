@@ -16,6 +16,8 @@ from kvblend.shm.store import Store, destroy
 
 from .storeutil import CLASS_A, CLASS_B, SLOTS_A, SMALL, intact, key, put, tokens_for
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE = 60
 

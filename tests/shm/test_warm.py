@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 # Warm under one prefix, then run the service's hot operations on a store and index of other
 # sizes (types must not depend on them), with token arrays writable and read-only (numba types
 # them apart), including eviction and the data plane's evicted-key

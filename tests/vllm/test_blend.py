@@ -6,7 +6,6 @@ what a service meets: kvblend down at start, chunks evicted before the load, pre
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +15,11 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests")
 
 from kvblend.dataplane.client import BlendClient  # noqa: E402
-from tests.test_e2e import Service, poll  # noqa: E402
+from tests.harness import Service, free_port, poll, remove_prefix, unique_prefix  # noqa: E402
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import close, engine, generate, generate_all, save_model, tokens  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines beside a kvblend serve
 
 CHUNK = 256  # kvblend serve's default chunk size
 D1, D2, SYSTEM, QUESTION = tokens(CHUNK, 11), tokens(CHUNK, 12), tokens(300, 14), tokens(64, 13)
@@ -40,11 +41,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    import uuid
-    svc = Service(f"kvbt_{uuid.uuid4().hex[:10]}")
+def service() -> Iterator[Service]:
+    svc = Service(unique_prefix())
     yield svc
     svc.stop()
+    remove_prefix(svc.prefix)
 
 
 @pytest.fixture(autouse=True)
@@ -165,9 +166,7 @@ def test_the_connector_s_counters_are_in_vllm_s_metrics(
 
 
 def test_vllm_serves_when_kvblend_is_down_at_start(model: Path, alone: dict) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     llm = engine(model, url, "blend")
     try:
         for name, (prompt, _, _) in SHAPES.items():

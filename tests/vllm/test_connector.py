@@ -16,9 +16,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 from kvblend.dataplane.client import BlendClient  # noqa: E402
 from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
-from tests.test_e2e import Service, poll  # noqa: E402
+from tests.harness import Service, Services, poll  # noqa: E402
 from tests.vllm import probe  # noqa: E402
 from tests.vllm.engines import BLOCK, close, engine, generate, save_model, tokens  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines beside a kvblend serve
 
 CHUNK = 256  # kvblend serve's default chunk size
 
@@ -29,10 +31,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def service(shm_prefix: str) -> Iterator[Service]:
-    svc = Service(shm_prefix)
-    yield svc
-    svc.stop()
+def service(services: Services) -> Service:
+    return services.start()
 
 
 @pytest.fixture(autouse=True)
