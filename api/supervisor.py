@@ -23,6 +23,9 @@ another user planted, or one with group/other bits, or a symlink, raises ``Forei
 ``run`` before any child starts; ``kvblend serve`` then exits 2 with one line naming it, and the
 name stays as it was.
 
+Each child's environment holds its own settings and secrets only (``dataplane_env``,
+``Supervisor._api_env``): no token reaches the data plane, no remote credential the API.
+
 Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
 then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
 
@@ -43,6 +46,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 from kvblend.api.child import Child, StartupFailed
 from kvblend.api.settings import Settings
@@ -197,6 +201,18 @@ def check_dataplane_socket(settings: Settings) -> None:
         check_socket(address)
 
 
+#: the data plane's own secrets: the remote tier's credentials (``DataPlaneSettings``)
+DATAPLANE_SECRETS = ("KVBLEND_REMOTE_USERNAME", "KVBLEND_REMOTE_PASSWORD")
+
+
+def dataplane_env(parent: Mapping[str, str]) -> dict[str, str]:
+    """The data plane's environment: the parent's, less every ``KVBLEND_*`` variable but its own
+    (``KVBLEND_DP_*``, its settings) and its secrets. Its configuration comes as flags; the API
+    token and the admin token never reach it."""
+    return {k: v for k, v in parent.items() if not k.startswith("KVBLEND_")
+            or k.startswith("KVBLEND_DP_") or k in DATAPLANE_SECRETS}
+
+
 class Supervisor:
     """Runs the service for ``settings`` until SIGTERM/SIGINT; see the module docstring."""
 
@@ -207,14 +223,20 @@ class Supervisor:
         self._stopping = False
         self._lock_fd = -1
         self._events: EventLog | None = None
-        env = {**os.environ, **settings.model_copy(update={"backend": self.backend}).to_env()}
-        env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
-        self.dataplane = Child("dataplane", self._dataplane_argv(), env, settings.stop_grace_s,
-                               Counter.DATAPLANE_RESTARTS, ready_line=b"dataplane ready",
-                               wake=self._wake)
+        self.dataplane = Child("dataplane", self._dataplane_argv(), dataplane_env(os.environ),
+                               settings.stop_grace_s, Counter.DATAPLANE_RESTARTS,
+                               ready_line=b"dataplane ready", wake=self._wake)
         where = (probe_host(settings.host), settings.port)
-        self.api = Child("api", self._api_argv(), env, self._api_grace(), Counter.API_RESTARTS,
-                         probe=lambda: healthz(*where), wake=self._wake)
+        self.api = Child("api", self._api_argv(), self._api_env(), self._api_grace(),
+                         Counter.API_RESTARTS, probe=lambda: healthz(*where), wake=self._wake)
+
+    def _api_env(self) -> dict[str, str]:
+        """The API workers' environment: the service's settings (``Settings.to_env``, which
+        uvicorn's workers read back), nothing of the data plane's own."""
+        env = {k: v for k, v in os.environ.items() if k not in DATAPLANE_SECRETS}
+        env.update(self.settings.model_copy(update={"backend": self.backend}).to_env())
+        env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
+        return env
 
     def _dataplane_argv(self) -> list[str]:
         s = self.settings

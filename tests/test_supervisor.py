@@ -88,3 +88,37 @@ def test_a_crash_after_a_good_start_comes_back_at_once(services: Services) -> No
     assert svc.wait() == 0
 
 
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -> None:
+    """The data plane's environment holds no API or admin token (its configuration comes as
+    flags); the API workers' holds no remote-tier credential; each keeps its own."""
+    token, admin, password = "t" * 32, "a" * 32, "remote-secret-1"
+    svc = services.start(token=token, env={"KVBLEND_ADMIN_TOKEN": admin,
+                                           "KVBLEND_REMOTE_PASSWORD": password,
+                                           "KVBLEND_DP_FIRST_MIB": "8"})
+    dataplane = svc.dataplane_pid()
+    assert dataplane is not None
+    api = [p for p in children_of(svc.proc.pid) if p != dataplane]
+    assert len(api) == 1
+    dp_env, api_env = environment_of(dataplane), environment_of(api[0])
+    assert token not in dp_env.values() and admin not in dp_env.values()
+    assert not any(k.startswith("KVBLEND_") and not k.startswith("KVBLEND_DP_")
+                   and k != "KVBLEND_REMOTE_PASSWORD" for k in dp_env)
+    assert dp_env["KVBLEND_REMOTE_PASSWORD"] == password and dp_env["KVBLEND_DP_FIRST_MIB"] == "8"
+    assert api_env["KVBLEND_API_TOKEN"] == token and api_env["KVBLEND_ADMIN_TOKEN"] == admin
+    assert password not in api_env.values()
