@@ -3,8 +3,8 @@
 This module owns the service's process tree and start-up; it never serves a request itself::
 
     kvblend serve (this process)
-    ├── python -m kvblend.dataplane ...            restarted when it dies; re-attaches
-    └── python -m uvicorn api.app:...      --workers N; restarted when it dies
+    ├── python -m kvblend.dataplane ...          restarted when it dies; re-attaches
+    └── python -m uvicorn kvblend.api.app:...    --workers N; restarted when it dies
 
 Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
 ready line, the API answered ``/healthz``) is restarted at once; one that keeps failing before it

@@ -277,10 +277,10 @@ class SegmentCopier:
         with cupy.cuda.Device(self.device):
             ext = self._stream(stream_handle(stream))
             # a held table is reused once its last kernel completed; else a new one
-            fits = [t for t in self._tables if t.words >= len(seg) and t.done.done]
-            slot = fits[0] if fits else _Slot(max(len(seg), 3072))
-            if fits:
-                self._tables.remove(slot)
+            held = next((t for t in self._tables if t.words >= len(seg) and t.done.done), None)
+            if held is not None:
+                self._tables.remove(held)
+            slot = held or _Slot(max(len(seg), 3072))
             slot.host[:len(seg)] = seg
             cupy.cuda.runtime.memcpyAsync(slot.dev.data.ptr, slot.host.ctypes.data, seg.nbytes,
                                           H2D, ext.ptr)

@@ -37,9 +37,10 @@ What each mode computes (``Mode``), over the prompt's N positions, "hit" = rows 
                     on a real model favour (docs/blend.md)
 
 The modes are ``engine.modes``'s, the selection step ``engine.select``'s and the rotary config
-``engine.rotary``'s, all re-exported here. Any mode can also recompute the first ``sinks`` rows of every stored run (the chunks stored
-together, in order): alone, a document's first token draws the attention a prompt's first token
-draws (an attention sink); inside a prompt it should not.
+``engine.rotary``'s, all re-exported here. Any mode can also recompute the first ``sinks`` rows
+of every stored run (the chunks stored together, in order): alone, a document's first token
+draws the attention a prompt's first token draws (an attention sink); inside a prompt it should
+not.
 
 The last row (the prompt's last token) is always computed: its logits start the decode. A layer
 whose rows are all of them runs with transformers' own causal mask, so ``full`` and a 100 %
@@ -361,16 +362,20 @@ class BlendEngine:
                      heads: list[int], ratio: float, summed: torch.Tensor | None,
                      rows: torch.Tensor | None, h: torch.Tensor, picked: torch.Tensor | None
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """A selection step after ``layer`` (``_select``), among the hit rows (a first step) or
-        the rows the step before picked: the rows computed from now on (None: every row), their
-        hidden states, and the chunk rows picked."""
+        """A selection step after ``layer`` (``select_rows``, by this layer's ``deviation``
+        unless ``summed``), among the hit rows (a first step) or the rows the step before
+        picked: the rows computed from now on (None: every row), their hidden states, and the
+        chunk rows picked."""
         loads.ready(layer)  # the deviation reads it; the hit rows are known
         hit = loads.hit
         if not hit.any():
             return rows, h, picked
+
+        def deviation() -> torch.Tensor:
+            return self.deviation(cache, layer, len(hit), mode.score) if summed is None else summed
         w = time.perf_counter()
-        sel = self._select(cache, layer, hit, hit if picked is None else picked, mode, heads,
-                           ratio, summed)
+        sel = select_rows(hit, hit if picked is None else picked, mode, heads, ratio, deviation,
+                          self.device)
         loads.times["select"] += time.perf_counter() - w
         if len(sel.rows) == len(hit):  # every row: keep transformers' own mask
             return rows, h, sel.picked
@@ -403,14 +408,6 @@ class BlendEngine:
         if score in ("kv", "v"):
             dev += ((cache.v[layer][0, :, :n].float() - loaded_v.float()) ** 2).sum((0, 2))
         return dev
-
-    def _select(self, cache: _Cache, layer: int, hit: np.ndarray,
-                among: np.ndarray | torch.Tensor, mode: Mode, heads: list[int], ratio: float,
-                dev: torch.Tensor | None = None) -> Selection:
-        """A selection step (``select_rows``), by this layer's ``deviation`` unless ``dev``."""
-        def deviation() -> torch.Tensor:
-            return self.deviation(cache, layer, len(hit), mode.score) if dev is None else dev
-        return select_rows(hit, among, mode, heads, ratio, deviation, self.device)
 
     def close(self) -> None:
         """Unregister the engine's buffer."""
