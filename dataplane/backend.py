@@ -6,15 +6,20 @@ buffers, memcpy) and ``dataplane.cuda`` (CUDA IPC buffers, DMA into host-registe
 The store logic (keys, reservations, pins, commit order) lives in ``dataplane.transfer`` and is
 the same for both.
 
-Life of one call on an ``InstanceBuffer`` (all on the instance's own worker thread, in order)::
+One seam: ``copy(direction, token_starts, chunk_size, slab_offsets, layers)`` moves chunks
+between the engine's buffer and their slab slots, every layer or a range of them. A call goes
+through these states on an ``InstanceBuffer``, all on the instance's own worker thread, in order:
 
-    bind(block_table)          the call's token capacity (a paged buffer: through its block table)
-    check(starts, chunk_size)  every chunk's tokens have slots (before any side effect)
-    begin(engine_event)        wait (on the instance's stream) for the engine's event, if any
-    to_slab_many(...) / from_slab_many(...)  enqueue one copy per chunk (CPU: done at once)
-    mark()                     a marker for the copies enqueued so far (any number per call)
-    end(done_event)            record the completion event after the last copy; a marker for all
-    wait(marker)               block until the copies before that marker completed
+| state | method | what it does | next |
+|---|---|---|---|
+| idle | ``bind(block_table)`` | the call's token capacity (a paged buffer: its block table) | bound |
+| bound | ``check(starts, chunk_size)`` | every chunk's tokens have slots; no side effect before | checked |
+| checked | ``begin(engine_event)`` | the instance's stream waits for the engine's event (CUDA) | copying |
+| copying | ``copy(...)``, ``turn_k(...)`` | enqueue copies / K turns in order (CPU: done at once) | copying |
+| copying | ``begin(event)`` | wait for another engine event (a layer-wise store's group) | copying |
+| copying | ``mark()`` / ``record(handle)`` | a marker / an interprocess event after what is enqueued | copying |
+| copying | ``end(done_event)`` | the completion event after the last copy; a marker for all | ended |
+| any | ``wait(marker)`` | block until the copies enqueued before ``marker`` completed | same |
 
 NOTE: the data plane commits a reservation (and drops a pin) only after ``wait`` returned for a
 marker taken after that chunk's copy, never before. ``finish`` = ``wait(end(done_event))``.
@@ -23,6 +28,7 @@ marker taken after that chunk's copy, never before. ``finish`` = ``wait(end(done
 from __future__ import annotations
 
 import abc
+import enum
 from typing import Any
 
 import numpy as np
@@ -31,6 +37,13 @@ from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import BufferSpec
 from kvblend.shm.layout import KVLayout
+
+
+class Direction(enum.Enum):
+    """Which way a copy moves a chunk: into its slab slot (a store) or out of it (a retrieve)."""
+
+    TO_SLAB = "to_slab"
+    FROM_SLAB = "from_slab"
 
 
 class InstanceBuffer(abc.ABC):
@@ -63,41 +76,21 @@ class InstanceBuffer(abc.ABC):
         """Order what follows after the engine's interprocess event (CUDA); no-op on CPU."""
 
     @abc.abstractmethod
-    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        """Copy ``buffer[:, :, token_start:token_start+chunk_size, :]`` to the slab at
-        ``slab_offset`` (``[2, L, C, D]`` contiguous)."""
+    def copy(self, direction: "Direction", token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
+        """Enqueue the copy of each chunk ``buffer[:, layers, t:t+chunk_size]`` to (``TO_SLAB``)
+        or from (``FROM_SLAB``) its slot at ``slab_offset`` (``[2, L, C, D]`` contiguous), in
+        order; ``layers``: ``(first, last)``, every layer when None.
 
-    @abc.abstractmethod
-    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        """The reverse of ``to_slab``."""
+        Raises:
+            BadRequest: the backend cannot copy that layer range in that direction.
+        """
 
-    def to_slab_many(self, token_starts: list[int], chunk_size: int,
-                     slab_offsets: list[int]) -> None:
-        """``to_slab`` for each (token start, slab offset) pair, in order."""
-        for t, off in zip(token_starts, slab_offsets):
-            self.to_slab(t, chunk_size, off)
-
-    def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
-                       token_starts: list[int]) -> None:
-        """``from_slab`` for each (slab offset, token start) pair, in order."""
-        for off, t in zip(slab_offsets, token_starts):
-            self.from_slab(off, chunk_size, t)
-
-    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
-                         first: int, last: int) -> None:
-        """``from_slab_many`` of layers ``[first, last)`` only (a layer-wise retrieve)."""
-        raise BadRequest(f"{type(self).__name__} has no layer-wise retrieve")
-
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
-        """``to_slab_many`` of layers ``[first, last)`` only (a layer-wise store)."""
-        raise BadRequest(f"{type(self).__name__} has no layer-wise store")
-
-    def layer_copies(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                     to_slab: bool) -> "LayerCopies":
+    def layer_copies(self, direction: "Direction", token_starts: list[int], chunk_size: int,
+                     slab_offsets: list[int]) -> "LayerCopies":
         """The copies of one layer-wise call, made group of layers by group (``LayerCopies``):
         what every group of the call shares is prepared once."""
-        return LayerCopies(self, token_starts, chunk_size, slab_offsets, to_slab)
+        return LayerCopies(self, direction, token_starts, chunk_size, slab_offsets)
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
@@ -133,23 +126,19 @@ class InstanceBuffer(abc.ABC):
 
 
 class LayerCopies:
-    """The chunks of one layer-wise store (``to_slab``) or retrieve, copied group of layers by
-    group: ``copy(first, last)`` enqueues layers ``[first, last)`` of every chunk; ``close()``
-    after the last group. This one calls ``to_slab_layers`` or ``from_slab_layers`` per group;
-    a backend may prepare once what the groups share (``dataplane.cuda_paged``)."""
+    """The chunks of one layer-wise store or retrieve, copied group of layers by group:
+    ``copy(first, last)`` enqueues layers ``[first, last)`` of every chunk; ``close()`` after the
+    last group. This one calls the buffer's ``copy`` per group; a backend may prepare once what
+    the groups share (``dataplane.cuda_paged``)."""
 
-    def __init__(self, buf: InstanceBuffer, token_starts: list[int], chunk_size: int,
-                 slab_offsets: list[int], to_slab: bool) -> None:
-        self.buf, self.token_starts, self.chunk_size = buf, token_starts, chunk_size
-        self.slab_offsets, self.to_slab = slab_offsets, to_slab
+    def __init__(self, buf: InstanceBuffer, direction: "Direction", token_starts: list[int],
+                 chunk_size: int, slab_offsets: list[int]) -> None:
+        self.buf, self.direction, self.token_starts = buf, direction, token_starts
+        self.chunk_size, self.slab_offsets = chunk_size, slab_offsets
 
     def copy(self, first: int, last: int) -> None:
-        if self.to_slab:
-            self.buf.to_slab_layers(self.token_starts, self.chunk_size, self.slab_offsets,
-                                    first, last)
-        else:
-            self.buf.from_slab_layers(self.slab_offsets, self.chunk_size, self.token_starts,
-                                      first, last)
+        self.buf.copy(self.direction, self.token_starts, self.chunk_size, self.slab_offsets,
+                      (first, last))
 
     def close(self) -> None:
         pass
@@ -174,4 +163,4 @@ class CopyEngine(abc.ABC):
         """Release process-wide resources (host registration of the slab)."""
 
 
-__all__ = ["InstanceBuffer", "LayerCopies", "CopyEngine"]
+__all__ = ["Direction", "InstanceBuffer", "LayerCopies", "CopyEngine"]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvblend.dataplane import paged
-from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
+from kvblend.dataplane.backend import CopyEngine, Direction, InstanceBuffer
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.dataplane.messages import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
@@ -54,25 +54,16 @@ class CpuBuffer(InstanceBuffer):
         if engine_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
 
-    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        np.copyto(self._slot(slab_offset, chunk_size),
-                  self._buf[:, :, token_start:token_start + chunk_size])
-
-    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        np.copyto(self._buf[:, :, token_start:token_start + chunk_size],
-                  self._slot(slab_offset, chunk_size))
-
-    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
-                         first: int, last: int) -> None:
-        for off, t in zip(slab_offsets, token_starts):
-            np.copyto(self._buf[:, first:last, t:t + chunk_size],
-                      self._slot(off, chunk_size)[:, first:last])
-
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
+    def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
+        first, last = layers or (0, self.layout.num_layers)
         for t, off in zip(token_starts, slab_offsets):
-            np.copyto(self._slot(off, chunk_size)[:, first:last],
-                      self._buf[:, first:last, t:t + chunk_size])
+            slot = self._slot(off, chunk_size)[:, first:last]
+            mine = self._buf[:, first:last, t:t + chunk_size]
+            if direction is Direction.TO_SLAB:
+                np.copyto(slot, mine)
+            else:
+                np.copyto(mine, slot)
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
@@ -133,31 +124,20 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
         if engine_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
 
-    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        self.to_slab_layers([token_start], chunk_size, [slab_offset], 0, len(self._k))
-
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
+    def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
         assert self._table is not None, "bind() comes first"
+        first, last = layers or (0, len(self._k))
         for t, off in zip(token_starts, slab_offsets):
             at = self._table.slots(t, chunk_size)
             chunk = self._slot(off, chunk_size)
             for layer in range(first, last):
-                chunk[0, layer] = self._k[layer][at.block, at.slot]
-                chunk[1, layer] = self._v[layer][at.block, at.slot]
-
-    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        self.from_slab_layers([slab_offset], chunk_size, [token_start], 0, len(self._k))
-
-    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
-                         first: int, last: int) -> None:
-        assert self._table is not None, "bind() comes first"
-        for off, t in zip(slab_offsets, token_starts):
-            at = self._table.slots(t, chunk_size)
-            chunk = self._slot(off, chunk_size)
-            for layer in range(first, last):
-                self._k[layer][at.block, at.slot] = chunk[0, layer]
-                self._v[layer][at.block, at.slot] = chunk[1, layer]
+                if direction is Direction.TO_SLAB:
+                    chunk[0, layer] = self._k[layer][at.block, at.slot]
+                    chunk[1, layer] = self._v[layer][at.block, at.slot]
+                else:
+                    self._k[layer][at.block, at.slot] = chunk[0, layer]
+                    self._v[layer][at.block, at.slot] = chunk[1, layer]
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:

@@ -1,7 +1,8 @@
 """The CUDA copy engine: engine buffers shared by CUDA IPC, DMA straight into host-registered slabs.
 
-This module owns the CUDA side of a contiguous buffer: one stream per instance, waiting on the engine's interprocess event before every store and
-retrieve, recording the completion event, and one ``cudaMemcpy2DAsync`` per chunk.
+This module owns the CUDA side of a contiguous buffer: one stream per instance, waiting on the
+engine's interprocess event before every store and retrieve, recording the completion event, and
+one ``cudaMemcpy2DAsync`` per chunk (two for a range of layers).
 
 A chunk in the engine buffer ``[2, L, T, D]`` is 2*L runs of C*D elements, ``T*D`` elements apart;
 in the slab it is contiguous ``[2, L, C, D]``. One strided copy moves it::
@@ -26,7 +27,7 @@ import cupy
 import numpy as np
 import torch
 
-from kvblend.dataplane.backend import InstanceBuffer
+from kvblend.dataplane.backend import Direction, InstanceBuffer
 from kvblend.dataplane.errors import BadRequest
 from kvblend.shm.layout import KVLayout
 
@@ -71,52 +72,24 @@ class CudaBuffer(InstanceBuffer):
         if engine_event is not None:
             self.stream.wait_event(self._event(engine_event))
 
-    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        self.to_slab_many([token_start], chunk_size, [slab_offset])
-
-    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        self.from_slab_many([slab_offset], chunk_size, [token_start])
-
-    def to_slab_many(self, token_starts: list[int], chunk_size: int,
-                     slab_offsets: list[int]) -> None:
-        width, pitch, row = chunk_size * self._row, self.layout.num_tokens * self._row, self._row
-        buf, slab, rows, stream = self._ptr, self._slab, self._rows, self.stream.cuda_stream
-        copy = cupy.cuda.runtime.memcpy2DAsync
-        for t, off in zip(token_starts, slab_offsets):
-            copy(slab + off, width, buf + t * row, pitch, width, rows, D2H, stream)
-
-    def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
-                       token_starts: list[int]) -> None:
-        width, pitch, row = chunk_size * self._row, self.layout.num_tokens * self._row, self._row
-        buf, slab, rows, stream = self._ptr, self._slab, self._rows, self.stream.cuda_stream
-        copy = cupy.cuda.runtime.memcpy2DAsync
-        for off, t in zip(slab_offsets, token_starts):
-            copy(buf + t * row, pitch, slab + off, width, width, rows, H2D, stream)
-
-    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
-                         first: int, last: int) -> None:
-        self._layer_rows(token_starts, chunk_size, slab_offsets, first, last, H2D)
-
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
-        self._layer_rows(token_starts, chunk_size, slab_offsets, first, last, D2H)
-
-    def _layer_rows(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                    first: int, last: int, kind: int) -> None:
+    def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
         # K rows of layers [first, last) are adjacent in the slab's [2, L, C, D] (C*D apart) and
-        # in the buffer's [2, L, T, D] (T*D apart): one strided copy for K, one for V
+        # in the buffer's [2, L, T, D] (T*D apart): one strided copy for K and V of every layer,
+        # one for K and one for V of a range of them
         L, T = self.layout.num_layers, self.layout.num_tokens
+        first, last = layers or (0, L)
         width, pitch, row = chunk_size * self._row, T * self._row, self._row
         buf, slab, stream = self._ptr, self._slab, self.stream.cuda_stream
         copy = cupy.cuda.runtime.memcpy2DAsync
+        parts = [(0, 2 * L)] if (first, last) == (0, L) else [(first, last), (L + first, L + last)]
         for t, off in zip(token_starts, slab_offsets):
-            for kv in (0, 1):
-                slot = slab + off + (kv * L + first) * width
-                mine = buf + ((kv * L + first) * T + t) * row
-                if kind == D2H:
-                    copy(slot, width, mine, pitch, width, last - first, D2H, stream)
+            for lo, hi in parts:  # rows [lo, hi) of the chunk's 2*L
+                slot, mine = slab + off + lo * width, buf + lo * T * row + t * row
+                if direction is Direction.TO_SLAB:
+                    copy(slot, width, mine, pitch, width, hi - lo, D2H, stream)
                 else:
-                    copy(mine, pitch, slot, width, width, last - first, H2D, stream)
+                    copy(mine, pitch, slot, width, width, hi - lo, H2D, stream)
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:

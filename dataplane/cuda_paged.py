@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvblend.dataplane import paged
-from kvblend.dataplane.backend import LayerCopies
+from kvblend.dataplane.backend import Direction, LayerCopies
 from kvblend.dataplane.cuda import D2H, H2D, CudaBuffer
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.gather import SegmentCopier, Table
@@ -119,8 +119,24 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         n = 2 * self.layout.num_layers * chunk_size * self._row
         return [staging, staging + per // 2 * n], per // 2
 
-    def to_slab_many(self, token_starts: list[int], chunk_size: int,
-                     slab_offsets: list[int]) -> None:
+    def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
+        first, last = layers or (0, self.layout.num_layers)
+        whole = (first, last) == (0, self.layout.num_layers)
+        if direction is Direction.TO_SLAB and whole:
+            self._store_staged(token_starts, chunk_size, slab_offsets)
+        elif direction is Direction.TO_SLAB:
+            self._store_direct(token_starts, chunk_size, slab_offsets, first, last)
+        elif self._slab_mapped and not whole:
+            # a layer group: one scatter kernel reading the slots over PCIe (no DMA per chunk)
+            slots = self._slab + np.asarray(slab_offsets, np.int64)
+            self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots,
+                                             False), self.stream)
+        else:
+            self._retrieve_staged(slab_offsets, chunk_size, token_starts, first, last)
+
+    def _store_staged(self, token_starts: list[int], chunk_size: int,
+                      slab_offsets: list[int]) -> None:
         # gathers on the side stream into one half while the main stream DMAs the other half:
         # the main stream (whose markers complete the call) waits for each gather, and the side
         # stream waits until the DMAs that last read a half are done before refilling it
@@ -148,11 +164,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         ev.record(stream)
         return ev
 
-    def to_slab_layers(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                       first: int, last: int) -> None:
-        if (first, last) == (0, self.layout.num_layers):
-            self.to_slab_many(token_starts, chunk_size, slab_offsets)
-            return
+    def _store_direct(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
+                      first: int, last: int) -> None:
         if not self._slab_mapped:
             raise BadRequest("a layer-wise store of a paged cache needs a GPU that can use the "
                              "slab's host address (cudaDevAttrCanUseHostPointerForRegisteredMem)")
@@ -161,18 +174,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots, True),
                           self.stream)
 
-    def from_slab_many(self, slab_offsets: list[int], chunk_size: int,
-                       token_starts: list[int]) -> None:
-        self.from_slab_layers(slab_offsets, chunk_size, token_starts, 0, self.layout.num_layers)
-
-    def from_slab_layers(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
+    def _retrieve_staged(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
                          first: int, last: int) -> None:
-        if self._slab_mapped and (first, last) != (0, self.layout.num_layers):
-            # a layer group: one scatter kernel reading the slots over PCIe (no DMA per chunk)
-            slots = self._slab + np.asarray(slab_offsets, np.int64)
-            self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots,
-                                             False), self.stream)
-            return
         # DMAs into one half on the side stream while the main stream scatters the other half
         halves, per = self._halves(chunk_size)
         L, width = self.layout.num_layers, chunk_size * self._row  # a layer's K (or V) of a chunk
@@ -195,11 +198,11 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
                               self.stream)
             freed[b % 2] = self._after(self.stream)
 
-    def layer_copies(self, token_starts: list[int], chunk_size: int, slab_offsets: list[int],
-                     to_slab: bool) -> LayerCopies:
+    def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,
+                     slab_offsets: list[int]) -> LayerCopies:
         if not self._slab_mapped:
-            return super().layer_copies(token_starts, chunk_size, slab_offsets, to_slab)
-        return _DirectLayers(self, token_starts, chunk_size, slab_offsets, to_slab)
+            return super().layer_copies(direction, token_starts, chunk_size, slab_offsets)
+        return _DirectLayers(self, direction, token_starts, chunk_size, slab_offsets)
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
@@ -229,9 +232,10 @@ class _DirectLayers(LayerCopies):
 
     buf: CudaPagedBuffer
 
-    def __init__(self, buf: CudaPagedBuffer, token_starts: list[int], chunk_size: int,
-                 slab_offsets: list[int], to_slab: bool) -> None:
-        super().__init__(buf, token_starts, chunk_size, slab_offsets, to_slab)
+    def __init__(self, buf: CudaPagedBuffer, direction: Direction, token_starts: list[int],
+                 chunk_size: int, slab_offsets: list[int]) -> None:
+        super().__init__(buf, direction, token_starts, chunk_size, slab_offsets)
+        self.to_slab = direction is Direction.TO_SLAB
         self._table: Table | None = None
         self._layer = 0  # the layer the table was built for
 

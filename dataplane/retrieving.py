@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvblend.dataplane.backend import Direction
 from kvblend.dataplane.calls import (Call, Shared, batches, chunk_keys, drain, namespace_of,
                                      tokens_of)
 from kvblend.dataplane.errors import BadRequest, OutOfRange
@@ -149,7 +150,7 @@ class _RetrieveCall:
             idx = self._pin_and_check(lo, hi)
             if len(idx):
                 at = (self.msg.offset + self.cur[idx]).tolist()
-                buf.from_slab_many(store.kv_offsets(self.slots[idx]).tolist(), C, at)
+                buf.copy(Direction.FROM_SLAB, at, C, store.kv_offsets(self.slots[idx]).tolist())
                 if turn is not None:
                     buf.turn_k(at, C, turn.of_batch(idx, store.positions(self.slots[idx])),
                                turn.cfg, 0, self.inst.layout.num_layers)
@@ -167,7 +168,7 @@ class _RetrieveCall:
         batch = turn.of_batch(idx, store.positions(self.slots[idx])) if turn is not None else None
         failed = np.flatnonzero(self.why != VERIFIED).tolist()
         bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
-        copies = buf.layer_copies(starts, C, offsets, to_slab=False)
+        copies = buf.layer_copies(Direction.FROM_SLAB, starts, C, offsets)
         try:
             for g in range(msg.layer_groups):
                 if len(idx):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvblend.dataplane.backend import Direction
 from kvblend.dataplane.calls import (Call, Gate, Shared, batches, chunk_keys, drain,
                                      forget_evicted, log, namespace_of, tokens_of)
 from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
@@ -138,8 +139,8 @@ class _StoreCall:
             b = min(a + per, hi)
             idx = a + np.flatnonzero(self.slots[a:b] >= 0)
             if len(idx):
-                buf.to_slab_many(self.starts[idx].tolist(), self.C,
-                                 self.sh.store.kv_offsets(self.slots[idx]).tolist())
+                buf.copy(Direction.TO_SLAB, self.starts[idx].tolist(), self.C,
+                         self.sh.store.kv_offsets(self.slots[idx]).tolist())
             self.groups.append((a, b, buf.end(self.msg.done_event) if b == self.n
                                 else buf.mark()))
 
@@ -223,7 +224,7 @@ def _store_layer_groups(buf: "InstanceBuffer", msg: StoreChunks, gate: Gate, at:
     """Copy each group of layers of the reserved chunks (token starts ``at``, slab offsets
     ``offs``) once the engine announced it."""
     bounds = [L * g // msg.layer_groups for g in range(msg.layer_groups + 1)]
-    copies = buf.layer_copies(at, C, offs, to_slab=True)
+    copies = buf.layer_copies(Direction.TO_SLAB, at, C, offs)
     try:
         for g in range(msg.layer_groups):
             if not gate.wait(bounds[g + 1], msg.layer_wait_s):

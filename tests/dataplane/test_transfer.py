@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvblend.dataplane.transfer as tr
-from kvblend.dataplane.backend import InstanceBuffer
+from kvblend.dataplane.backend import Direction, InstanceBuffer
 from kvblend.dataplane.messages import (ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks,
                                         StoreKind)
 from kvblend.shm.events import EventLog
@@ -39,14 +39,14 @@ class Recorder(InstanceBuffer):
     def begin(self, engine_event: bytes | None) -> None:
         self.log.append(("begin",))
 
-    def to_slab(self, token_start: int, chunk_size: int, slab_offset: int) -> None:
-        if self.fail_at is not None and token_start // chunk_size == self.fail_at:
-            raise RuntimeError("copy failed")
-        self.pending.append(token_start // chunk_size)
-        self.log.append(("copy", token_start // chunk_size))
-
-    def from_slab(self, slab_offset: int, chunk_size: int, token_start: int) -> None:
-        self.log.append(("copy", token_start // chunk_size))
+    def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
+             slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
+        for token_start in token_starts:
+            if direction is Direction.TO_SLAB:
+                if self.fail_at is not None and token_start // chunk_size == self.fail_at:
+                    raise RuntimeError("copy failed")
+                self.pending.append(token_start // chunk_size)
+            self.log.append(("copy", token_start // chunk_size))
 
     def mark(self) -> Any:
         self.marks += 1
