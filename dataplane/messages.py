@@ -81,6 +81,8 @@ class ChunkFailure(enum.StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"  # retrieve: stored by an instance of another layout
     TOKENS_MISMATCH = "tokens_mismatch"  # retrieve: the chunk holds other tokens than the
                                          # prompt at cur_st (a wrong match)
+    MOVED = "moved"                      # retrieve with rotate=False: the chunk is stored at
+                                         # another position than its match's old_st
     NO_ROOM = "no_room"                  # store: every slot the chunk fits was pinned or
                                          # being written
 
@@ -313,7 +315,9 @@ class RetrieveChunks(_Msg):
     positions it was computed at (its store's ``first_position`` plus the chunk's place there) to
     the prompt's (this call's ``first_position``, the model's position of the prompt's token 0,
     plus ``cur_st``) unless ``rotate`` is False; a layer-wise retrieve announces a group once its
-    layers are turned.
+    layers are turned. With ``rotate`` False (the engine turns K itself, from each match's
+    ``old_st``), a chunk now stored from another position than its match's ``old_st`` is not
+    copied (``ChunkFailure.MOVED``).
     """
 
     instance_id: U63

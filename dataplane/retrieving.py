@@ -108,6 +108,8 @@ class _RetrieveCall:
         self.C, self.n = C, n
         self.cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
         self.turn = _Turn.of(inst, msg, self.cur, C)
+        self.old = (np.fromiter((m.old_st for m in msg.matches), np.int64, n)
+                    if inst.request.rotary is not None and not msg.rotate else None)
         buf.check(msg.offset + self.cur, C)
         self.ns = namespace_of(inst, msg.cache_salt)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
@@ -139,7 +141,12 @@ class _RetrieveCall:
         self.why[lo:hi] = PINS_FULL if full else store.check_pinned(
             self.inst.class_id, self.slots[lo:hi], self.keys[lo:hi],
             self.tokens[cur[lo:hi, None] + np.arange(C)])
-        return lo + np.flatnonzero(self.why[lo:hi] == VERIFIED)
+        ok = lo + np.flatnonzero(self.why[lo:hi] == VERIFIED)
+        if self.old is not None and len(ok):  # copied unturned: where the match said
+            moved = store.positions(self.slots[ok]) != self.old[ok]
+            self.why[ok[moved]] = MOVED
+            ok = ok[~moved]
+        return ok
 
     def _copy_batches(self) -> None:
         """Pin, check and copy batch by batch; a batch is unpinned once the next one is
@@ -253,8 +260,10 @@ def _pin(store: Store, buf: "InstanceBuffer", keys: np.ndarray, slots: np.ndarra
 
 
 PINS_FULL = 4  # beside shm.slots.check's answers: the pin table was full
+MOVED = 5  # and: stored from another position than the match's old_st (an unturned copy)
 _FAILURES = {NOT_PINNED: ChunkFailure.MISSING, OTHER_LAYOUT: ChunkFailure.LAYOUT_MISMATCH,
-             OTHER_TOKENS: ChunkFailure.TOKENS_MISMATCH, PINS_FULL: ChunkFailure.PINS_FULL}
+             OTHER_TOKENS: ChunkFailure.TOKENS_MISMATCH, PINS_FULL: ChunkFailure.PINS_FULL,
+             MOVED: ChunkFailure.MOVED}
 
 
 def _release(store: Store, buf: "InstanceBuffer", slots: np.ndarray,

@@ -157,6 +157,26 @@ def turn(freqs: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[Any, Any]
             torch.from_numpy(np.sin(delta).astype(np.float32)))
 
 
+def turn_on(freqs: np.ndarray, old: np.ndarray, new: np.ndarray, device: Any) -> tuple[Any, Any]:
+    """``turn`` computed by torch on ``device`` (an engine turning K on its own stream): the
+    same float32 angles, their difference and ``cos``/``sin`` in float64, rounded to float32.
+
+    Raises:
+        ValueError: a position outside ``[0, MAX_POSITION)``.
+    """
+    import torch
+    for p in (old, new):
+        if len(p) and (p.min() < 0 or p.max() >= MAX_POSITION):
+            raise ValueError(f"positions must lie in [0, {MAX_POSITION})")
+    f = torch.as_tensor(np.asarray(freqs, np.float32), device=device)
+
+    def angle(p: np.ndarray) -> Any:  # fl32(p * f_i), as float64
+        at = torch.as_tensor(np.asarray(p, np.int64), device=device).to(torch.float32)
+        return (at[:, None] * f[None, :]).to(torch.float64)
+    delta = angle(new) - angle(old)
+    return delta.cos().to(torch.float32), delta.sin().to(torch.float32)
+
+
 class Turn:
     """The turn of a batch of chunks: token ``c`` of chunk ``j`` from position ``old[j, c]`` to
     ``new[j, c]`` (int64 ``[chunks, C]``), by the model's float32 frequencies ``freqs``. A GPU
@@ -192,5 +212,5 @@ def rotate(k: Any, cos: Any, sin: Any, cfg: RotaryConfig) -> None:
     part.copy_(out.to(k.dtype))
 
 
-__all__ = ["RotaryConfig", "Turn", "torch_dtype", "check", "frequencies", "angles", "turn", "rotate",
-           "MAX_POSITION"]
+__all__ = ["RotaryConfig", "Turn", "torch_dtype", "check", "frequencies", "angles", "turn",
+           "turn_on", "rotate", "MAX_POSITION"]

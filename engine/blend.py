@@ -3,8 +3,9 @@
 This module runs inside an engine's process, on top of ``dataplane.client.BlendClient``. It owns
 the layer loop over the model's own modules (embedding, rotary embedding, decoder layers, final
 norm, LM head), the cache that loop reads and writes, and the choice of which tokens each layer
-computes. It does not own where KV lives between requests (kvblend) nor how K is re-rotated (the
-data plane turns it on retrieve, ``dataplane.rotary``).
+computes. It does not own where KV lives between requests (kvblend) nor how K is re-rotated
+(``engine.rotary.KTurn`` on the engine's stream on a GPU, else the data plane on retrieve; one set
+of formulas, ``dataplane.rotary``).
 
 The engine's KV buffer is one registered ``[2, L, T, kv_heads * head_dim]`` buffer: row ``p`` holds
 the K (after the rotary embedding) and V of prompt position ``p``. A prefill::
@@ -68,7 +69,7 @@ from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
 from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES
 from kvblend.engine.modes import (DEFAULT, FULL, NAIVE, Mode, cacheblend, epic, given,
                                   random_blend)
-from kvblend.engine.rotary import model_rotary, rotary_config
+from kvblend.engine.rotary import KTurn, model_rotary, rotary_config
 from kvblend.engine.select import Selection, rows_on, select_rows, sink_rows
 
 
@@ -100,8 +101,8 @@ class _Loads:
 
     def __init__(self, engine: "BlendEngine", transfer: Transfer | None, layerwise: bool,
                  starts: list[int], chunk: list[int], hit: np.ndarray,
-                 times: dict[str, float]) -> None:
-        self.engine, self.transfer, self.layerwise = engine, transfer, layerwise
+                 times: dict[str, float], turn: KTurn | None = None) -> None:
+        self.engine, self.transfer, self.layerwise, self.turn = engine, transfer, layerwise, turn
         self.starts, self.chunk, self.hit, self.times = starts, chunk, hit, times
         self.failed: list[int] = []
         self.waited = -1  # the last layer that can be read (-1: none yet)
@@ -116,13 +117,20 @@ class _Loads:
         elif self.layerwise:
             for later in range(self.waited + 1, layer + 1):
                 self.failed = self.transfer.wait_layer(later, timeout=120)
+                self._turn(later)
             self.waited = layer
         else:
             self.failed = self.transfer.wait(timeout=120).failed
+            for later in range(self.engine.layers):
+                self._turn(later)
             self.waited = self.engine.layers - 1
         if first:
             self._mark()
         self.times["load_wait"] += time.perf_counter() - w
+
+    def _turn(self, layer: int) -> None:
+        if self.turn is not None:  # K came unturned: turn it on the engine's stream
+            self.turn.layer(self.engine.kv, layer)
 
     def _mark(self) -> None:
         bad = set(self.failed)
@@ -182,10 +190,12 @@ class BlendEngine:
         model_name: the kvblend namespace's model name.
         num_tokens: the engine buffer's rows: the longest prompt plus its decode.
         cache_salt: the tenant salt of every call.
+        turn_here: whether the engine turns loaded K itself (``KTurn``, on its own stream) or the
+            data plane does on retrieve; default: the engine when it runs on a GPU.
     """
 
     def __init__(self, model: Any, client: BlendClient, model_name: str, num_tokens: int,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", turn_here: bool | None = None) -> None:
         cfg = model.config
         self.model, self.client, self.model_name, self.salt = model, client, model_name, cache_salt
         self.layers = int(cfg.num_hidden_layers)
@@ -200,8 +210,9 @@ class BlendEngine:
                                   device=self.device)
         else:
             self.kv = client.cpu_kv_buffer(self.layers, num_tokens, D, self.dtype)
-        self.inst = client.register_kv_cache(self.kv, model_name=model_name,
-                                             rotary=model_rotary(model))
+        self.rotary = model_rotary(model)
+        self.turn_here = self.device.type == "cuda" if turn_here is None else turn_here
+        self.inst = client.register_kv_cache(self.kv, model_name=model_name, rotary=self.rotary)
 
     # -- storing ----------------------------------------------------------------------------
 
@@ -337,6 +348,7 @@ class BlendEngine:
         run begins (its first rows are fake attention sinks)."""
         t0 = time.perf_counter()
         transfer: Transfer | None = None
+        turn: KTurn | None = None
         layerwise = False
         starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
         heads = list(starts)
@@ -349,14 +361,17 @@ class BlendEngine:
                 transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
                                                 cache_salt=self.salt,
                                                 layer_groups=self.layers if layerwise else 0,
-                                                first_position=positions)
+                                                first_position=positions,
+                                                rotate=not self.turn_here)
+                if self.turn_here:
+                    turn = KTurn(self.rotary, matches, positions, self.kv_heads, self.device)
             starts = [m.cur_st for m in matches]
             chunk = [m.cur_ed - m.cur_st for m in matches]
             heads = [m.cur_st for j, m in enumerate(matches)
                      if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
                      != (m.cur_st, m.old_st)]
         hit = np.zeros(len(ids), bool)
-        return _Loads(self, transfer, layerwise, starts, chunk, hit, times), heads
+        return _Loads(self, transfer, layerwise, starts, chunk, hit, times, turn), heads
 
     def _select_step(self, cache: _Cache, layer: int, loads: "_Loads", mode: Mode,
                      heads: list[int], ratio: float, summed: torch.Tensor | None,

@@ -1,15 +1,19 @@
-"""The rotary config a model registers with kvblend, so that the data plane turns K as the model
-rotates it: the formula (``rotary_config``, from the transformers config) and the model's own
-frequencies (``model_rotary``, from its ``inv_freq`` buffer, in its dtype)."""
+"""The rotary config a model registers with kvblend, so that K is turned as the model rotates it:
+the formula (``rotary_config``, from the transformers config) and the model's own frequencies
+(``model_rotary``, from its ``inv_freq`` buffer, in its dtype); and the turn of loaded K on the
+engine's own stream (``KTurn``)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
+from kvblend.dataplane import rotary
 from kvblend.dataplane.messages import RotaryConfig
 
 log = logging.getLogger("kvblend.engine")
@@ -71,4 +75,32 @@ def model_rotary(model: Any) -> RotaryConfig:
     return msgspec.structs.replace(cfg, inv_freq=inv_freq.detach().float().cpu().tolist())
 
 
-__all__ = ["rotary_config", "model_rotary"]
+class KTurn:
+    """K of a retrieve's chunks turned by the engine, layer by layer on its own stream, from the
+    positions each chunk was computed at (its match's ``old_st``) to the prompt's
+    (``first_position + cur_st``): the data plane copies them unturned (``rotate=False``).
+
+    On a GPU this keeps every kernel of a prefill in the engine's CUDA context: the data plane's
+    turning kernels run in another context, and the GPU takes turns between contexts (time
+    slices) instead of running the two side by side (docs/benchmarks.md). The angles are the
+    data plane's (``dataplane.rotary.turn_on``: the same formulas), so either side turns alike.
+    """
+
+    def __init__(self, cfg: RotaryConfig, matches: Sequence[Any], first_position: int,
+                 heads: int, device: torch.device) -> None:
+        old = np.concatenate([np.arange(m.old_st, m.old_ed) for m in matches])
+        rows = np.concatenate([np.arange(m.cur_st, m.cur_ed) for m in matches])
+        self.cfg, self.heads = cfg, heads
+        self.rows = torch.as_tensor(rows, device=device)
+        self.cos, self.sin = rotary.turn_on(rotary.frequencies(cfg), old, first_position + rows,
+                                            device)
+
+    def layer(self, kv: torch.Tensor, layer: int) -> None:
+        """Turn K of ``layer`` of the buffer ``kv`` (``[2, L, T, heads * head_dim]``) in place,
+        after the work queued on the current stream (the layer's load)."""
+        k = kv[0, layer, self.rows]  # a copy of the chunks' rows
+        rotary.rotate(k.view(len(self.rows), self.heads, -1), self.cos, self.sin, self.cfg)
+        kv[0, layer, self.rows] = k
+
+
+__all__ = ["rotary_config", "model_rotary", "KTurn"]

@@ -4,6 +4,7 @@ other positions, equals the KV the model computes for the document at those posi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +14,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import MatchSpec, RotaryConfig
+from kvblend.dataplane.messages import ChunkFailure, MatchSpec, RotaryConfig
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,32 @@ def test_retrieved_k_is_at_the_prompts_positions(dataplane: DataPlaneProc, model
         # opting out copies K as stored
         assert client.retrieve(b, prompt, matches, rotate=False).wait(timeout=60).ok
         assert torch.equal(dst[0, :, 5:5 + n], k_doc[:, doc_from:doc_from + n])
+
+
+def test_an_unturned_retrieve_copies_only_chunks_stored_where_their_match_says(
+        dataplane: DataPlaneProc) -> None:
+    """An engine that turns K itself (``rotate=False``) turns from each match's ``old_st``: a
+    chunk stored from another position is not copied (it would be turned by the wrong angle);
+    a retrieve the data plane turns reads the stored position and copies it."""
+    doc = np.random.default_rng(4).integers(0, 1000, 3 * CHUNK)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        src = client.cpu_kv_buffer(L, T, D, torch.float32)
+        src.normal_()
+        a = client.register_kv_cache(src, model_name="rope-m", rotary=ROTARY)
+        assert client.store_pre_computed(a, doc, first_position=7).wait(timeout=60).ok
+        matches = client.lookup(doc, "rope-m").matches
+        assert [m.old_st for m in matches] == [7, 7 + CHUNK, 7 + 2 * CHUNK]
+        dst = client.cpu_kv_buffer(L, T, D, torch.float32)
+        b = client.register_kv_cache(dst, model_name="rope-m", rotary=ROTARY)
+        assert client.retrieve(b, doc, matches, rotate=False).wait(timeout=60).ok
+        assert torch.equal(dst[:, :, :len(doc)], src[:, :, :len(doc)])
+        # the match of chunk 1 says it was computed 3 positions earlier than it was
+        said = list(matches)
+        said[1] = dataclasses.replace(said[1], old_st=said[1].old_st - 3,
+                                      old_ed=said[1].old_ed - 3)
+        got = client.retrieve(b, doc, said, rotate=False).wait(timeout=60)
+        assert got.failed == [1] and got.reasons == {1: ChunkFailure.MOVED}
+        assert client.retrieve(b, doc, said).wait(timeout=60).ok  # turned from where it is
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -96,13 +96,16 @@ def test_recomputing_every_token_equals_full_prefill(engine: BlendEngine) -> Non
 
 
 @pytest.mark.slow
-def test_naive_reuse_equals_a_cache_turned_by_hand(dataplane: DataPlaneProc) -> None:
+@pytest.mark.parametrize("turn_here", [False, True], ids=["dataplane-turns", "engine-turns"])
+def test_naive_reuse_equals_a_cache_turned_by_hand(dataplane: DataPlaneProc,
+                                                   turn_here: bool) -> None:
     model = tiny_llama(torch.float32)
     rng = np.random.default_rng(3)
     a, b, q = rng.integers(0, V, 2 * CHUNK), rng.integers(0, V, 3 * CHUNK), rng.integers(0, V, 9)
     prompt = np.concatenate([a, b, q])
     with BlendClient(dataplane_address=dataplane.address) as client:
-        eng = BlendEngine(model, client, "tiny-naive", num_tokens=256)
+        eng = BlendEngine(model, client, f"tiny-naive-{turn_here}", num_tokens=256,
+                          turn_here=turn_here)
         assert eng.precompute(a).ok and eng.precompute(b, first_position=1).ok
         got = eng.prefill(prompt, NAIVE)
         eng.close()
