@@ -8,7 +8,8 @@ and a ``--question``-token question. Side by side in one run, medians of ``--ite
 
 - full: the plain prefill of the prompt (no kvblend call);
 - blend r: lookup + layer-wise retrieve with K turned to the prompt's positions + the check layers
-  + selection + recompute of the top r of chunk tokens and the question, end to end;
+  + selection + recompute of the top r of chunk tokens and the question, end to end; K turned by
+  the engine on its own stream, by the data plane on retrieve, or (``--turn both``) each in turn;
 - floor r: the same blend over KV already in the engine's buffer (no lookup, no retrieve): the
   compute a blend at r cannot avoid. ``blend / floor`` says how much of kvblend's work is hidden.
 
@@ -100,6 +101,9 @@ def main() -> None:
     p.add_argument("--ratios", default="0.15,0.05,0.30")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--storage-mb", type=int, default=0, help="default: what the documents need")
+    p.add_argument("--turn", choices=("engine", "dataplane", "both"), default="both",
+                   help="who turns loaded K: the engine on its own stream (its default on a GPU), "
+                        "the data plane on retrieve, or both side by side")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [float(x) for x in args.ratios.split(",")]
@@ -117,7 +121,9 @@ def main() -> None:
     try:
         with BlendClient(svc.url) as client:
             engine = BlendEngine(model, client, "ttft", num_tokens=max(lengths) + 64)
-            print(f"{'tokens':>7} {'full ms':>8} {'r':>5} {'blend ms':>9} {'floor ms':>9} "
+            turns = ["engine", "dataplane"] if args.turn == "both" else [args.turn]
+            print(f"{'tokens':>7} {'full ms':>8} {'r':>5} {'turn':>9} {'blend ms':>9} "
+                  f"{'floor ms':>9} "
                   f"{'speedup':>8} {'floor x':>8} {'of floor':>8}  where a blend's time goes",
                   flush=True)
             for n in lengths:
@@ -133,7 +139,9 @@ def main() -> None:
                 engine.prefill(prompt, FULL), engine.prefill(prompt, cacheblend(ratios[0]))  # warm
                 full = median_ms([engine.prefill(prompt, FULL).times["total"]
                                   for _ in range(args.iters)])
-                for r in ratios:
+                for r, turn in ((r, turn) for r in ratios for turn in turns):
+                    engine.turn_here = turn == "engine"
+                    engine.prefill(prompt, cacheblend(r))  # warm
                     runs = [engine.prefill(prompt, cacheblend(r)) for _ in range(args.iters)]
                     hits = int(runs[0].hit.sum())  # the documents' full chunks
                     blend = median_ms([x.times["total"] for x in runs])
@@ -141,7 +149,8 @@ def main() -> None:
                                        .times["total"] for _ in range(args.iters)])
                     parts = {k: median_ms([x.times[k] for x in runs])
                              for k in ("lookup", "load_wait", "select")}
-                    print(f"{len(prompt):>7} {full:>8.1f} {r:>5.2f} {blend:>9.1f} {floor:>9.1f} "
+                    print(f"{len(prompt):>7} {full:>8.1f} {r:>5.2f} {turn:>9} {blend:>9.1f} "
+                          f"{floor:>9.1f} "
                           f"{full / blend:>8.2f} {full / floor:>8.2f} "
                           f"{(full / blend) / (full / floor):>8.3f}  {hits} tokens reused; "
                           f"lookup {parts['lookup']:.1f}"

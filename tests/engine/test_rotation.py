@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvblend.dataplane import rotary
 from kvblend.dataplane.client import BlendClient
 from kvblend.engine.blend import BlendEngine, model_rotary, rotary_config
+from kvblend.engine.rotary import KTurn
 from tests.harness import remove_prefix
 from tests.scalings import SCALINGS
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
@@ -91,6 +92,37 @@ def test_retrieved_k_is_the_cast_models_own(device_plane: tuple[str, DataPlanePr
             if shift >= 4096:
                 assert rel_l2(eng.kv[0, 0, :N], want[0]) > 2 * TOLERANCE[dtype], shift
         client.unregister(exact)
+        eng.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_the_engine_turns_k_as_the_data_plane_does(device_plane: tuple[str, DataPlaneProc],
+                                                   scaling: str) -> None:
+    """``KTurn`` (the engine turning K on its own stream, after an unturned retrieve) gives the
+    bytes the data plane's turn gives, for every scaling and shift, on CPU and GPU."""
+    device, dp = device_plane
+    model = cast_llama(scaling, torch.bfloat16, device)
+    doc = np.random.default_rng(8).integers(0, V, N)
+    name = f"kturn-{scaling}-{uuid.uuid4().hex[:6]}"
+    with BlendClient(dataplane_address=dp.address) as client:
+        eng = BlendEngine(model, client, name, num_tokens=N)
+        assert eng.precompute(doc, first_position=3).ok
+        matches = client.lookup(doc, name).matches
+        assert len(matches) == N // CHUNK
+        for shift in SHIFTS:
+            assert client.retrieve(eng.inst, doc, matches, first_position=shift).wait(
+                timeout=60).ok
+            by_data_plane = eng.kv[0, :, :N].clone()
+            assert client.retrieve(eng.inst, doc, matches, first_position=shift,
+                                   rotate=False).wait(timeout=60).ok
+            unturned = eng.kv[0, :, :N].clone()
+            turn = KTurn(eng.rotary, matches, shift, HKV, eng.device)
+            for layer in range(L):
+                turn.layer(eng.kv, layer)
+            differ = (eng.kv[0, :, :N] != by_data_plane).float().mean().item()
+            assert differ <= 1e-3, (shift, differ)  # a last-bit rounding here and there at most
+            assert rel_l2(unturned, by_data_plane) > 0.1  # the test can tell a turn from none
         eng.close()
 
 
