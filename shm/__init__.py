@@ -29,6 +29,7 @@ Depends on nothing else of kvblend. Its modules, by the structure they serve::
       lookup       the fingerprint index joined with the store
     the event log ({prefix}_events)
       events       the ring of recent events and the counters
+      eventformat  its segment: drawing, header words, create and attach, an event's bytes
       telemetry    the counters and event kinds it may hold
     plumbing
       segment      one mapped segment, and the attach rule of every structure
