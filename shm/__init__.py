@@ -3,17 +3,21 @@
 Depends on nothing else of kvblend. Its modules, by the structure they serve::
 
     the chunk store ({prefix}_meta, {prefix}_slab)
-      store        the public object: reserve, commit, pin, evict, clear
+      store        the public object: attach, classes, reclaim, clear, stats
+      storewriter  its write path: reserve, commit, abort
+      storereader  its read path: pin, unpin, slot reads, lock-free membership
       storefile    its segments: geometry, drawing, create and attach, destroy
       header       its header words and a slot's header words, declared once
       keys         ChunkKey and its word form          records   what comes out (pins, stats)
       classes      layout class rows                    slots     where a slot's bytes are
       evicted      the evicted keys, for the index      layout    KV geometry and dtypes
       index        kernels: key -> slot, states, recency
-      slab         kernels: pages, slots, allocation, eviction, rebuild
-      pins         kernels: read pins per process
+      slab         kernels: pages, slots, allocation, eviction, reserve, commit
+      pins         kernels: read pins per process, pin and unpin
+      recovery     kernels: reclaim of dead processes, rebuild after a crash
     the fingerprint index ({prefix}_fp)
-      fingerprint  the public object: register, remove, sweep, match
+      fingerprint  the public object: register, remove, sweep, clear, repair
+      matcher      its lookup: probe, verify, drop stale, cover (match)
       fpformat     its segment: drawing, header and entry words, create and attach
       fpkernels    kernels: register, remove, rebuild
       registration what a registration inserts, prepared off the lock
@@ -25,6 +29,7 @@ Depends on nothing else of kvblend. Its modules, by the structure they serve::
       lookup       the fingerprint index joined with the store
     the event log ({prefix}_events)
       events       the ring of recent events and the counters
+      eventformat  its segment: drawing, header words, create and attach, an event's bytes
       telemetry    the counters and event kinds it may hold
     plumbing
       segment      one mapped segment, and the attach rule of every structure

@@ -2,9 +2,9 @@
 
 numba's ``cache=True`` needs a writable folder when kernels are defined (import time); without
 one it fails. Unless the caller chose a folder, the user's cache is used. Only the kernel modules
-(``index``, ``slab``, ``pins``, ``table``, ``fpformat``, ``fpkernels``, ``probe``, ``cover``)
-import this, first: a process that only uses ``shm``'s plain types (an engine's client) neither
-loads numba nor has its environment changed.
+(``index``, ``slab``, ``pins``, ``recovery``, ``table``, ``fpformat``, ``fpkernels``, ``probe``,
+``cover``) import this, first: a process that only uses ``shm``'s plain types (an engine's
+client) neither loads numba nor has its environment changed.
 
 NOTE: numba keys a cached kernel by its own file's modification time only. A kernel compiled
 together with a callee from another file (``shm.slab`` calling ``shm.index`` calling

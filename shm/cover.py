@@ -1,6 +1,6 @@
 """The cover: which of the verified matches a lookup returns.
 
-This module owns one choice (step 4 of ``shm.fingerprint``'s lookup): a non-overlapping set of
+This module owns one choice (step 4 of ``shm.matcher``'s lookup): a non-overlapping set of
 length-``k`` matches that covers the most tokens, and among those keeps the most adjacent pairs that
 continue one registered sequence (same ``seq``, ``old_st`` + k), so a document stored whole comes
 back as one run. It knows nothing of the index or the store.

@@ -1,57 +1,24 @@
 """The event log: a bounded ring of recent request events and named int64 counters, in shared memory.
 
-This module owns one segment per prefix and nothing else. The data plane records store/retrieve
-events into it, the API records lookup events, and the API serves ``/v1/events`` and ``/metrics``
-from it. It knows nothing of what the events mean: an event is a flat dict of JSON-able fields.
-
-Segment ``/dev/shm/P_events`` (mode 0600), lock file ``/dev/shm/P_events.lock``::
-
-    offset          part       shape                       notes
-    0               header     int64[HEADER_WORDS]         the words of ``EventsHdr``, below
-    128             names      uint8[MAX_COUNTERS, 48]     counter names, UTF-8, NUL padded
-    128+48*M        values     int64[MAX_COUNTERS]         counter values
-    ...             models     uint8[MAX_MODELS, 128]      model names, UTF-8, NUL padded
-    ...             per model  int64[MAX_MODELS, 16]       USED (1 once the name is whole), then
-                                                           the counters of MODEL_COUNTERS in order
-    ...             ring       uint8[CAPACITY, SLOT_BYTES] event slots (from a 64-byte boundary)
-
-    ring slot: int64 SEQ (0 = empty, -1 = being written), int64 LEN, then LEN bytes of JSON
-
-Event log header (``P_events`` from byte 0, ``int64[HEADER_WORDS]``)::
-
-    word  name        meaning                                          written by
-    0     MAGIC       MAGIC once creation completed (last)             create
-    1     VERSION     format version                                   create
-    2     CAPACITY    slots of the ring                                create
-    3     SLOT_BYTES  bytes per slot (a multiple of 8, >= 128)         create
-    4     HEAD        events ever recorded (the newest event's seq)    record
-
-Life of the segment (``EventLog.create``, ``attach`` and ``open``)::
-
-    absent --create--> unfinished (MAGIC 0) --header written, MAGIC last--> complete
-    unfinished, its creator died --create or open: unlink, create--> ...
-    complete, another VERSION or size --open: unlink, create--> ... (events are disposable)
-
-State of a slot::
-
-    empty (SEQ 0) --writer: SEQ=-1--> being written --payload, LEN, then SEQ=n--> holds event n
-    holds event n --writer of event n+CAPACITY: SEQ=-1--> being written ...
+This module owns ``EventLog``, one log per prefix, attached. The data plane records
+store/retrieve events into it, the API records lookup events, and the API serves ``/v1/events``
+and ``/metrics`` from it. It knows nothing of what the events mean: an event is a flat dict of
+JSON-able fields. It does not own the segment's layout, creation and attach, nor an event's
+bytes in its slot (``shm.eventformat``, whose names are re-exported here), nor the counter names
+and event kinds (``shm.telemetry``).
 
 NOTE: writers serialize on an ``flock`` (the kernel releases it when a writer dies, so a SIGKILLed
 writer never wedges the others). A writer killed mid-record leaves its slot at SEQ=-1: readers skip
-it and the next writer of that slot overwrites it. Readers take no lock: they read SEQ, copy the
-payload, then re-read SEQ, and keep the copy only when both reads agree (a seqlock). HEAD is the
-number of events ever recorded; it is bumped after the slot is complete, so ``recent`` never waits.
-Counters are single aligned int64 words updated under the lock; reads are lock-free.
+it and the next writer of that slot overwrites it (a slot's states are drawn in
+``shm.eventformat``). Readers take no lock: they read SEQ, copy the payload, then re-read SEQ, and
+keep the copy only when both reads agree (a seqlock). HEAD is the number of events ever recorded;
+it is bumped after the slot is complete, so ``recent`` never waits. Counters are single aligned
+int64 words updated under the lock; reads are lock-free.
 
 NOTE: a model row is claimed under the lock (name first, USED last) by the data plane's first
 store or retrieve of a registered instance of that model, and never released while the log lives:
 at most MAX_MODELS models get rows, later ones count in the totals only. Readers skip rows whose
 USED is 0, so they never see half a name.
-
-NOTE: every creation (``create`` and ``open``) holds the lock from its look at the name to its
-MAGIC, so an unfinished segment seen under the lock is one whose creator died: replacing it races
-no one. ``attach`` takes no lock: it maps only a complete log.
 """
 
 from __future__ import annotations
@@ -59,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from enum import IntEnum, unique
 from typing import Any
 
 import msgspec
@@ -67,51 +33,15 @@ import numpy as np
 
 from kvblend.shm import segment
 from kvblend.shm.errors import LayoutMismatch
-from kvblend.shm.hashing import MODEL_NAME_BYTES
+from kvblend.shm.eventformat import (DEFAULT_CAPACITY, DEFAULT_SLOT_BYTES, HEADER_WORDS, MAGIC,
+                                     MAX_COUNTERS, MAX_MODELS, MODEL_BYTES, MODEL_COL, MODEL_COLS,
+                                     NAME_BYTES, SLOT_HDR, VERSION, EventsHdr, attach_segment,
+                                     check_geometry, create_segment, encode, layout)
 from kvblend.shm.lock import FileLock, held
 from kvblend.shm.names import Names
-from kvblend.shm.telemetry import COUNTER_NAMES, MODEL_COUNTERS, Event
+from kvblend.shm.telemetry import COUNTER_NAMES, Event
 
 _DECLARED = frozenset(COUNTER_NAMES)
-
-MAGIC = 0x6B76626C6576656E
-VERSION = 2
-HEADER_WORDS = 16
-MAX_COUNTERS = 128
-NAME_BYTES = 48
-MAX_MODELS = 16
-MODEL_BYTES = 128
-MODEL_COLS = 16
-_MODEL_COL = {c: 1 + i for i, c in enumerate(MODEL_COUNTERS)}
-assert MODEL_NAME_BYTES <= MODEL_BYTES and len(MODEL_COUNTERS) < MODEL_COLS
-SLOT_HDR = 16
-DEFAULT_CAPACITY = 1024
-DEFAULT_SLOT_BYTES = 1024
-
-
-@unique
-class EventsHdr(IntEnum):
-    """Positions of the event log header's words."""
-
-    MAGIC = 0
-    VERSION = 1
-    CAPACITY = 2
-    SLOT_BYTES = 3
-    HEAD = 4
-
-
-assert max(EventsHdr) < HEADER_WORDS, "an EventsHdr word past HEADER_WORDS"
-
-
-def _layout(capacity: int, slot_bytes: int) -> tuple[int, int, int, int, int, int]:
-    """Byte offsets of names, values, model names, model values and ring, and the size."""
-    names_at = HEADER_WORDS * 8
-    values_at = names_at + MAX_COUNTERS * NAME_BYTES
-    models_at = values_at + MAX_COUNTERS * 8
-    model_values_at = models_at + MAX_MODELS * MODEL_BYTES
-    ring_at = model_values_at + MAX_MODELS * MODEL_COLS * 8
-    ring_at += -ring_at % 64
-    return names_at, values_at, models_at, model_values_at, ring_at, ring_at + capacity * slot_bytes
 
 
 class EventLog:
@@ -132,7 +62,7 @@ class EventLog:
         self._h = np.ndarray((HEADER_WORDS,), np.int64, buf)
         self.capacity = int(self._h[EventsHdr.CAPACITY])
         self.slot_bytes = int(self._h[EventsHdr.SLOT_BYTES])
-        names_at, values_at, models_at, model_values_at, ring_at, _ = _layout(
+        names_at, values_at, models_at, model_values_at, ring_at, _ = layout(
             self.capacity, self.slot_bytes)
         self._names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, buf, names_at)
         self._values = np.ndarray((MAX_COUNTERS,), np.int64, buf, values_at)
@@ -161,9 +91,9 @@ class EventLog:
             ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
                 used nor removed.
         """
-        _check_geometry(capacity, slot_bytes)
+        check_geometry(capacity, slot_bytes)
         with held(Names(prefix).lock("events")) as lock:
-            seg = _create(Names(prefix).events, capacity, slot_bytes)
+            seg = create_segment(Names(prefix).events, capacity, slot_bytes)
         return cls(prefix, seg, lock)
 
     @classmethod
@@ -175,7 +105,7 @@ class EventLog:
             LayoutMismatch: it is of another format version, or its size disagrees with its header.
             ForeignObject: the segment or lock file is not ours; nothing was mapped.
         """
-        seg = _attach(Names(prefix).events)
+        seg = attach_segment(Names(prefix).events)
         try:
             lock = FileLock(Names(prefix).lock("events"))
         except BaseException:
@@ -199,14 +129,14 @@ class EventLog:
             ForeignObject: the segment or lock file is not ours (``shm.private``); it was neither
                 used nor removed.
         """
-        _check_geometry(capacity, slot_bytes)
+        check_geometry(capacity, slot_bytes)
         name = Names(prefix).events
         with held(Names(prefix).lock("events")) as lock:
             try:
-                seg = _attach(name)
+                seg = attach_segment(name)
             except (FileNotFoundError, LayoutMismatch):
                 segment.unlink(name)
-                seg = _create(name, capacity, slot_bytes)
+                seg = create_segment(name, capacity, slot_bytes)
         return cls(prefix, seg, lock)
 
     # -- events -----------------------------------------------------------------------------
@@ -222,7 +152,7 @@ class EventLog:
         try:
             seq = int(self._h[EventsHdr.HEAD]) + 1
             event["seq"] = seq
-            payload = _encode(event, self.slot_bytes - SLOT_HDR)
+            payload = encode(event, self.slot_bytes - SLOT_HDR)
             row = seq % self.capacity
             words = self._slot_words[row]
             words[0] = -1
@@ -304,7 +234,7 @@ class EventLog:
         Raises:
             KeyError: a counter is not kept per model.
         """
-        cols = [_MODEL_COL[c] for c in counts]  # KeyError on a counter not kept per model
+        cols = [MODEL_COL[c] for c in counts]  # KeyError on a counter not kept per model
         row = self._model_row(model)
         if row is None and not claim:
             return False
@@ -325,7 +255,7 @@ class EventLog:
         for row in np.nonzero(self._model_values[:, 0])[0].tolist():
             values = self._model_values[row].tolist()
             out[bytes(self._models[row]).rstrip(b"\0").decode()] = {
-                str(c): values[col] for c, col in _MODEL_COL.items()}
+                str(c): values[col] for c, col in MODEL_COL.items()}
         return out
 
     def _model_row(self, model: str) -> int | None:
@@ -406,78 +336,5 @@ class EventLog:
                 f"slot_bytes={self.slot_bytes})")
 
 
-def _encode(event: dict[str, Any], limit: int) -> bytes:
-    payload = json.dumps(event, separators=(",", ":"), default=str).encode()
-    if len(payload) <= limit:
-        return payload
-    small = {k: v for k, v in event.items() if isinstance(v, (int, float, bool, type(None)))
-             or (isinstance(v, str) and len(v) <= 128)}
-    small["truncated"] = True
-    payload = json.dumps(small, separators=(",", ":")).encode()
-    if len(payload) > limit:
-        payload = json.dumps({"kind": str(event["kind"])[:64], "seq": event["seq"],
-                              "truncated": True}).encode()
-    return payload
-
-
-def _check_geometry(capacity: int, slot_bytes: int) -> None:
-    if capacity < 1 or slot_bytes < 128 or slot_bytes % 8:
-        raise ValueError("need capacity >= 1 and slot_bytes >= 128, a multiple of 8")
-
-
-def _attach(name: str) -> segment.Segment:
-    """The complete log at ``name``, its size checked against its header's geometry."""
-    seg = segment.attach_checked(name, MAGIC, VERSION, "event log")
-    try:
-        if seg.size < HEADER_WORDS * 8:
-            raise LayoutMismatch(f"event log {name!r} is shorter than its header")
-        h = np.frombuffer(seg.buf, np.int64, HEADER_WORDS).copy()
-        capacity, slot_bytes = int(h[EventsHdr.CAPACITY]), int(h[EventsHdr.SLOT_BYTES])
-        if capacity < 1 or slot_bytes < 128 or seg.size != _layout(capacity, slot_bytes)[-1]:
-            raise LayoutMismatch(f"event log {name!r} holds {seg.size} bytes, not the "
-                                 f"{capacity} x {slot_bytes} of its header")
-    except BaseException:
-        seg.close()
-        raise
-    return seg
-
-
-def _create(name: str, capacity: int, slot_bytes: int) -> segment.Segment:
-    """A new log at ``name``, replacing an unfinished one. The caller holds the log's lock."""
-    size = _layout(capacity, slot_bytes)[-1]
-    try:
-        seg = segment.Segment(name, size, create=True)
-    except FileExistsError:
-        _unlink_unfinished(name)
-        seg = segment.Segment(name, size, create=True)
-    h = np.ndarray((HEADER_WORDS,), np.int64, seg.buf)
-    names_at = _layout(capacity, slot_bytes)[0]
-    names = np.ndarray((MAX_COUNTERS, NAME_BYTES), np.uint8, seg.buf, names_at)
-    for i, counter in enumerate(COUNTER_NAMES):
-        raw = counter.encode()
-        names[i, :len(raw)] = np.frombuffer(raw, np.uint8)
-    h[[EventsHdr.CAPACITY, EventsHdr.SLOT_BYTES, EventsHdr.VERSION]] = [capacity, slot_bytes,
-                                                                         VERSION]
-    h[EventsHdr.MAGIC] = MAGIC  # last: a half-built log is recognized and replaced
-    del h, names
-    return seg
-
-
-def _unlink_unfinished(name: str) -> None:
-    """Remove the log at ``name`` if its creator died before its MAGIC (under the log's lock no
-    creator is alive but us).
-
-    Raises:
-        FileExistsError: the log at ``name`` is complete, of this version or another.
-    """
-    try:
-        segment.attach_checked(name, MAGIC, VERSION, "event log").close()
-    except FileNotFoundError:
-        segment.unlink(name)  # unfinished (or gone since)
-        return
-    except LayoutMismatch:
-        pass
-    raise FileExistsError(f"event log {name!r} exists")
-
-
-__all__ = ["EventLog", "EventsHdr", "HEADER_WORDS", "MAGIC", "VERSION"]
+__all__ = ["EventLog", "EventsHdr", "HEADER_WORDS", "MAGIC", "VERSION", "MAX_COUNTERS",
+           "NAME_BYTES", "MAX_MODELS"]

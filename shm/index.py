@@ -38,7 +38,8 @@ objects are in it; readers must still check STATE == COMMITTED (a reservation is
 them).
 
 NOTE: the obj rows are the source of truth. The hash table, recency list, free lists and counters
-are derived and can be rebuilt from them (``shm.slab.rebuild``) after a process died mid-update.
+are derived and can be rebuilt from them (``shm.recovery.rebuild``) after a process died
+mid-update.
 """
 
 from __future__ import annotations

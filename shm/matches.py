@@ -1,5 +1,5 @@
 """What a lookup answers: ``Match`` and ``LookupResult``. Plain frozen dataclasses, importable
-without the store's kernels (an engine's client uses them); ``shm.fingerprint`` finds matches,
+without the store's kernels (an engine's client uses them); ``shm.matcher`` finds matches,
 ``shm.lookup`` builds results."""
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The pin table: which process holds how many read pins on which object, as numba kernels.
+"""Read pins: the pin table (which process holds how many pins on which object) and the kernels
+that pin and unpin committed objects, as numba kernels.
 
 This module owns the ``pins`` array (laid out in ``shm.storefile``): one row per (slot, pid) with a
 count. The object's total lives in obj[s, PINS] (``shm.index``); the rows exist so that pins of a
-dead process can be found and dropped, and so a rebuild can recompute the totals.
+dead process can be found and dropped (``shm.recovery.reclaim``), and so a rebuild can recompute
+the totals. ``pin`` and ``unpin`` keep both in step; a pin also makes the object the most recently
+used.
 
 Rows (3 int64 words): SLOT, PID, COUNT. SLOT is EMPTY (-1, never used since the last compaction),
 GONE (-2, a tombstone) or a slot id. Open addressing: a row's home is a hash of (slot, pid); lookups
@@ -22,7 +25,10 @@ import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads
 import numba
 import numpy as np
 
+from kvblend.shm import index
 from kvblend.shm.header import Hdr
+from kvblend.shm.index import COMMITTED, NIL, PINS, STATE
+from kvblend.shm.slab import FULL
 
 P_SLOT, P_PID, P_COUNT = 0, 1, 2
 PIN_COLS = 3
@@ -103,3 +109,45 @@ def compact(h, pins):
         pins[r, P_SLOT] = rows[k, P_SLOT]
         h[H_PIN_LIVE] += 1
         h[H_PIN_USED] += 1
+
+
+@numba.njit(cache=True)
+def pin(h, obj, table, pins, keys, pid):
+    """Pin each COMMITTED key for ``pid``: its slot id, or -1 when absent. FULL in slot 0 of the
+    result means the pin table has no room for them all (nothing was pinned)."""
+    out = np.full(len(keys), NIL, np.int64)
+    new_rows = 0
+    for k in range(len(keys)):
+        s = index.find(table, obj, keys[k, 0], keys[k, 1], keys[k, 2], keys[k, 3])
+        if s != NIL and obj[s, STATE] == COMMITTED:
+            out[k] = s
+            if find(pins, s, pid) < 0:
+                new_rows += 1  # (a key given twice is counted twice: conservative)
+    if not room(h, pins, new_rows):
+        out[:] = NIL
+        out[0] = FULL
+        return out
+    for k in range(len(keys)):
+        s = out[k]
+        if s != NIL:
+            add(h, pins, s, pid)
+            obj[s, PINS] += 1
+            index.touch(h, obj, s)
+    return out
+
+
+@numba.njit(cache=True)
+def unpin(h, obj, pins, slots, pid):
+    """Drop one pin of ``pid`` on each slot (ids < 0 are skipped); returns how many were dropped."""
+    n = 0
+    for k in range(len(slots)):
+        s = slots[k]
+        r = find(pins, s, pid) if s >= 0 else -1
+        if r < 0:
+            continue
+        pins[r, P_COUNT] -= 1
+        obj[s, PINS] -= 1
+        if pins[r, P_COUNT] <= 0:
+            drop_row(h, pins, r)
+        n += 1
+    return n

@@ -1,6 +1,6 @@
 """The probe: every stored chunk's window inside a query, proposed by rolling hash, kept by digest.
 
-This module owns how a query is searched (steps 1 and 2 of ``shm.fingerprint``'s lookup): the
+This module owns how a query is searched (steps 1 and 2 of ``shm.matcher``'s lookup): the
 polynomial rolling hash over every ``chunk_size`` window, ``H = sum x_i * B^(k-1-i) mod 2^64`` with
 ``B = 0x9E3779B97F4A7C15``, updated incrementally; its probe of the presence filter and the
 fingerprint table (``shm.fpformat``); and the 128-bit digest that turns a candidate into a match.

@@ -1,4 +1,4 @@
-"""The slab allocator: pages, fixed-size slots per layout class, eviction, and the rebuild.
+"""The slab allocator: pages, fixed-size slots per layout class, eviction, reserve and commit.
 
 This module owns the ``pages`` and ``classes`` tables and the kernels that hand out and take back
 slots. It does not own keys or the recency order (``shm.index``) nor the bytes themselves.
@@ -49,10 +49,12 @@ so the store drains it and calls again inside the same critical section (nothing
 EV_LOST only backs the bound). Aborted or reclaimed reservations were never visible, so they are
 not logged, nor are objects a rebuild drops (their evictor died before reporting them).
 
-NOTE: every kernel here runs with the store lock held. ``rebuild`` restores all derived state
-(hash table, recency list, free lists, counters, pin counts) from the obj STATE words, the page and
-class rows, and the pin table; it is what runs after a holder died inside a critical section, and
-it gives back to the pool a page left empty by such a holder.
+The kernels that mend the tables after a process died (``reclaim``, ``rebuild``) live in
+``shm.recovery``; those that pin and unpin committed objects for readers in ``shm.pins``.
+
+NOTE: every kernel here runs with the store lock held. A holder killed inside one leaves the
+derived state (hash table, recency list, free lists, counters) half updated; ``shm.recovery``'s
+``rebuild`` restores it from the obj STATE words, the page and class rows, and the pin table.
 """
 
 from __future__ import annotations
@@ -62,13 +64,10 @@ import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads
 import numba
 import numpy as np
 
-from kvblend.shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K0, NEXT,
-                               NIL, PID, PINS, PREV, RANK, RESERVED, STATE, TICK, delete, find,
-                               insert, lru_push, lru_unlink, touch)
-from kvblend.shm.index import K1, NS
-from kvblend.shm import pins as pintable
+from kvblend.shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, K0, K1, NEXT, NIL, NS, PID,
+                               PINS, PREV, RANK, RESERVED, STATE, delete, find, insert, lru_push,
+                               lru_unlink, touch)
 from kvblend.shm.header import SLOT_HDR_BYTES, SLOT_MAGIC, Hdr, SlotHdr
-from kvblend.shm.pins import P_COUNT, P_PID, P_SLOT
 
 # pages columns
 G_CLASS, G_USED = 0, 1
@@ -91,7 +90,8 @@ EV_COUNTERS = 2
 
 
 @numba.njit(cache=True)
-def _free_push(classes, obj, c, s):
+def free_push(classes, obj, c, s):
+    """Put FREE slot ``s`` at the head of class ``c``'s free list."""
     head = classes[c, C_FREE_HEAD]
     obj[s, PREV] = NIL
     obj[s, NEXT] = head
@@ -123,11 +123,11 @@ def _assign_page(h, classes, pages, obj, p, c):
         s = p * spp + i
         obj[s, STATE] = FREE
         obj[s, CLASS] = c
-        _free_push(classes, obj, c, s)
+        free_push(classes, obj, c, s)
 
 
 @numba.njit(cache=True)
-def _release_page(h, classes, pages, obj, p):
+def release_page(h, classes, pages, obj, p):
     """Page ``p`` holds no object: unlink its slots from its class free list, make it free."""
     spp = h[H_SPP]
     c = pages[p, G_CLASS]
@@ -145,7 +145,7 @@ def _slot_freed(h, classes, pages, obj, s):
     p = s // h[H_SPP]
     pages[p, G_USED] -= 1
     if pages[p, G_USED] == 0:
-        _release_page(h, classes, pages, obj, p)
+        release_page(h, classes, pages, obj, p)
 
 
 @numba.njit(cache=True)
@@ -187,7 +187,7 @@ def evict(h, classes, pages, obj, table, s, ev, evn):
     _log(ev, evn, obj, s)
     delete(table, obj, s)
     lru_unlink(h, obj, s)
-    _free_push(classes, obj, c, s)
+    free_push(classes, obj, c, s)
     classes[c, C_COMMITTED] -= 1
     classes[c, C_EVICTIONS] += 1
     h[H_COMMITTED] -= 1
@@ -380,74 +380,9 @@ def abort(h, classes, pages, obj, table, s):
     """RESERVED -> FREE (the page goes to the pool when nothing else is in it)."""
     obj[s, STATE] = FREE
     delete(table, obj, s)
-    _free_push(classes, obj, obj[s, CLASS], s)
+    free_push(classes, obj, obj[s, CLASS], s)
     h[H_RESERVED] -= 1
     _slot_freed(h, classes, pages, obj, s)
-
-
-@numba.njit(cache=True)
-def pin(h, obj, table, pins, keys, pid):
-    """Pin each COMMITTED key for ``pid``: its slot id, or -1 when absent. FULL in slot 0 of the
-    result means the pin table has no room for them all (nothing was pinned)."""
-    out = np.full(len(keys), NIL, np.int64)
-    new_rows = 0
-    for k in range(len(keys)):
-        s = find(table, obj, keys[k, 0], keys[k, 1], keys[k, 2], keys[k, 3])
-        if s != NIL and obj[s, STATE] == COMMITTED:
-            out[k] = s
-            if pintable.find(pins, s, pid) < 0:
-                new_rows += 1  # (a key given twice is counted twice: conservative)
-    if not pintable.room(h, pins, new_rows):
-        out[:] = NIL
-        out[0] = FULL
-        return out
-    for k in range(len(keys)):
-        s = out[k]
-        if s != NIL:
-            pintable.add(h, pins, s, pid)
-            obj[s, PINS] += 1
-            touch(h, obj, s)
-    return out
-
-
-@numba.njit(cache=True)
-def unpin(h, obj, pins, slots, pid):
-    """Drop one pin of ``pid`` on each slot (ids < 0 are skipped); returns how many were dropped."""
-    n = 0
-    for k in range(len(slots)):
-        s = slots[k]
-        r = pintable.find(pins, s, pid) if s >= 0 else -1
-        if r < 0:
-            continue
-        pins[r, P_COUNT] -= 1
-        obj[s, PINS] -= 1
-        if pins[r, P_COUNT] <= 0:
-            pintable.drop_row(h, pins, r)
-        n += 1
-    return n
-
-
-@numba.njit(cache=True)
-def reclaim(h, classes, pages, obj, table, pins, dead):
-    """Release pins and reservations held by the pids in the sorted array ``dead``.
-    Returns (reservations freed, pins dropped)."""
-    pins_dropped = 0
-    for r in range(len(pins)):
-        s = pins[r, P_SLOT]
-        if s >= 0:
-            i = np.searchsorted(dead, pins[r, P_PID])
-            if i < len(dead) and dead[i] == pins[r, P_PID]:
-                obj[s, PINS] -= pins[r, P_COUNT]
-                pins_dropped += pins[r, P_COUNT]
-                pintable.drop_row(h, pins, r)
-    freed = 0
-    for s in range(len(obj)):
-        if obj[s, STATE] == RESERVED:
-            i = np.searchsorted(dead, obj[s, PID])
-            if i < len(dead) and dead[i] == obj[s, PID]:
-                abort(h, classes, pages, obj, table, s)
-                freed += 1
-    return freed, pins_dropped
 
 
 @numba.njit(cache=True)
@@ -463,64 +398,3 @@ def clear(h, classes, pages, obj, table, ev, evn):
             n += 1
         v = nxt
     return n
-
-
-@numba.njit(cache=True)
-def rebuild(h, classes, pages, obj, table, pins):
-    """Recompute every derived structure from obj STATE/keys/ticks, pages, classes and pins."""
-    spp = h[H_SPP]
-    table[:] = NIL
-    h[H_LRU_HEAD] = NIL
-    h[H_LRU_TAIL] = NIL
-    h[H_COMMITTED] = 0
-    h[H_RESERVED] = 0
-    for c in range(len(classes)):
-        classes[c, C_FREE_HEAD] = NIL
-        classes[c, C_COMMITTED] = 0
-        classes[c, C_PAGES] = 0
-    obj[:, PINS] = 0
-    for p in range(len(pages)):
-        c = pages[p, G_CLASS]
-        nslots = classes[c, C_NSLOTS] if c != NIL else 0
-        pages[p, G_USED] = 0
-        if c != NIL:
-            classes[c, C_PAGES] += 1
-        for i in range(spp - 1, -1, -1):
-            s = p * spp + i
-            obj[s, PREV] = NIL
-            obj[s, NEXT] = NIL
-            obj[s, CLASS] = c if i < nslots else NIL
-            if i >= nslots:
-                obj[s, STATE] = FREE
-                continue
-            if obj[s, STATE] != FREE and find(table, obj, obj[s, K0], obj[s, K1], obj[s, NS],
-                                              obj[s, RANK]) != NIL:
-                obj[s, STATE] = FREE  # a duplicate key only comes from an interrupted update
-            if obj[s, STATE] == FREE:
-                _free_push(classes, obj, c, s)
-                continue
-            insert(table, obj, s)
-            pages[p, G_USED] += 1
-            if obj[s, STATE] == RESERVED:
-                h[H_RESERVED] += 1
-        if c != NIL and pages[p, G_USED] == 0:
-            _release_page(h, classes, pages, obj, p)  # emptied by a holder that died
-    live = np.nonzero(obj[:, STATE] == COMMITTED)[0]
-    order = live[np.argsort(obj[live, TICK], kind="mergesort")]
-    h[H_TICK] = 0
-    for s in order:
-        t = obj[s, TICK]
-        lru_push(h, obj, s)
-        obj[s, TICK] = t
-        h[H_TICK] = max(h[H_TICK], t)
-        classes[obj[s, CLASS], C_COMMITTED] += 1
-        h[H_COMMITTED] += 1
-    for r in range(len(pins)):
-        s = pins[r, P_SLOT]
-        if s >= 0 and (s >= len(obj) or obj[s, STATE] != COMMITTED or pins[r, P_COUNT] <= 0):
-            pins[r, P_COUNT] = 0  # compact() drops it
-    pintable.compact(h, pins)
-    for r in range(len(pins)):
-        s = pins[r, P_SLOT]
-        if s >= 0:
-            obj[s, PINS] += pins[r, P_COUNT]

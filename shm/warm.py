@@ -24,7 +24,7 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.lookup import lookup
 from kvblend.shm.names import Names, destroy
-from kvblend.shm import slab
+from kvblend.shm import recovery
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
 _CHUNK = 16
@@ -86,8 +86,8 @@ def _exercise_repairs(store: Store, fps: FingerprintIndex) -> None:
     """What a restart after a crash runs: the rebuilds of both structures and a reclaim pass."""
     with store._guard():
         store._rebuild()
-        slab.reclaim(store._h, store._classes, store._pages, store._obj, store._table,
-                     store._pins, np.array([-1], np.int64))  # no such pid: nothing to free
+        recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table,
+                         store._pins, np.array([-1], np.int64))  # no such pid: nothing to free
     with fps._guard(None):
         fps.repair()
 

@@ -70,11 +70,11 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
 store.reclaim()
-from kvblend.shm import slab
+from kvblend.shm import recovery
 with store._guard():  # what a restart after a crash runs
     store._rebuild()
-    slab.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,
-                 np.array([2**22 + 7], np.int64))
+    recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,
+                     np.array([2**22 + 7], np.int64))
 with fps._guard(None):
     fps.repair()
 store.clear()
