@@ -2,7 +2,8 @@
 ``destroy`` frees the shared memory of a stopped one.
 
 Every ``serve`` flag is also an environment variable ``KVBLEND_<NAME>``; a flag wins over the
-variable, the variable over the default (see ``api.settings.Settings``).
+variable, the variable over the default (see ``api.settings.Settings``). The remote tier's
+credentials are variables only (``api.settings.ENV_ONLY``).
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import httpx
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from kvblend.api.settings import Settings
+from kvblend.api.settings import ENV_ONLY, Settings
+from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.version import kvblend_version
 
 CLIENT_FLAGS = ("host", "port", "api_token")
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """One flag per ``Settings`` field (or per field in ``names``), described by the field."""
+    """One flag per ``Settings`` field (or per field in ``names``), described by the field; none
+    for the settings that come from the environment only."""
     for name, field in Settings.model_fields.items():
-        if names is None or name in names:
+        if (names is None or name in names) and name not in ENV_ONLY:
             parser.add_argument("--" + name.replace("_", "-"), dest=name,
                                 default=argparse.SUPPRESS, help=_help(field),
                                 **_kind(name, field))
@@ -36,7 +39,8 @@ def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = 
 
 def _kind(name: str, field: FieldInfo) -> dict[str, Any]:
     """The argparse arguments that read ``field``'s type: a switch for a bool, the values of an
-    enum, else the plain type (a secret is read as a string)."""
+    enum, else the plain type (a secret, or a URL that the settings parse, is read as a
+    string)."""
     kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
     if kind is bool:
         if field.default is not False:
@@ -44,7 +48,7 @@ def _kind(name: str, field: FieldInfo) -> dict[str, Any]:
         return {"action": "store_const", "const": True}
     if isinstance(kind, type) and issubclass(kind, Enum):
         return {"choices": [member.value for member in kind]}
-    if kind is SecretStr:
+    if kind is SecretStr or kind is RemoteURL:
         return {"type": str}
     if kind in (str, int, float):
         return {"type": kind}

@@ -1,21 +1,36 @@
 """Configuration of the service: one pydantic-settings class, built at the entry point, passed down.
 
 Every field is also an environment variable ``KVBLEND_<NAME>`` (``KVBLEND_STORAGE_MB=4096``); a
-command-line flag wins over the environment, the environment over the default. The supervisor hands
-the settings to its API worker processes through these same variables.
+command-line flag wins over the environment, the environment over the default. The remote tier's
+credentials (``ENV_ONLY``) are variables only: a command line is visible to every user of the host.
+
+Each child gets its own part, built here: the API workers these settings as ``KVBLEND_*``
+variables (``to_env``, without the remote credentials); the data plane one
+``dataplane.settings.DataPlaneSettings`` (``dataplane_settings``), whose declaration is the one
+home of the data-plane fields' defaults and bounds (this class takes them with ``bounds``). A
+setting the data plane would refuse fails here, before anything starts.
 """
 
 from __future__ import annotations
 
 import ipaddress
 
+import msgspec
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvblend.dataplane.backends import Backend
+from kvblend.dataplane.remoteurl import RemoteURL
+from kvblend.dataplane.settings import DataPlaneSettings as DP
+from kvblend.dataplane.settings import RemoteSettings as Remote
+from kvblend.dataplane.settings import bounds, power_of_two
 
 MIB = 1 << 20
 MAX_PAGE_BYTES = 256 * MIB
+#: settings read from the environment only, never a flag, and handed to the data plane only
+ENV_ONLY = ("remote_username", "remote_password")
+#: the data plane's logging level for each of uvicorn's
+DP_LOG_LEVEL = {"trace": "DEBUG"}
 
 
 class Settings(BaseSettings):
@@ -25,7 +40,8 @@ class Settings(BaseSettings):
     flag (``api.cli`` builds one flag per field), so a new setting needs no second edit there.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVBLEND_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVBLEND_", frozen=True, extra="ignore",
+                                      arbitrary_types_allowed=True)
 
     host: str = Field("127.0.0.1", description=(
         "interface the API binds to; one that is not loopback needs an API token"))
@@ -39,7 +55,7 @@ class Settings(BaseSettings):
     min_slot_kb: int = Field(64, ge=4, description=(
         "smallest chunk slot in KiB; it bounds slots per page, so stores of tiny chunks "
         "(small models, tests) want it lower"))
-    shm_prefix: str = Field("kvblend", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+    shm_prefix: str = Field("kvblend", **bounds(DP, "shm_prefix"), description=(
         "names every shared-memory segment of this service; several services may coexist"))
     backend: Backend = Field(Backend.AUTO, description=(
         "where engine KV buffers live; auto: cuda when a GPU is present"))
@@ -51,18 +67,20 @@ class Settings(BaseSettings):
         "names in /v1/events (docs/security.md)"))
     max_request_kb: int = Field(8192, ge=64, le=1 << 20, description=(
         "largest HTTP request body in KiB; a bigger one is answered 413"))
-    instance_lease_s: float = Field(30.0, ge=1.0, le=86400.0, description=(
+    instance_lease_s: float = Field(**bounds(DP, "instance_lease_s"), description=(
         "seconds an instance lives without a renewal by its owner"))
-    max_instances: int = Field(256, ge=1, le=4096, description="registered instances per service")
-    max_instances_per_client: int = Field(64, ge=1, le=4096, description=(
+    max_instances: int = Field(**bounds(DP, "max_instances"), description=(
+        "registered instances per service"))
+    max_instances_per_client: int = Field(**bounds(DP, "max_instances_per_client"), description=(
         "instances one data-plane connection may hold"))
-    max_connections: int = Field(256, ge=2, le=4096, description="data-plane connections at once")
+    max_connections: int = Field(**bounds(DP, "max_connections"), description=(
+        "data-plane connections at once"))
     insecure_no_token: bool = Field(False, description=(
         "allow binding a non-loopback host without an API token"))
     workers: int = Field(1, ge=1, le=64, description="API worker processes")
     fingerprint_capacity: int = Field(1 << 20, ge=1, le=1 << 30, description=(
         "fingerprint index entries (94-124 bytes each)"))
-    dataplane_socket: str = Field("", description=(
+    dataplane_socket: str = Field(**bounds(DP, "socket"), description=(
         "the data plane's socket path; empty: its default under /dev/shm for the prefix"))
     dataplane_timeout_s: float = Field(10.0, gt=0, le=3600, description=(
         "seconds the API waits for a registration or unregistration"))
@@ -72,45 +90,59 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(60.0, ge=5, le=3600, description=(
         "seconds a stopping data plane may take to finish its queued calls (the API gets a "
         "quarter, at least 5 s) before it is killed"))
-    remote: str = Field("", max_length=2048, description=(
+    remote: RemoteURL | None = Field(None, description=(
         "a second tier on Redis/Valkey that stored chunks are also written to: redis://host:port, "
         "rediss:// for TLS, redis+cluster://h1:p1,h2:p2 for a cluster; empty: none. Credentials "
         "come from KVBLEND_REMOTE_USERNAME and KVBLEND_REMOTE_PASSWORD, never from the URL"))
-    remote_ttl_s: float = Field(86400.0, gt=0, le=365 * 86400, description=(
+    remote_ttl_s: float = Field(**bounds(Remote, "ttl_s"), description=(
         "seconds a chunk lives in the remote tier (its own maxmemory-policy may evict sooner)"))
-    remote_timeout_s: float = Field(0.5, gt=0, le=60, description=(
+    remote_timeout_s: float = Field(**bounds(Remote, "timeout_s"), description=(
         "seconds one remote call may take; after 3 failures in a row the remote is left alone "
         "for 5 s"))
-    remote_capacity: int = Field(1 << 18, ge=64, le=1 << 26, description=(
+    remote_queue: int = Field(**bounds(Remote, "queue"), description=(
+        "stored chunks waiting to be written to the remote tier; more are dropped (and counted)"))
+    remote_capacity: int = Field(**bounds(Remote, "capacity"), description=(
         "chunk shards other hosts stored in the remote tier that this host keeps track of, a power "
         "of two (96 bytes each); past it the ones expiring soonest are forgotten"))
-    remote_streams: int = Field(8, ge=1, le=256, description=(
+    remote_streams: int = Field(**bounds(Remote, "streams"), description=(
         "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own; "
         "half as many are written behind at once"))
-    remote_stream_len: int = Field(1 << 17, ge=1024, le=1 << 26, description=(
+    remote_stream_len: int = Field(**bounds(Remote, "stream_len"), description=(
         "about how many records (one per chunk written, about 1.1 KiB for 256 tokens) the "
         "remote tier's record stream keeps; a host that starts learns the chunks they name"))
+    remote_username: SecretStr | None = Field(None, description=(
+        "the remote tier's user name; KVBLEND_REMOTE_USERNAME only, and only the data plane "
+        "gets it"))
+    remote_password: SecretStr | None = Field(None, description=(
+        "the remote tier's password; KVBLEND_REMOTE_PASSWORD only, and only the data plane "
+        "gets it"))
+    dp_first_mib: float = Field(**bounds(DP, "first_mib"), description=(
+        "MiB of a data-plane call's first batch, whose copies start while the rest is reserved "
+        "or pinned"))
+    dp_group_mib: float = Field(**bounds(DP, "group_mib"), description=(
+        "MiB of a store's chunks per completion mark; a group's commits overlap later groups' "
+        "copies"))
+    dp_staging_mib: float = Field(**bounds(DP, "staging_mib"), description=(
+        "GPU staging per paged CUDA instance in MiB (at least two chunks)"))
     wipe: bool = Field(False, description="drop the cached chunks at start-up")
     log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$",
                            description="uvicorn and supervisor log level: critical, error, "
                                        "warning, info, debug or trace")
 
-    @field_validator("remote")
+    @field_validator("remote", mode="before")
     @classmethod
-    def _remote_url(cls, value: str) -> str:
-        if value:
-            from kvblend.dataplane.remoteurl import parse_url
-            parse_url(value)  # ValueError names what is wrong
-        return value
+    def _remote_url(cls, value: object) -> object:
+        if value in ("", None):
+            return None
+        return RemoteURL.parse(value) if isinstance(value, str) else value  # ValueError says why
 
     @field_validator("remote_capacity")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
-        if value & (value - 1):
-            raise ValueError(f"must be a power of two, got {value}")
-        return value
+        return power_of_two(value)
 
-    @field_validator("api_token", "admin_token", mode="before")
+    @field_validator("api_token", "admin_token", "remote_username", "remote_password",
+                     mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value in ("", b"") else value
@@ -123,6 +155,14 @@ class Settings(BaseSettings):
                              "(or KVBLEND_API_TOKEN), or --insecure-no-token if you mean it")
         return self
 
+    @model_validator(mode="after")
+    def _dataplane_takes_them(self) -> "Settings":
+        try:
+            self.dataplane_settings()
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"the data plane's settings: {exc}") from None
+        return self
+
     @property
     def page_bytes(self) -> int:
         """Slab page size in bytes (see ``page_mb``)."""
@@ -132,12 +172,12 @@ class Settings(BaseSettings):
 
     def token(self) -> str | None:
         """The API token in clear, or None when auth is off."""
-        return self.api_token.get_secret_value() if self.api_token is not None else None
+        return _clear(self.api_token)
 
     def to_env(self) -> dict[str, str]:
-        """The settings as ``KVBLEND_*`` variables, for child processes."""
+        """The settings as ``KVBLEND_*`` variables, for the API workers: all but ``ENV_ONLY``."""
         env = {}
-        for name, value in self.model_dump().items():
+        for name, value in self.model_dump(exclude=set(ENV_ONLY)).items():
             if value is None:
                 continue
             if isinstance(value, SecretStr):
@@ -147,6 +187,29 @@ class Settings(BaseSettings):
             env[f"KVBLEND_{name.upper()}"] = str(value)
         return env
 
+    def dataplane_settings(self) -> DP:
+        """The data plane's settings (``dataplane.settings``), every bound checked.
+
+        Raises:
+            msgspec.ValidationError: the data plane would refuse one; the message names it.
+        """
+        remote = None
+        if self.remote is not None:
+            remote = Remote(url=self.remote, ttl_s=self.remote_ttl_s,
+                            timeout_s=self.remote_timeout_s, queue=self.remote_queue,
+                            capacity=self.remote_capacity, streams=self.remote_streams,
+                            stream_len=self.remote_stream_len,
+                            username=_clear(self.remote_username),
+                            password=_clear(self.remote_password))
+        return DP.build(shm_prefix=self.shm_prefix, backend=self.backend,
+                        socket=self.dataplane_socket,
+                        log_level=DP_LOG_LEVEL.get(self.log_level, self.log_level.upper()),
+                        instance_lease_s=self.instance_lease_s, max_instances=self.max_instances,
+                        max_instances_per_client=self.max_instances_per_client,
+                        max_connections=self.max_connections, first_mib=self.dp_first_mib,
+                        group_mib=self.dp_group_mib, staging_mib=self.dp_staging_mib,
+                        remote=remote)
+
     def dataplane_address(self) -> str:
         """Where the data plane listens: ``dataplane_socket``, or its default for the prefix."""
         if self.dataplane_socket:
@@ -155,6 +218,10 @@ class Settings(BaseSettings):
         from kvblend import dataplane
 
         return str(dataplane.default_address(self.shm_prefix))
+
+
+def _clear(secret: SecretStr | None) -> str | None:
+    return secret.get_secret_value() if secret is not None else None
 
 
 def _loopback(host: str) -> bool:

@@ -3,7 +3,7 @@
 This module owns the service's process tree and start-up; it never serves a request itself::
 
     kvblend serve (this process)
-    ├── python -m kvblend.dataplane ...          restarted when it dies; re-attaches
+    ├── python -m kvblend.dataplane              restarted when it dies; re-attaches
     └── python -m uvicorn kvblend.api.app:...    --workers N; restarted when it dies
 
 Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
@@ -23,8 +23,11 @@ another user planted, or one with group/other bits, or a symlink, raises ``Forei
 ``run`` before any child starts; ``kvblend serve`` then exits 2 with one line naming it, and the
 name stays as it was.
 
-Each child's environment holds its own settings and secrets only (``dataplane_env``,
-``Supervisor._api_env``): no token reaches the data plane, no remote credential the API.
+Each child's environment holds its own settings and secrets only (``dataplane_env``, ``api_env``):
+the data plane gets its whole ``DataPlaneSettings`` (``Settings.dataplane_settings``) as one
+variable, ``KVBLEND_DP_SETTINGS``, and no other ``KVBLEND_*`` one (no API or admin token); the API
+workers get the service's settings as ``KVBLEND_*`` variables (``Settings.to_env``) but no remote
+credential. Neither gets a setting on its command line.
 
 Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
 then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
@@ -51,6 +54,7 @@ from collections.abc import Mapping
 from kvblend.api.child import Child, StartupFailed
 from kvblend.api.settings import Settings
 from kvblend.dataplane.backends import Backend, resolve
+from kvblend.dataplane.settings import DataPlaneSettings
 from kvblend.shm.errors import LayoutMismatch
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
@@ -180,7 +184,7 @@ def prepare(settings: Settings) -> None:
                                     wipe=True)
     log.info("fingerprint index: %d of %d entries", len(fps), fps.capacity)
     fps.close()
-    if settings.remote:
+    if settings.remote is not None:
         try:
             remotes = RemoteChunks.open(prefix, settings.remote_capacity, wipe=wiped)
         except LayoutMismatch as exc:
@@ -201,16 +205,23 @@ def check_dataplane_socket(settings: Settings) -> None:
         check_socket(address)
 
 
-#: the data plane's own secrets: the remote tier's credentials (``DataPlaneSettings``)
-DATAPLANE_SECRETS = ("KVBLEND_REMOTE_USERNAME", "KVBLEND_REMOTE_PASSWORD")
-
-
-def dataplane_env(parent: Mapping[str, str]) -> dict[str, str]:
-    """The data plane's environment: the parent's, less every ``KVBLEND_*`` variable but its own
-    (``KVBLEND_DP_*``, its settings) and its secrets. Its configuration comes as flags; the API
+def dataplane_env(parent: Mapping[str, str], settings: DataPlaneSettings) -> dict[str, str]:
+    """The data plane's environment: the parent's, less every ``KVBLEND_*`` variable, plus its
+    settings as ``KVBLEND_DP_SETTINGS`` (the remote tier's credentials inside them); the API
     token and the admin token never reach it."""
-    return {k: v for k, v in parent.items() if not k.startswith("KVBLEND_")
-            or k.startswith("KVBLEND_DP_") or k in DATAPLANE_SECRETS}
+    env = {k: v for k, v in parent.items() if not k.startswith("KVBLEND_")}
+    env.update(settings.to_env())
+    return env
+
+
+def api_env(parent: Mapping[str, str], settings: Settings) -> dict[str, str]:
+    """The API workers' environment: the parent's, less every ``KVBLEND_*`` variable, plus the
+    service's settings (``Settings.to_env``, which uvicorn's workers read back: no remote
+    credential) but ``wipe`` (children attach; only the supervisor may wipe)."""
+    env = {k: v for k, v in parent.items() if not k.startswith("KVBLEND_")}
+    env.update(settings.to_env())
+    env.pop("KVBLEND_WIPE", None)
+    return env
 
 
 class Supervisor:
@@ -223,38 +234,14 @@ class Supervisor:
         self._stopping = False
         self._lock_fd = -1
         self._events: EventLog | None = None
-        self.dataplane = Child("dataplane", self._dataplane_argv(), dataplane_env(os.environ),
+        resolved = settings.model_copy(update={"backend": self.backend})
+        self.dataplane = Child("dataplane", [sys.executable, "-m", "kvblend.dataplane"],
+                               dataplane_env(os.environ, resolved.dataplane_settings()),
                                settings.stop_grace_s, Counter.DATAPLANE_RESTARTS,
                                ready_line=b"dataplane ready", wake=self._wake)
         where = (probe_host(settings.host), settings.port)
-        self.api = Child("api", self._api_argv(), self._api_env(), self._api_grace(),
+        self.api = Child("api", self._api_argv(), api_env(os.environ, resolved), self._api_grace(),
                          Counter.API_RESTARTS, probe=lambda: healthz(*where), wake=self._wake)
-
-    def _api_env(self) -> dict[str, str]:
-        """The API workers' environment: the service's settings (``Settings.to_env``, which
-        uvicorn's workers read back), nothing of the data plane's own."""
-        env = {k: v for k, v in os.environ.items() if k not in DATAPLANE_SECRETS}
-        env.update(self.settings.model_copy(update={"backend": self.backend}).to_env())
-        env.pop("KVBLEND_WIPE", None)  # children attach; only the supervisor may wipe
-        return env
-
-    def _dataplane_argv(self) -> list[str]:
-        s = self.settings
-        argv = [sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", s.shm_prefix,
-                "--chunk-size", str(s.chunk_size), "--backend", self.backend.value,
-                "--log-level", s.log_level.upper() if s.log_level != "trace" else "DEBUG",
-                "--lease", str(s.instance_lease_s), "--max-instances", str(s.max_instances),
-                "--max-instances-per-client", str(s.max_instances_per_client),
-                "--max-connections", str(s.max_connections)]
-        if s.dataplane_socket:
-            argv += ["--socket", s.dataplane_socket]
-        if s.remote:
-            argv += ["--remote", s.remote, "--remote-ttl-s", str(s.remote_ttl_s),
-                     "--remote-timeout-s", str(s.remote_timeout_s),
-                     "--remote-capacity", str(s.remote_capacity),
-                     "--remote-streams", str(s.remote_streams),
-                     "--remote-stream-len", str(s.remote_stream_len)]
-        return argv
 
     def _api_argv(self) -> list[str]:
         s = self.settings

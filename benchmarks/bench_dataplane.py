@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvblend.api.settings import Settings  # noqa: E402
 from kvblend.dataplane import default_address  # noqa: E402
 from kvblend.dataplane.client import BlendClient  # noqa: E402
 from kvblend.dataplane.messages import Ping  # noqa: E402
@@ -59,10 +60,12 @@ def median_time(fn: Callable[[], object], iters: int, before: Callable[[], objec
 
 
 def start_dataplane(prefix: str, backend: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", prefix,
-                             "--chunk-size", str(CHUNK), "--backend", backend,
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE,
-                            env=os.environ.copy(),
+    # the road of kvblend serve: its settings (KVBLEND_DP_FIRST_MIB and the like apply) build
+    # the data plane's, handed over whole
+    settings = Settings(shm_prefix=prefix, backend=backend, log_level="warning"
+                        ).dataplane_settings()
+    proc = subprocess.Popen([sys.executable, "-m", "kvblend.dataplane"], stdout=subprocess.PIPE,
+                            env={**os.environ, **settings.to_env()},
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.stdout is not None
     line = proc.stdout.readline()

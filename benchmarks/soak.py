@@ -92,7 +92,7 @@ def roles(supervisor: int) -> dict[str, int]:
                 argv = f.read().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        if b"dataplane" in argv:
+        if b"kvblend.dataplane" in argv:
             found["dataplane"] = pid
         elif b"uvicorn" in argv:
             found["api"] = pid

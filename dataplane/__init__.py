@@ -8,17 +8,18 @@ Contract (stable; the API process and engines rely on it):
 
 Process::
 
-    python -m kvblend.dataplane --shm-prefix P --chunk-size C --backend cpu|cuda|auto
-                        [--socket PATH] [--reclaim-interval SECONDS] [--lease SECONDS]
-                        [--max-instances N] [--max-instances-per-client N]
-                        [--max-connections N] [--log-level LEVEL]
+    KVBLEND_DP_SETTINGS='<json>' python -m kvblend.dataplane
+
+    Takes no arguments: its whole configuration is one ``dataplane.settings.DataPlaneSettings``
+    as JSON in ``KVBLEND_DP_SETTINGS`` (``kvblend serve`` builds it from its own settings;
+    missing or bad ones exit 2 with one line naming the field). With P its ``shm_prefix``:
 
     Attaches the existing store (``Store.open(P)``) and fingerprint index ``P_fp`` (with the
-    capacity it was created with), the event log ``EventLog.open(P)``, listens on a Unix stream
-    socket (default ``default_address(P)`` = ``/dev/shm/P_dataplane.sock``, mode 0600, only peers
-    of its own uid), prints
+    chunk size and capacity it was created with), the event log ``EventLog.open(P)``, listens on
+    a Unix stream socket (default ``default_address(P)`` = ``/dev/shm/P_dataplane.sock``, mode
+    0600, only peers of its own uid), prints
     ``dataplane ready pid=<pid> backend=<cpu|cuda> address=<path>`` on stdout once it accepts
-    calls, reclaims dead pids' reservations and pins every ``--reclaim-interval`` seconds, and on
+    calls, reclaims dead pids' reservations and pins every ``reclaim_interval_s`` seconds, and on
     SIGTERM/SIGINT finishes every queued call and exits 0 (2 when a name it would use is not
     the service's own: docs/security.md). Registered instances are saved in
     ``/dev/shm/P_dataplane.json``: a restarted data plane re-opens them under the same ids and

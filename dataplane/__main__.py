@@ -1,14 +1,16 @@
-"""Entry point: ``python -m kvblend.dataplane --shm-prefix P --chunk-size C --backend B``.
+"""Entry point: ``python -m kvblend.dataplane``, its settings in ``KVBLEND_DP_SETTINGS``.
 
-Attaches the existing store and fingerprint index of prefix ``P`` (the supervisor created them),
-serves the channel on ``--socket`` (default ``dataplane.default_address(P)``), prints one line
-``dataplane ready pid=<pid> backend=<backend> address=<path>`` on stdout when it accepts calls,
-and exits 0 after SIGTERM or SIGINT once every queued call completed.
+It takes no arguments: ``kvblend serve`` hands it its whole ``DataPlaneSettings`` as JSON in that
+one variable (``dataplane.settings``). It attaches the existing store and fingerprint index of
+the settings' prefix (the supervisor created them) and takes the chunk size from the index's
+header, serves the channel on ``socket`` (default ``dataplane.default_address(prefix)``), prints
+one line ``dataplane ready pid=<pid> backend=<backend> address=<path>`` on stdout when it accepts
+calls, and exits 0 after SIGTERM or SIGINT once every queued call completed. Missing or bad
+settings exit 2 with one line naming the field, before anything is attached.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -19,13 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pydantic
 
 from kvblend.dataplane import default_address, kernels
-from kvblend.dataplane.backends import Backend
+from kvblend.dataplane.calls import Tuning
 from kvblend.dataplane.engines import make_engine
+from kvblend.dataplane.instances import Limits
 from kvblend.dataplane.server import DataPlane
-from kvblend.dataplane.settings import DataPlaneSettings
+from kvblend.dataplane.settings import ENV, MIB, DataPlaneSettings, RemoteSettings
 from kvblend.dataplane.transfer import Shared
 from kvblend.shm.errors import ForeignObject
 from kvblend.shm.events import EventLog
@@ -43,54 +45,44 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvblend.dataplane")
 
+PROG = "python -m kvblend.dataplane"
 
-def parse_args(argv: list[str] | None = None) -> DataPlaneSettings:
-    """The process's settings: flags win over ``KVBLEND_DP_*`` variables, which win over the
-    defaults of ``DataPlaneSettings``. Exits 2 with the reason on a missing or bad value."""
-    p = argparse.ArgumentParser(prog="python -m kvblend.dataplane",
-                                description=__doc__.split("\n")[0],
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("--shm-prefix", help="segment prefix of the store to attach")
-    p.add_argument("--chunk-size", type=int, help="tokens per chunk")
-    p.add_argument("--backend", choices=[b.value for b in Backend])
-    p.add_argument("--socket", help="Unix socket path (default: under /dev/shm)")
-    p.add_argument("--reclaim-interval", type=float,
-                   help="seconds between reclaim passes over dead pids' reservations and pins")
-    p.add_argument("--lease", type=float,
-                   help="seconds an instance lives without a renewal by its owner")
-    p.add_argument("--max-instances", type=int)
-    p.add_argument("--max-instances-per-client", type=int)
-    p.add_argument("--max-connections", type=int)
-    p.add_argument("--first-mib", type=float, help="MiB of a call's first batch")
-    p.add_argument("--group-mib", type=float, help="MiB of a store's chunks per completion mark")
-    p.add_argument("--staging-mib", type=float,
-                   help="GPU staging per paged CUDA instance, MiB (at least two chunks)")
-    p.add_argument("--log-level")
-    p.add_argument("--remote", help="the remote tier's URL (credentials from the environment)")
-    p.add_argument("--remote-ttl-s", type=float, help="seconds a remote chunk lives")
-    p.add_argument("--remote-timeout-s", type=float, help="seconds one remote call may take")
-    p.add_argument("--remote-queue", type=int, help="chunks waiting to be written behind")
-    p.add_argument("--remote-capacity", type=int, help="entries of the remote-known table")
-    p.add_argument("--remote-streams", type=int, help="remote chunks fetched at once")
-    p.add_argument("--remote-stream-len", type=int,
-                   help="about how many records the remote's record stream keeps")
-    args = p.parse_args(argv)
+
+def load_settings(argv: list[str]) -> DataPlaneSettings:
+    """The process's settings (``DataPlaneSettings.from_env``). Exits 2 with one line saying why
+    when they are missing or bad, or when arguments are given (there are none)."""
+    if argv:
+        print(f"{PROG}: takes no arguments; its settings come as JSON in {ENV} (kvblend serve "
+              "sets it)", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        return DataPlaneSettings(**vars(args))
-    except pydantic.ValidationError as exc:
-        p.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        return DataPlaneSettings.from_env()
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def limits(settings: DataPlaneSettings) -> Limits:
+    return Limits(settings.instance_lease_s, settings.max_instances,
+                  settings.max_instances_per_client)
+
+
+def tuning(settings: DataPlaneSettings) -> Tuning:
+    return Tuning(int(settings.first_mib * MIB), int(settings.group_mib * MIB),
+                  int(settings.staging_mib * MIB))
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_args(argv)
+    settings = load_settings(sys.argv[1:] if argv is None else argv)
     prefix = settings.shm_prefix
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
     store = Store.open(prefix)
-    fingerprints = FingerprintIndex.attach(prefix, settings.chunk_size)
+    fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size
     events = EventLog.open(prefix)
-    remote = Remote.start(settings, store, fingerprints, events) if settings.remote else None
+    remote = (Remote.start(settings.remote, prefix, store, fingerprints, events)
+              if settings.remote is not None else None)
     # a data plane killed between an eviction and its fingerprint removal left entries behind;
     # a chunk the remote tier holds stays
     held = store.holds_hashes if remote is None else remote.holds(store)
@@ -98,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
-    engine = make_engine(settings.backend, store, settings.tuning().staging_bytes)
-    shared = Shared(store, fingerprints, events, settings.chunk_size, settings.tuning(),
+    engine = make_engine(settings.backend, store, tuning(settings).staging_bytes)
+    shared = Shared(store, fingerprints, events, fingerprints.chunk_size, tuning(settings),
                     *(remote.parts() if remote is not None else ()))
-    plane = DataPlane(prefix, shared, engine, settings.reclaim_interval, settings.limits(),
+    plane = DataPlane(prefix, shared, engine, settings.reclaim_interval_s, limits(settings),
                       settings.max_connections)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -120,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stopping: finishing queued calls")
     plane.shutdown()
     if remote is not None:
-        remote.close(settings.remote_timeout_s * 4)  # bounded: what is still queued is dropped
+        remote.close(settings.remote.timeout_s * 4)  # bounded: what is still queued is dropped
     return 0
 
 
@@ -135,9 +127,9 @@ class Remote:
     discovery: "Discovery"
 
     @classmethod
-    def start(cls, settings: DataPlaneSettings, store: Store, fingerprints: FingerprintIndex,
-              events: EventLog) -> "Remote":
-        """Connect to ``--remote`` (``dataplane.remote``; a remote that is down only costs
+    def start(cls, settings: RemoteSettings, prefix: str, store: Store,
+              fingerprints: FingerprintIndex, events: EventLog) -> "Remote":
+        """Connect to the remote tier (``dataplane.remote``; a remote that is down only costs
         misses until it answers) and start the write-behind and discovery threads."""
         from kvblend.dataplane.discovery import Discovery
         from kvblend.dataplane.promote import Promoter
@@ -145,19 +137,15 @@ class Remote:
         from kvblend.dataplane.writebehind import WriteBehind
         from kvblend.shm.remotes import RemoteChunks
 
-        def secret(value: pydantic.SecretStr | None) -> str | None:
-            return value.get_secret_value() if value is not None else None
-
-        tier = RemoteTier(settings.remote, secret(settings.remote_username),
-                          secret(settings.remote_password), settings.remote_timeout_s,
-                          settings.remote_ttl_s, stream_len=settings.remote_stream_len)
-        remotes = RemoteChunks.open(settings.shm_prefix, settings.remote_capacity)
+        tier = RemoteTier(settings.url, settings.username, settings.password, settings.timeout_s,
+                          settings.ttl_s, stream_len=settings.stream_len)
+        remotes = RemoteChunks.open(prefix, settings.capacity)
         log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
-                 settings.remote)
-        writers = max(1, settings.remote_streams // 2)
+                 settings.url)
+        writers = max(1, settings.streams // 2)
         return cls(tier, remotes,
-                   WriteBehind(store, tier, settings.remote_queue, events, writers),
-                   Promoter(store, tier, remotes, events, settings.remote_streams),
+                   WriteBehind(store, tier, settings.queue, events, writers),
+                   Promoter(store, tier, remotes, events, settings.streams),
                    Discovery(tier, store, fingerprints, remotes, events).start())
 
     def parts(self) -> tuple["WriteBehind", "Promoter", "RemoteChunks"]:

@@ -1,4 +1,4 @@
-"""Where engine KV buffers live: the one ``Backend`` (the service's setting, the data plane's flag
+"""Where engine KV buffers live: the one ``Backend`` (the service's and the data plane's setting,
 and what its ``Pong`` reports) and the resolution of ``auto``. Standard library only, so the
 service's settings take it without loading the data plane."""
 

@@ -44,7 +44,7 @@ from kvblend.dataplane.redis_wire import BadReply, ReadAt, direct_reads, range_r
 from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MAGIC, ORIGINS,
                                             STREAM, ChunkId, Fetched, Miss, Record, check_head,
                                             decode, encode, hash_head, parse_record)
-from kvblend.dataplane.remoteurl import parse_url
+from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.hashing import DIGEST_BYTES
 
 
@@ -120,7 +120,7 @@ class RemoteTier:
     """One Redis/Valkey deployment (a server or a cluster) holding chunks.
 
     Args:
-        url: see ``dataplane.remoteurl.parse_url``.
+        url: where (``dataplane.remoteurl.RemoteURL``; a string is parsed into one).
         username, password: credentials (from the environment), or None.
         timeout_s: the bound of every call (connect and read).
         ttl_s: how long a written chunk lives (the server may evict it sooner under its own
@@ -131,8 +131,8 @@ class RemoteTier:
             this plus ``timeout_s``).
     """
 
-    def __init__(self, url: str, username: str | None = None, password: str | None = None,
-                 timeout_s: float = 0.5, ttl_s: float = 86400.0,
+    def __init__(self, url: RemoteURL | str, username: str | None = None,
+                 password: str | None = None, timeout_s: float = 0.5, ttl_s: float = 86400.0,
                  breaker: Breaker | None = None, stream_len: int = 1 << 17,
                  block_s: float = 1.0) -> None:
         import redis
@@ -140,7 +140,8 @@ class RemoteTier:
         from redis.cluster import ClusterNode, RedisCluster
         from redis.retry import Retry
 
-        cluster, tls, nodes, db = parse_url(url)
+        where = RemoteURL.parse(url) if isinstance(url, str) else url
+        cluster, tls, nodes, db = where.cluster, where.tls, where.nodes, where.db
         if timeout_s <= 0 or ttl_s <= 0:
             raise ValueError("timeout_s and ttl_s must be > 0")
         if stream_len < 1 or block_s <= 0:

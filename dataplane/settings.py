@@ -1,32 +1,95 @@
-"""Configuration of one data-plane process: built once at start (``python -m kvblend.dataplane``
-flags, else ``KVBLEND_DP_*`` variables, else the defaults below) and passed down; nothing reads
-the environment anywhere else.
+"""Configuration of one data-plane process, declared once with its bounds.
+
+The service builds it (``api.settings.Settings.dataplane_settings``, whose fields take their
+defaults and bounds from here) and hands it whole to ``python -m kvblend.dataplane`` as JSON in
+one environment variable, ``KVBLEND_DP_SETTINGS`` (``to_env``): off the command line, which every
+user of the host can read, and out of every other process's environment. The data plane reads it
+once at start (``from_env``) and passes it down; nothing else reads the environment.
+
+What the store already says is not configured: the chunk size comes from the fingerprint index's
+header the data plane attaches to, the store's geometry from the store's.
 
 It owns the knobs, not what they do: ``dataplane.instances.Limits`` (leases and instance bounds),
-``dataplane.transfer.Tuning`` (batch sizes) and the server's intervals are built from it.
+``dataplane.calls.Tuning`` (batch sizes) and the server's intervals are built from it in
+``dataplane.__main__``. Standard library, msgspec and ``dataplane.backends`` /
+``dataplane.remoteurl`` only, so the service's settings take it without loading the data plane.
 """
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import os
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 from kvblend.dataplane.backends import Backend
-from kvblend.dataplane.instances import Limits
-from kvblend.dataplane.transfer import Tuning
+from kvblend.dataplane.remoteurl import RemoteURL
 
+ENV = "KVBLEND_DP_SETTINGS"
 MIB = 1 << 20
+#: the characters of a prefix: it names files under /dev/shm
+PREFIX_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+#: a Unix socket path fits ``sockaddr_un.sun_path`` (108 bytes with its NUL)
+SOCKET_MAX = 107
+#: the secret fields of ``RemoteSettings``: never shown in a repr
+SECRETS = ("username", "password")
 
 
-class DataPlaneSettings(BaseSettings):
+def power_of_two(value: int) -> int:
+    """``value``, when it is a power of two.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"must be a power of two, got {value}")
+    return value
+
+
+class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The remote tier (``--remote``): where it is, its limits, its credentials.
+
+    Attributes:
+        url: the parsed URL (``dataplane.remoteurl.RemoteURL``).
+        ttl_s, timeout_s: a remote chunk's life, and the bound of one remote call.
+        queue: chunks waiting to be written behind; more are dropped (and counted).
+        capacity: entries of the table of remote-known chunks (``shm.remotes``), a power of two.
+        streams: remote chunks fetched at once, each on a connection of its own; half as many are
+            written behind at once.
+        stream_len: about how many records the remote tier's record stream keeps.
+        username, password: the remote's credentials (the service reads them from
+            ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only); not in the repr.
+    """
+
+    url: RemoteURL
+    ttl_s: Annotated[float, Meta(gt=0, le=365 * 86400)] = 86400.0
+    timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    queue: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+    capacity: Annotated[int, Meta(ge=64, le=1 << 26)] = 1 << 18
+    streams: Annotated[int, Meta(ge=1, le=256)] = 8
+    stream_len: Annotated[int, Meta(ge=1024, le=1 << 26)] = 1 << 17
+    username: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        power_of_two(self.capacity)
+
+    def __repr__(self) -> str:
+        shown = (f"{name}={'***' if name in SECRETS and value is not None else repr(value)}"
+                 for name, value in msgspec.structs.asdict(self).items())
+        return f"RemoteSettings({', '.join(shown)})"
+
+
+class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
-        shm_prefix: the store's prefix (the supervisor created the store and the index).
-        chunk_size: tokens per chunk; must be the fingerprint index's.
+        shm_prefix: the store's prefix (the supervisor created the store and the indexes).
         backend: ``cpu``, ``cuda`` or ``auto``.
-        socket: the channel's Unix socket; None: ``shm.names.Names(prefix).socket``.
-        reclaim_interval: seconds between passes over dead processes' reservations and pins,
+        socket: the channel's Unix socket; empty: ``shm.names.Names(prefix).socket``.
+        log_level: logging level name.
+        reclaim_interval_s: seconds between passes over dead processes' reservations and pins,
             and over expired leases.
-        lease: seconds an instance lives without a renewal by its owner.
+        instance_lease_s: seconds an instance lives without a renewal by its owner.
         max_instances: instances of the whole data plane.
         max_instances_per_client: instances one connection may register.
         max_connections: channel connections at once.
@@ -36,52 +99,67 @@ class DataPlaneSettings(BaseSettings):
             later groups' copies.
         staging_mib: GPU staging per paged CUDA instance (whole chunks, at least two), in two
             halves that a batch's gather and the other batch's DMAs use in turn.
-        log_level: logging level name.
-        remote: the remote tier's URL (``dataplane.remoteurl.parse_url``); empty: none.
-        remote_ttl_s, remote_timeout_s: a remote chunk's life, and the bound of one remote call.
-        remote_queue: chunks waiting to be written behind; more are dropped (and counted).
-        remote_capacity: entries of the table of remote-known chunks (``shm.remotes``).
-        remote_streams: remote chunks fetched at once, each on a connection of its own; half as
-            many are written behind at once.
-        remote_stream_len: about how many records the remote tier's record stream keeps.
-        remote_username, remote_password: the remote's credentials, from
-            ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only (no flag: a command
-            line is visible to every user of the host).
+        remote: the remote tier, or None.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVBLEND_DP_", frozen=True)
-
-    shm_prefix: str = Field(min_length=1)
-    chunk_size: int = Field(gt=0)
+    shm_prefix: Annotated[str, Meta(pattern=PREFIX_PATTERN)]
     backend: Backend = Backend.AUTO
-    socket: str | None = None
-    reclaim_interval: float = Field(1.0, gt=0)
-    lease: float = Field(Limits.lease_s, gt=0)
-    max_instances: int = Field(Limits.max_instances, gt=0)
-    max_instances_per_client: int = Field(Limits.max_per_client, gt=0)
-    max_connections: int = Field(256, gt=0)
-    first_mib: float = Field(16.0, gt=0)
-    group_mib: float = Field(32.0, gt=0)
-    staging_mib: float = Field(128.0, gt=0)
-    log_level: str = "INFO"
-    remote: str = ""
-    remote_ttl_s: float = Field(86400.0, gt=0)
-    remote_timeout_s: float = Field(0.5, gt=0)
-    remote_queue: int = Field(4096, gt=0)
-    remote_capacity: int = Field(1 << 18, ge=64)
-    remote_streams: int = Field(8, gt=0, le=256)
-    remote_stream_len: int = Field(1 << 17, gt=0)
-    remote_username: SecretStr | None = Field(
-        None, validation_alias=AliasChoices("KVBLEND_REMOTE_USERNAME"))
-    remote_password: SecretStr | None = Field(
-        None, validation_alias=AliasChoices("KVBLEND_REMOTE_PASSWORD"))
+    socket: Annotated[str, Meta(max_length=SOCKET_MAX)] = ""
+    log_level: Literal["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"] = "INFO"
+    reclaim_interval_s: Annotated[float, Meta(gt=0, le=60)] = 1.0
+    instance_lease_s: Annotated[float, Meta(ge=1.0, le=86400.0)] = 30.0
+    max_instances: Annotated[int, Meta(ge=1, le=4096)] = 256
+    max_instances_per_client: Annotated[int, Meta(ge=1, le=4096)] = 64
+    max_connections: Annotated[int, Meta(ge=2, le=4096)] = 256
+    first_mib: Annotated[float, Meta(gt=0, le=65536)] = 16.0
+    group_mib: Annotated[float, Meta(gt=0, le=65536)] = 32.0
+    staging_mib: Annotated[float, Meta(gt=0, le=65536)] = 128.0
+    remote: RemoteSettings | None = None
 
-    def limits(self) -> Limits:
-        return Limits(self.lease, self.max_instances, self.max_instances_per_client)
+    @classmethod
+    def build(cls, **fields: Any) -> "DataPlaneSettings":
+        """Settings from ``fields`` (``remote`` a ``RemoteSettings`` or its fields), every bound
+        checked: what ``from_env`` will decode in the child, checked before it starts.
 
-    def tuning(self) -> Tuning:
-        return Tuning(int(self.first_mib * MIB), int(self.group_mib * MIB),
-                      int(self.staging_mib * MIB))
+        Raises:
+            msgspec.ValidationError: a bound broken; the message names the field.
+        """
+        return msgspec.convert(msgspec.to_builtins(fields), cls)
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as the one variable of the data plane's environment."""
+        return {ENV: msgspec.json.encode(self).decode()}
+
+    @classmethod
+    def from_env(cls) -> "DataPlaneSettings":
+        """The settings ``to_env`` gave this process; the variable is dropped from
+        ``os.environ`` once read, so that nothing this process starts inherits its secrets.
+
+        Raises:
+            ValueError: the variable is missing, or its settings are malformed or out of bounds
+                (the message names the field).
+        """
+        text = os.environ.pop(ENV, None)
+        if text is None:
+            raise ValueError(f"{ENV} is not set: the data plane takes its settings as JSON in it "
+                             "(kvblend serve sets it; DataPlaneSettings.to_env)")
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{ENV}: {exc}") from None
 
 
-__all__ = ["DataPlaneSettings"]
+def bounds(struct: type[msgspec.Struct], name: str) -> dict[str, Any]:
+    """The default and the bounds of ``struct``'s field ``name``, as keyword arguments of a
+    pydantic ``Field`` (``api.settings`` declares its data-plane fields with them)."""
+    field = next(f for f in msgspec.inspect.type_info(struct).fields  # type: ignore[attr-defined]
+                 if f.name == name)
+    out: dict[str, Any] = {} if field.required else {"default": field.default}
+    for key in ("gt", "ge", "lt", "le", "min_length", "max_length", "pattern"):
+        value = getattr(field.type, key, None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+__all__ = ["ENV", "DataPlaneSettings", "RemoteSettings", "bounds", "power_of_two"]

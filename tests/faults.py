@@ -51,6 +51,7 @@ never asserted by the CI test.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import signal
@@ -67,6 +68,7 @@ import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import DataPlaneError, DataPlaneUnavailable
+from kvblend.dataplane.settings import ENV
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.lock import pid_alive
 from kvblend.shm.matches import Match
@@ -164,10 +166,25 @@ def children_of(pid: int) -> list[int]:
 
 def processes_of(prefix: str) -> list[int]:
     """Live processes of the service on ``prefix``: ``--shm-prefix prefix`` on their command line
-    (supervisor, data plane) or ``KVBLEND_SHM_PREFIX=prefix`` in their environment (the API)."""
-    flag, env = b"\0" + prefix.encode() + b"\0", f"KVBLEND_SHM_PREFIX={prefix}\0".encode()
+    (the supervisor), ``KVBLEND_SHM_PREFIX=prefix`` in their environment (the API) or settings
+    in ``KVBLEND_DP_SETTINGS`` that name it (the data plane)."""
+    flag = b"\0" + prefix.encode() + b"\0"
     return [p for p in _proc_pids() if p != os.getpid() and pid_alive(p) and
-            (flag in _read(f"/proc/{p}/cmdline") + b"\0" or env in _read(f"/proc/{p}/environ"))]
+            (flag in _read(f"/proc/{p}/cmdline") + b"\0" or _env_prefix(p) == prefix)]
+
+
+def _env_prefix(pid: int) -> str | None:
+    """The prefix a process's environment names: the API's variable, the data plane's settings."""
+    for item in _read(f"/proc/{pid}/environ").split(b"\0"):
+        name, _, value = item.partition(b"=")
+        if name == b"KVBLEND_SHM_PREFIX":
+            return value.decode(errors="replace")
+        if name == ENV.encode():
+            try:
+                return str(json.loads(value)["shm_prefix"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
 
 
 def describe(pid: int) -> str:

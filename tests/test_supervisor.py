@@ -9,9 +9,11 @@ import socket
 import subprocess
 from typing import Any
 
+import msgspec
 import pytest
 
-from tests.harness import START_DEADLINE, STOP_DEADLINE, Service, Services, poll
+from kvblend.dataplane.settings import ENV, DataPlaneSettings
+from tests.harness import START_DEADLINE, STOP_DEADLINE, Service, Services, free_port, poll
 from tests.stderr_lines import collect_stderr
 
 pytestmark = pytest.mark.slow
@@ -96,6 +98,11 @@ def environment_of(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode(errors="replace") for k, v in pairs}
 
 
+def command_line_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
+
+
 def children_of(pid: int) -> list[int]:
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -105,20 +112,29 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -> None:
-    """The data plane's environment holds no API or admin token (its configuration comes as
-    flags); the API workers' holds no remote-tier credential; each keeps its own."""
+    """The data plane's environment holds its whole settings in one variable (the remote tier's
+    credential inside) and no other ``KVBLEND_*`` one: no API or admin token. The API workers'
+    holds the service's settings but no remote-tier credential. Neither command line holds a
+    setting or a secret."""
     token, admin, password = "t" * 32, "a" * 32, "remote-secret-1"
-    svc = services.start(token=token, env={"KVBLEND_ADMIN_TOKEN": admin,
-                                           "KVBLEND_REMOTE_PASSWORD": password,
-                                           "KVBLEND_DP_FIRST_MIB": "8"})
+    remote = f"redis://127.0.0.1:{free_port()}"  # nobody answers: a remote that is down only misses
+    svc = services.start("--remote", remote, token=token,
+                         env={"KVBLEND_ADMIN_TOKEN": admin, "KVBLEND_REMOTE_PASSWORD": password,
+                              "KVBLEND_DP_FIRST_MIB": "8"})
     dataplane = svc.dataplane_pid()
     assert dataplane is not None
     api = [p for p in children_of(svc.proc.pid) if p != dataplane]
     assert len(api) == 1
     dp_env, api_env = environment_of(dataplane), environment_of(api[0])
-    assert token not in dp_env.values() and admin not in dp_env.values()
-    assert not any(k.startswith("KVBLEND_") and not k.startswith("KVBLEND_DP_")
-                   and k != "KVBLEND_REMOTE_PASSWORD" for k in dp_env)
-    assert dp_env["KVBLEND_REMOTE_PASSWORD"] == password and dp_env["KVBLEND_DP_FIRST_MIB"] == "8"
+    assert [k for k in dp_env if k.startswith("KVBLEND_")] == [ENV]
+    assert not any(secret in value for value in dp_env.values() for secret in (token, admin))
+    settings = msgspec.json.decode(dp_env[ENV], type=DataPlaneSettings)
+    assert settings.shm_prefix == services.prefix and settings.first_mib == 8.0
+    assert settings.remote is not None and str(settings.remote.url) == remote
+    assert settings.remote.password == password
     assert api_env["KVBLEND_API_TOKEN"] == token and api_env["KVBLEND_ADMIN_TOKEN"] == admin
-    assert password not in api_env.values()
+    assert api_env["KVBLEND_REMOTE"] == remote and ENV not in api_env
+    assert not any(password in value for value in api_env.values())
+    assert command_line_of(dataplane)[1:] == ["-m", "kvblend.dataplane"]
+    for pid in (dataplane, api[0], svc.proc.pid):
+        assert not any(s in arg for arg in command_line_of(pid) for s in (password, admin))

@@ -39,6 +39,6 @@ def get_status(services: ServicesDep) -> Status:
         dataplane=DataPlaneStatus(pid=ping.pid if ping is not None else None,
                                   alive=ping is not None, restarts=restarts,
                                   address=link.address),
-        remote=RemoteStatus(url=services.settings.remote, known_chunks=len(services.remotes),
+        remote=RemoteStatus(url=str(services.settings.remote), known_chunks=len(services.remotes),
                             capacity=services.remotes.capacity)
         if services.remotes is not None else None)

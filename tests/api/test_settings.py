@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 from pydantic import ValidationError
 
-from kvblend.api.settings import Settings
+from kvblend.api.settings import ENV_ONLY, Settings
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "example.org"])
@@ -55,9 +56,11 @@ def test_every_setting_is_a_serve_flag_and_in_the_readme() -> None:
     from kvblend.api.cli import build_parser
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {a.dest for a in serve._actions if a.option_strings}
-    assert set(Settings.model_fields) <= flags
+    assert set(Settings.model_fields) - set(ENV_ONLY) <= flags and not flags & set(ENV_ONLY)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}`" not in readme] == []
+    assert [n for n in Settings.model_fields if n not in ENV_ONLY
+            and f"`--{n.replace('_', '-')}`" not in readme] == []
+    assert [n for n in ENV_ONLY if f"`KVBLEND_{n.upper()}`" not in readme] == []
 
 
 def test_serve_flags_come_from_the_settings() -> None:
@@ -68,7 +71,9 @@ def test_serve_flags_come_from_the_settings() -> None:
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     serve = {a.dest: a for a in commands["serve"]._actions if a.option_strings}
     for name, field in Settings.model_fields.items():
-        assert field.description and serve[name].help.startswith(field.description), name
+        assert field.description, name
+        if name not in ENV_ONLY:
+            assert serve[name].help.startswith(field.description), name
     assert serve["storage_mb"].help.endswith("(default 1024)") and serve["storage_mb"].type is int
     assert serve["ping_timeout_s"].help.endswith("(default 0.75)")
     assert serve["backend"].choices == ["auto", "cpu", "cuda"]
@@ -79,3 +84,34 @@ def test_serve_flags_come_from_the_settings() -> None:
                     "api_token": "t"}
     status = {a.dest for a in commands["status"]._actions if a.option_strings}
     assert status == {"help", "host", "port", "api_token", "url", "json"}
+
+
+@pytest.mark.parametrize("field,outside", [
+    ("max_connections", 1), ("instance_lease_s", 0.5), ("max_instances", 4097),
+    ("remote_streams", 257), ("remote_stream_len", 1000), ("dp_staging_mib", 0),
+    ("dataplane_socket", "/" + "s" * 107), ("shm_prefix", "a/b"),
+])
+def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside: object) -> None:
+    """The service's data-plane fields take their bounds from the data plane's declaration
+    (``dataplane.settings``): a value the data plane would refuse fails at ``Settings``,
+    naming the field, and what ``Settings`` takes the data plane takes."""
+    with pytest.raises(ValidationError) as refused:
+        Settings(**{field: outside})
+    assert [e["loc"] for e in refused.value.errors()] == [(field,)]
+    built = Settings(remote="redis://cache:6379", dp_staging_mib=0.5).dataplane_settings()
+    assert built.staging_mib == 0.5 and built.remote is not None
+    assert str(built.remote.url) == "redis://cache:6379"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,named", [
+    (["--max-connections", "1"], "--max-connections"),
+    (["--remote", "redis://cache:6379", "--remote-capacity", "100"], "--remote-capacity"),
+    (["--dp-first-mib", "-1"], "--dp-first-mib"),
+])
+def test_a_setting_the_data_plane_refuses_ends_serve_before_anything_starts(
+        shm_prefix: str, flags: list[str], named: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvblend.api.cli", "serve", "--shm-prefix",
+                          shm_prefix, *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and named in out.stderr
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix)]

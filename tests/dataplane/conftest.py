@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvblend.dataplane import default_address
+from kvblend.dataplane.settings import DataPlaneSettings
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.store import Store, StoreConfig
 
@@ -40,13 +41,14 @@ LEASE_S = 3.0  # short, so tests see a dead client's instance dropped within the
 
 
 def start_dataplane(prefix: str, backend: str = "cpu", timeout: float = 60.0,
-                    *extra: str) -> DataPlaneProc:
-    """Start ``python -m kvblend.dataplane`` and wait (bounded) for its ready line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvblend.dataplane", "--shm-prefix", prefix, "--chunk-size",
-         str(CHUNK), "--backend", backend, "--reclaim-interval", "0.05", "--lease", str(LEASE_S),
-         "--log-level", "WARNING", *extra],
-        stdout=subprocess.PIPE, stderr=None, env=os.environ.copy())
+                    **settings: object) -> DataPlaneProc:
+    """Start ``python -m kvblend.dataplane`` with ``DataPlaneSettings`` (short reclaim passes and
+    leases, then ``settings``) and wait (bounded) for its ready line."""
+    config = DataPlaneSettings.build(**{
+        "shm_prefix": prefix, "backend": backend, "reclaim_interval_s": 0.05,
+        "instance_lease_s": LEASE_S, "log_level": "WARNING", **settings})
+    proc = subprocess.Popen([sys.executable, "-m", "kvblend.dataplane"], stdout=subprocess.PIPE,
+                            stderr=None, env={**os.environ, **config.to_env()})
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

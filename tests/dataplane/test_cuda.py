@@ -23,12 +23,12 @@ L, T, D = 4, 1024, 128
 
 @pytest.fixture(params=["one-group", "small-groups"])
 def cuda_dataplane(shm_prefix: str, request: pytest.FixtureRequest) -> Iterator[DataPlaneProc]:
-    flags: list[str] = []
+    tuning: dict[str, float] = {}
     if request.param == "small-groups":  # a first batch of 1 chunk, then markers every 2 chunks
         chunk_mib = 2 * L * CHUNK * D * 2 / (1 << 20)
-        flags = ["--first-mib", str(chunk_mib), "--group-mib", str(2 * chunk_mib)]
+        tuning = {"first_mib": chunk_mib, "group_mib": 2 * chunk_mib}
     create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, "cuda", 60.0, *flags)
+    dp = start_dataplane(shm_prefix, "cuda", 60.0, **tuning)
     yield dp
     if dp.proc.poll() is None:
         assert dp.stop() == 0

@@ -19,11 +19,11 @@ L, B, S, H, DH = 4, 32, 16, 2, 64
 
 @pytest.fixture(params=["default", "two-chunk-staging"])
 def cuda_dataplane(shm_prefix: str, request: pytest.FixtureRequest) -> Iterator[DataPlaneProc]:
-    flags: list[str] = []
+    tuning: dict[str, float] = {}
     if request.param == "two-chunk-staging":  # batches of one chunk, the halves in turn
-        flags = ["--staging-mib", str(2 * L * CHUNK * H * DH * 2 * 2 / (1 << 20))]
+        tuning = {"staging_mib": 2 * L * CHUNK * H * DH * 2 * 2 / (1 << 20)}
     create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, "cuda", 60.0, *flags)
+    dp = start_dataplane(shm_prefix, "cuda", 60.0, **tuning)
     yield dp
     if dp.proc.poll() is None:
         assert dp.stop() == 0

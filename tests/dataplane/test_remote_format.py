@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvblend.dataplane.remote import (HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, decode, encode,
-                                      parse_url)
+from kvblend.dataplane.remote import HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, decode, encode
+from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import DType
@@ -128,7 +128,9 @@ def test_the_breaker_opens_after_failures_and_probes_once_after_cooldown() -> No
     ("rediss+cluster://[::1]:7000", (True, True, [("::1", 7000)], 0)),
 ])
 def test_remote_urls(url: str, parsed: tuple) -> None:
-    assert parse_url(url) == parsed
+    got = RemoteURL.parse(url)
+    assert (got.cluster, got.tls, list(got.nodes), got.db) == parsed
+    assert RemoteURL.parse(str(got)) == got  # str() gives it back as a URL
 
 
 @pytest.mark.parametrize("url,error", [
@@ -141,4 +143,4 @@ def test_remote_urls(url: str, parsed: tuple) -> None:
 ])
 def test_bad_remote_urls(url: str, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        parse_url(url)
+        RemoteURL.parse(url)

@@ -218,8 +218,8 @@ def test_an_oversized_frame_closes_the_connection_before_any_allocation(
 @pytest.fixture
 def limited(shm_prefix: str) -> Iterator[DataPlaneProc]:
     create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, "cpu", 60.0, "--max-instances", "3",
-                         "--max-instances-per-client", "2", "--max-connections", "3")
+    dp = start_dataplane(shm_prefix, "cpu", 60.0, max_instances=3, max_instances_per_client=2,
+                         max_connections=3)
     yield dp
     if dp.proc.poll() is None:
         assert dp.stop() == 0
