@@ -162,7 +162,7 @@ class BlendClient:
         _, L, T, D = (int(x) for x in kv.shape)
         spec = self._buffers.spec(kv)
         return self._register(_registration(model_name, world_size, worker_id, L, T, D,
-                                             kv.dtype, spec, rotary, request_id), kv)
+                                             kv.dtype, spec, rotary, request_id), kv, L)
 
     def register_paged_kv_cache(self, layers: Sequence[torch.Tensor], layout: str,
                                 block_size: int, kv_heads: int, head_dim: int, model_name: str,
@@ -182,12 +182,12 @@ class BlendClient:
         first = layers[0]
         return self._register(_registration(
             model_name, world_size, worker_id, len(layers), spec.num_blocks * block_size,
-            kv_heads * head_dim, first.dtype, spec, rotary, request_id), first)
+            kv_heads * head_dim, first.dtype, spec, rotary, request_id), first, len(layers))
 
-    def _register(self, registration: RegisterInstance, kv: torch.Tensor) -> int:
+    def _register(self, registration: RegisterInstance, kv: torch.Tensor, num_layers: int) -> int:
         """Register; the instance (``kv``: its buffer or first layer) is held from then on."""
         iid, token, lease = self._control.register(registration)
-        self._instances.track(iid, kv, token, lease, registration.num_layers)
+        self._instances.track(iid, kv, token, lease, num_layers)
         return iid
 
     def _registered(self, instance_id: int) -> Registered | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ class WorkerSide:
     world_size: int
     block_size: int
     _vllm_config: Any
-    _get_connector_metadata: Any
+    _get_connector_metadata: Callable[[], KVConnectorMetadata]
 
     def _init_worker_side(self) -> None:
         self._inst: int | None = None
