@@ -1,12 +1,13 @@
 """CacheBlend inside vLLM's worker: the layer loop the kvblend connector runs over vLLM's modules.
 
-This module runs inside a vLLM worker, called by ``engine.vllm_connector`` from ``start_load_kv``
-(before vLLM's forward of the step). It owns the layer loop that turns a request's loaded chunks
-into the blended KV of its claimed positions ``[0, claim)``: the tokens no chunk filled (gaps:
-templates, separators, partial chunks, an unstored system prompt) are computed in every layer,
-and the chunk rows CacheBlend selects are recomputed from the check layer on, exactly as the
-reference engine selects them (``engine.blend.select_rows``, the same mode). It does not own
-the claim (the connector's scheduler side), the copies (the data plane retrieves each chunk into
+This module runs inside a vLLM worker, called by the connector's worker side
+(``engine.vllm_worker``) from ``start_load_kv`` (before vLLM's forward of the step). It owns the
+layer loop that turns a request's loaded chunks into the blended KV of its claimed positions
+``[0, claim)``: the tokens no chunk filled (gaps: templates, separators, partial chunks, an
+unstored system prompt) are computed in every layer, and the chunk rows CacheBlend selects are
+recomputed from the check layer on, exactly as the reference engine selects them
+(``engine.blend.select_rows``, the same mode). It does not own the claim (the connector's
+scheduler side, ``engine.vllm_scheduler``), the copies (the data plane retrieves each chunk into
 the request's blocks, K turned to its new position, layer by layer), nor the tokens after the
 claim: vLLM's own forward computes those, attending to what this loop left in the blocks.
 

@@ -5,9 +5,10 @@ stored chunk covers, and recomputing the selected rows) needs the model's own mo
 every entry point of the group ``vllm.general_plugins`` in each of its processes before it builds
 a worker; kvblend's (``register``, declared in pyproject.toml) wraps the model loaders' ``load_model``
 so the model a worker loads is remembered here, beside the model config it was loaded for, and
-``engine.vllm_connector`` takes it by that config (``model_for``): a draft model of speculative
-decoding, loaded for another config, is never taken for the target. vLLM itself is not patched:
-the wrapper calls the loader it replaces and returns its model unchanged.
+the connector's worker side (``engine.vllm_worker``) takes it by that config (``model_for``): a
+draft model of speculative decoding, loaded for another config, is never taken for the target.
+vLLM itself is not patched: the wrapper calls the loader it replaces and returns its model
+unchanged.
 
 This module owns that record only; it imports vLLM's loader module, nothing of the worker.
 """

@@ -188,7 +188,7 @@ def test_a_layout_larger_than_the_shared_allocation_is_refused(shm_prefix: str) 
     try:
         with BlendClient(dataplane_address=dp.address) as client, Channel(dp.address) as ch:
             kv = torch.zeros((2, L, 64, D), dtype=torch.bfloat16, device="cuda")
-            spec = client._buffer_spec(kv)
+            spec = client._buffers.spec(kv)
             ask = lambda tokens: ch.call(RegisterInstance(
                 model_name="gpu-m", world_size=1, worker_id=0, num_layers=L, num_tokens=tokens,
                 hidden_dim=D, dtype="bfloat16", buffer=spec), timeout=60)

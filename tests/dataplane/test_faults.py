@@ -43,7 +43,7 @@ assert c.store_pre_computed(inst, doc_a).wait().ok
 res = c.lookup(doc_a, "m")
 c.store_pre_computed(inst, doc_b, offset=300, request_id="killed-store")
 c.retrieve(inst, doc_a, res.matches, offset=0, request_id="killed-retrieve")
-print(inst, c._buffers[kv.data_ptr()].name, flush=True)
+print(inst, c._buffers.segment_of(kv)[0].name, flush=True)
 sys.stdin.read()
 """
 

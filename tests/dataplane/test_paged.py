@@ -167,7 +167,7 @@ def test_block_tables_and_descriptors_are_checked_before_any_side_effect(
         with pytest.raises(BadRequest, match="contiguous"):
             client.store_pre_computed(contiguous, doc, block_table=[0, 1]).wait()
 
-        seg = client._segment_of(layers[0])[0]
+        seg = client._buffers.segment_of(layers[0])[0]
         k, v = paged.placements("flashinfer", B, S, H, DH)
         layer_bytes = 2 * B * S * H * DH * 2
         good = dict(block_size=S, num_blocks=B, kv_heads=H, head_dim=DH, k=k, v=v,
