@@ -67,7 +67,7 @@ from kvblend.dataplane.errors import BadRequest, DataPlaneError
 from kvblend.dataplane.messages import (ChunkFailure, CudaIpcBuffer, InstanceInfo, InstanceList,
                                         LayersWritten, ListInstances, MatchSpec, PagedBuffer,
                                         PagedLayer, Ping, Pong, Prefetching, PrefetchChunks,
-                                        RegisterInstance, RenewLease, RotaryConfig, RetrieveChunks,
+                                        Registration, RenewLease, RotaryConfig, RetrieveChunks,
                                         ShmBuffer, StoreChunks, StoreKind, TransferDone,
                                         UnregisterInstance, WireDType)
 from kvblend.shm.hashing import Namespace, as_tokens, chunk_hashes
@@ -379,6 +379,7 @@ class BlendClient:
             BadRequest: not 4-D ``[2, ...]`` and contiguous, an unsupported dtype, or a CPU
                 tensor not made by ``cpu_kv_buffer``.
             LayoutMismatch: the model's chunks were stored with another layout.
+            ValueError: a model name ``shm.hashing.check_label`` refuses.
         """
         if kv.dim() != 4 or kv.shape[0] != 2 or not kv.is_contiguous():
             raise BadRequest(f"the KV buffer must be a contiguous [2, L, T, D] tensor, got "
@@ -387,10 +388,10 @@ class BlendClient:
             raise BadRequest(f"unsupported dtype {kv.dtype}")
         _, L, T, D = (int(x) for x in kv.shape)
         spec = self._buffer_spec(kv)
-        iid, token, lease = self._control.register(RegisterInstance(
+        iid, token, lease = self._control.register(Registration(
             model_name=model_name, world_size=world_size, worker_id=worker_id, num_layers=L,
             num_tokens=T, hidden_dim=D, dtype=WireDType(str(_TORCH_DTYPES[kv.dtype])), buffer=spec,
-            rotary=rotary, request_id=request_id))
+            rotary=rotary), request_id)
         self._track(iid, kv, token, lease, L)
         return iid
 
@@ -407,6 +408,7 @@ class BlendClient:
             BadRequest: layers of different sizes, dtypes or devices, a layout that does not fit
                 them, or CPU tensors not made by ``cpu_paged_kv_cache``.
             LayoutMismatch: the model's chunks were stored with another shard layout or dtype.
+            ValueError: a model name ``shm.hashing.check_label`` refuses.
         """
         if not layers:
             raise BadRequest("a paged cache has at least one layer")
@@ -443,11 +445,11 @@ class BlendClient:
                            head_dim=head_dim, k=k, v=v,
                            layer_bytes=first.numel() * first.element_size(), buffers=buffers,
                            layers=refs)
-        iid, token, lease = self._control.register(RegisterInstance(
+        iid, token, lease = self._control.register(Registration(
             model_name=model_name, world_size=world_size, worker_id=worker_id,
             num_layers=len(layers), num_tokens=num_blocks * block_size,
             hidden_dim=kv_heads * head_dim, dtype=WireDType(str(_TORCH_DTYPES[first.dtype])),
-            buffer=spec, rotary=rotary, request_id=request_id))
+            buffer=spec, rotary=rotary), request_id)
         self._track(iid, first, token, lease, len(layers))
         return iid
 
