@@ -17,8 +17,8 @@ data plane puts in its events and logs.
 
 Every frame is hostile until decoded: a frame longer than ``MAX_FRAME`` closes the connection
 before its payload is read, and the decoder enforces each field's bounds (``msgspec.Meta`` below
-and in ``dataplane.registration``) before any side effect. Calls on an instance carry its ``token`` (the capability registration
-answered); docs/security.md has the model and the limits.
+and in ``dataplane.registration``) before any side effect. Calls on an instance carry its
+``token`` (the capability registration answered); docs/security.md has the model and the limits.
 """
 
 from __future__ import annotations
