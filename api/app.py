@@ -154,6 +154,9 @@ def _openapi(app: FastAPI, routers: Iterable[APIRouter]) -> dict[str, Any]:
     # the lookup route reads its body itself (JSON or bytes), so FastAPI does not see the model
     components["LookupRequest"] = LookupRequest.model_json_schema(
         ref_template="#/components/schemas/{model}")
+    # so does registration's: its types are the data plane's msgspec structs
+    assert not components.keys() & instances.SCHEMAS.keys(), "two schemas of one name"
+    components.update(instances.SCHEMAS)
     components.setdefault("Problem", errors.Problem.model_json_schema(
         ref_template="#/components/schemas/{model}"))
     for item in schema["paths"].values():

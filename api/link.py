@@ -12,15 +12,14 @@ holding a worker thread for their whole timeout.
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 
-from kvblend.api.schemas import (CudaIpc, Instance, InstanceCreated, KVLayoutOut, PagedKV,
-                                 Placement, RegisterInstance)
+from kvblend.api.schemas import Instance, InstanceCreated, KVLayoutOut
 from kvblend.dataplane import errors as dp_errors
 from kvblend.dataplane import messages as dp
 from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.registration import Registration
 from kvblend.shm.layout import KVLayout
 
 class DataPlaneLink:
@@ -74,8 +73,9 @@ class DataPlaneLink:
             self._last = None  # not ready until the monitor hears from it again
             raise
 
-    def register(self, body: RegisterInstance, request_id: str | None = None) -> InstanceCreated:
-        """Register an engine buffer; returns its id, token and lease.
+    def register(self, body: Registration, request_id: str | None = None) -> InstanceCreated:
+        """Register an engine buffer (the body goes to the data plane as it is); returns its id,
+        token and lease.
 
         Raises:
             BadRequest: the buffer cannot be opened, is not the client's, or its description is
@@ -83,17 +83,8 @@ class DataPlaneLink:
             LayoutMismatch: the layout disagrees with what the namespace already stores.
             TooMany: the data plane's instance limits are reached.
         """
-        buffer: dp.BufferSpec
-        if body.paged is not None:
-            buffer = _paged(body.paged)
-        else:
-            buffer = _buffer(body.shm_name, body.cuda_ipc)
-        msg = dp.RegisterInstance(
-            model_name=body.model_name, world_size=body.world_size, worker_id=body.worker_id,
-            num_layers=body.num_layers, num_tokens=body.num_tokens, hidden_dim=body.hidden_dim,
-            dtype=dp.WireDType(body.dtype), buffer=buffer, request_id=request_id,
-            rotary=None if body.rotary is None else dp.RotaryConfig(**body.rotary.model_dump()))
-        reply = self._call(msg, self._timeout)
+        reply = self._call(dp.RegisterInstance(registration=body, request_id=request_id),
+                           self._timeout)
         assert isinstance(reply, dp.Registered), "the channel raises on error replies"
         return InstanceCreated(instance_id=reply.instance_id, instance_token=reply.token,
                                lease_s=reply.lease_s)
@@ -126,25 +117,6 @@ class DataPlaneLink:
         self._stop.set()
         self._channel.close()
         self._monitor.join()
-
-
-def _buffer(shm_name: str | None, ipc: CudaIpc | None) -> dp.ShmBuffer | dp.CudaIpcBuffer:
-    if shm_name is not None:
-        return dp.ShmBuffer(name=shm_name)
-    assert ipc is not None, "the schema admits exactly one buffer"
-    return dp.CudaIpcBuffer(handle=base64.b64decode(ipc.handle), offset=ipc.offset,
-                            device_uuid=ipc.device_uuid)
-
-
-def _paged(p: PagedKV) -> dp.PagedBuffer:
-    def place(x: Placement) -> dp.KVPlacement:
-        return dp.KVPlacement(x.offset, x.block, x.token, x.head, x.dim)
-
-    return dp.PagedBuffer(
-        block_size=p.block_size, num_blocks=p.num_blocks, kv_heads=p.kv_heads,
-        head_dim=p.head_dim, k=place(p.k), v=place(p.v), layer_bytes=p.layer_bytes,
-        buffers=[_buffer(b.shm_name, b.cuda_ipc) for b in p.buffers],
-        layers=[dp.PagedLayer(ly.buffer, ly.offset) for ly in p.layers])
 
 
 def _instance(info: dp.InstanceInfo) -> Instance:

@@ -1,31 +1,20 @@
 """Request and response bodies of the HTTP API: the reviewed contract behind ``openapi/openapi.json``.
 
 Field names are the wire names. Every model carries descriptions and examples so Swagger UI shows a
-runnable request for each route.
+runnable request for each route. The registration body is not here: it is the data plane's own
+type, ``dataplane.registration.Registration``, which is also its frame (one contract).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvblend.dataplane.messages import MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS
-from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES, check_label
-from kvblend.shm.names import KVBUF_PATTERN
+from kvblend.shm.hashing import CACHE_SALT_BYTES, MAX_WORLD_SIZE, MODEL_NAME_BYTES
 from kvblend.shm.telemetry import EventKind
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_BYTES,
-                                 description="Printable UTF-8 without NUL, 1 to "
-                                             f"{MODEL_NAME_BYTES} bytes."),
-                      AfterValidator(lambda v: check_label("model_name", v, MODEL_NAME_BYTES))]
-CacheSalt = Annotated[str, Field(max_length=CACHE_SALT_BYTES,
-                                 description="Tenant salt; different salts share nothing. "
-                                             f"Printable UTF-8, at most {CACHE_SALT_BYTES} "
-                                             "bytes."),
-                      AfterValidator(lambda v: check_label("cache_salt", v, CACHE_SALT_BYTES,
-                                                           empty_ok=True))]
 HASH_EXAMPLE = "9f2c4e1ab0d3775e61c2a4f80e9b1d37"
 
 
@@ -101,139 +90,6 @@ class Status(BaseModel):
     dataplane: DataPlaneStatus
     remote: RemoteStatus | None = Field(
         None, description="The remote tier shared with other hosts (--remote); null without one.")
-
-
-class CudaIpc(BaseModel):
-    """A GPU buffer shared by CUDA IPC."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    handle: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$",
-                        description="The 64-byte cudaIpcMemHandle of the allocation, base64.")
-    offset: int = Field(0, ge=0, le=2**53,  # exact as a JSON number
-                        description="Bytes from the allocation's base to the buffer.")
-    device_uuid: str = Field(min_length=1, max_length=64, description="The GPU's UUID.",
-                             examples=["GPU-5f3c2d1e-8a9b-4c7d-9e0f-1a2b3c4d5e6f"])
-
-
-Exact = Annotated[int, Field(ge=0, le=2**53)]  # exact as a JSON number
-
-
-class Placement(BaseModel):
-    """Where K (or V) sits in a layer, in elements: (block b, slot s, head h, dim d) is at
-    ``offset + b*block + s*token + h*head + d*dim``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    offset: Exact
-    block: Exact
-    token: Exact
-    head: Exact
-    dim: Exact
-
-
-class PagedBufferRef(BaseModel):
-    """One buffer holding layers of a paged cache: exactly one of ``shm_name`` or ``cuda_ipc``
-    (its ``offset`` 0: layers carry their own)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    shm_name: str | None = Field(None, pattern=KVBUF_PATTERN)
-    cuda_ipc: CudaIpc | None = None
-
-    @model_validator(mode="after")
-    def _one_buffer(self) -> "PagedBufferRef":
-        if (self.shm_name is None) == (self.cuda_ipc is None):
-            raise ValueError("give exactly one of shm_name or cuda_ipc")
-        return self
-
-
-class PagedLayerRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    buffer: int = Field(ge=0, lt=MAX_PAGED_BUFFERS, description="Index into `buffers`.")
-    offset: Exact = Field(description="Bytes from that buffer's start to the layer.")
-
-
-class PagedKV(BaseModel):
-    """A paged cache: per-layer tensors in shared buffers, K and V placed by strides (the layout
-    table in `dataplane/paged.py`). Store and retrieve then take a block table."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    block_size: int = Field(gt=0, le=1 << 20, examples=[16])
-    num_blocks: int = Field(gt=0, le=1 << 31, examples=[2048])
-    kv_heads: int = Field(gt=0, le=1 << 16, examples=[8])
-    head_dim: int = Field(gt=0, le=1 << 16, examples=[128])
-    k: Placement
-    v: Placement
-    layer_bytes: Exact = Field(description="Bytes of one layer from its offset.")
-    buffers: list[PagedBufferRef] = Field(min_length=1, max_length=MAX_PAGED_BUFFERS)
-    layers: list[PagedLayerRef] = Field(min_length=1, max_length=MAX_PAGED_LAYERS)
-
-
-class Rotary(BaseModel):
-    """The model's rotary position embedding; retrieves then turn K to the prompt's positions
-    (the fields and formulas: `dataplane/rotary.py`)."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "head_dim": 128, "theta": 500000.0, "scaling": "llama3", "factor": 8.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}]})
-
-    head_dim: int = Field(ge=2, le=MAX_HEAD_DIM)
-    rotary_dim: int = Field(0, ge=0, le=MAX_HEAD_DIM,
-                            description="Dims of each head that rotate; 0 means all.")
-    theta: float = Field(10000.0, gt=0)
-    style: Literal["neox", "gptj"] = Field(
-        "neox", description="neox: half split (Llama, Mistral, Qwen); gptj: interleaved pairs.")
-    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
-    factor: float = Field(1.0, gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_position_embeddings: int = Field(8192, ge=1)
-    beta_fast: float = Field(32.0, gt=0)
-    beta_slow: float = Field(1.0, gt=0)
-    truncate: bool = True
-    inv_freq: list[float] | None = Field(
-        None, max_length=MAX_HEAD_DIM // 2,
-        description="The engine's own frequencies (rotary_dim / 2 of them) instead of theta "
-                    "and scaling.")
-
-
-class RegisterInstance(BaseModel):
-    """An engine worker's KV cache: exactly one of ``shm_name`` (a CPU buffer
-    ``[2, num_layers, num_tokens, hidden_dim]`` in POSIX shared memory), ``cuda_ipc`` (the same on
-    a GPU, by CUDA IPC handle) or ``paged`` (per-layer paged tensors; ``num_tokens`` is
-    ``num_blocks * block_size``, ``hidden_dim`` ``kv_heads * head_dim``)."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1, "worker_id": 0,
-        "num_layers": 32, "num_tokens": 32768, "hidden_dim": 1024, "dtype": "bfloat16",
-        "shm_name": "kvblend_kvbuf_5f3c2d1e8a9b4c7d9e0f1a2b3c4d5e6f"}]})
-
-    model_name: ModelName
-    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
-    worker_id: int | None = Field(0, ge=0, le=1023,
-                                  description="Tensor-parallel rank; null means 0.")
-    num_layers: int = Field(gt=0, le=1 << 16)
-    num_tokens: int = Field(gt=0, le=1 << 31)
-    hidden_dim: int = Field(gt=0, le=1 << 20)
-    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    shm_name: str | None = Field(
-        None, pattern=KVBUF_PATTERN,
-        description="POSIX shared-memory name of a CPU buffer the engine created and owns: "
-                    "`<shm_prefix>_kvbuf_<32 lowercase hex>`.")
-    cuda_ipc: CudaIpc | None = Field(None, description="A GPU buffer shared by CUDA IPC.")
-    paged: PagedKV | None = Field(None, description="A paged cache of per-layer tensors.")
-    rotary: Rotary | None = Field(None, description="The model's rotary config (CPU buffers).")
-
-    @model_validator(mode="after")
-    def _one_buffer(self) -> "RegisterInstance":
-        if sum(x is not None for x in (self.shm_name, self.cuda_ipc, self.paged)) != 1:
-            raise ValueError("give exactly one of shm_name (CPU buffer), cuda_ipc (GPU buffer) "
-                             "or paged (per-layer paged cache)")
-        return self
 
 
 class InstanceCreated(BaseModel):

@@ -144,7 +144,7 @@ class Case:
         """A retrieve into a buffer registered with Llama-3.1's rotary config (head dim 128),
         turning K to positions 1000 further on, or not."""
         if not hasattr(self, "rot"):
-            from kvblend.dataplane.messages import RotaryConfig
+            from kvblend.dataplane.registration import RotaryConfig
             cfg = RotaryConfig(head_dim=128, theta=500000.0, scaling="llama3", factor=8.0,
                                low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)

@@ -34,7 +34,7 @@ from bench_dataplane import (CHUNK, IN_FLIGHT, limits_cpu, limits_cuda, median_t
                              start_dataplane)
 from kvblend.dataplane import default_address  # noqa: E402
 from kvblend.dataplane.client import BlendClient  # noqa: E402
-from kvblend.dataplane.messages import RotaryConfig  # noqa: E402
+from kvblend.dataplane.registration import RotaryConfig  # noqa: E402
 from kvblend.shm.fingerprint import FingerprintIndex  # noqa: E402
 from kvblend.shm.names import destroy  # noqa: E402
 from kvblend.shm.store import Store, StoreConfig  # noqa: E402

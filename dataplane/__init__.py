@@ -30,10 +30,9 @@ Messages (``dataplane.messages``, msgspec tagged union, tag field ``type``)::
 
     request                                   reply
     Ping(request_id)                          Pong(pid, backend, version, chunk_size, shm_prefix)
-    RegisterInstance(model_name, world_size,  Registered(instance_id, token, lease_s)
-      worker_id, num_layers, num_tokens,
-      hidden_dim, dtype, buffer=ShmBuffer(name)
-      | CudaIpcBuffer(handle, offset, device_uuid), request_id)
+    RegisterInstance(registration,            Registered(instance_id, token, lease_s)
+      request_id)  (a ``dataplane.registration.Registration``, which is also the body of
+                   ``POST /v1/instances``)
     RenewLease(instance_id, token, request_id)    LeaseRenewed(instance_id, lease_s)
     UnregisterInstance(instance_id, token, request_id)   Unregistered(instance_id)
     ListInstances(request_id)                 InstanceList(instances=[InstanceInfo(instance_id,

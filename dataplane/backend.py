@@ -35,7 +35,7 @@ import numpy as np
 
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import BufferSpec
+from kvblend.dataplane.registration import BufferSpec
 from kvblend.shm.layout import KVLayout
 
 

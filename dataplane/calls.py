@@ -25,7 +25,7 @@ from kvblend.shm.telemetry import Counter
 
 if TYPE_CHECKING:
     from kvblend.dataplane.backend import InstanceBuffer
-    from kvblend.dataplane.instances import Instance
+    from kvblend.dataplane.instance import Instance
     from kvblend.dataplane.promote import Promoter
     from kvblend.dataplane.writebehind import WriteBehind
     from kvblend.shm.remotes import RemoteChunks
@@ -106,7 +106,7 @@ def drain(buf: "InstanceBuffer") -> None:
 Call = Generator[None, None, TransferDone]
 """A store or retrieve in two parts: up to its one ``yield`` it checks, reserves or pins and
 queues every copy (the instance's worker); the rest waits for the copies and commits or unpins
-(the instance's completion thread, ``dataplane.instances``)."""
+(the instance's completion thread, ``dataplane.instance``)."""
 
 
 def run_to_end(call: Call) -> TransferDone:

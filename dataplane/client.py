@@ -69,7 +69,7 @@ from kvblend.dataplane.control import Control, DirectControl, HttpControl
 from kvblend.dataplane.errors import BadRequest, DataPlaneError
 from kvblend.dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, LayersWritten,
                                         ListInstances, MatchSpec, PagedBuffer, Ping, Pong,
-                                        Prefetching, PrefetchChunks, RegisterInstance,
+                                        Prefetching, PrefetchChunks, Registration,
                                         RetrieveChunks, RotaryConfig, ShmBuffer, StoreChunks,
                                         StoreKind, UnregisterInstance, WireDType)
 from kvblend.shm.hashing import Namespace, chunk_hashes
@@ -153,6 +153,7 @@ class BlendClient:
             BadRequest: not 4-D ``[2, ...]`` and contiguous, an unsupported dtype, or a CPU
                 tensor not made by ``cpu_kv_buffer``.
             LayoutMismatch: the model's chunks were stored with another layout.
+            ValueError: a model name ``shm.hashing.check_label`` refuses.
         """
         if kv.dim() != 4 or kv.shape[0] != 2 or not kv.is_contiguous():
             raise BadRequest(f"the KV buffer must be a contiguous [2, L, T, D] tensor, got "
@@ -162,7 +163,7 @@ class BlendClient:
         _, L, T, D = (int(x) for x in kv.shape)
         spec = self._buffers.spec(kv)
         return self._register(_registration(model_name, world_size, worker_id, L, T, D,
-                                             kv.dtype, spec, rotary, request_id), kv, L)
+                                             kv.dtype, spec, rotary), request_id, kv, L)
 
     def register_paged_kv_cache(self, layers: Sequence[torch.Tensor], layout: str,
                                 block_size: int, kv_heads: int, head_dim: int, model_name: str,
@@ -177,16 +178,18 @@ class BlendClient:
             BadRequest: layers of different sizes, dtypes or devices, a layout that does not fit
                 them, or CPU tensors not made by ``cpu_paged_kv_cache``.
             LayoutMismatch: the model's chunks were stored with another shard layout or dtype.
+            ValueError: a model name ``shm.hashing.check_label`` refuses.
         """
         spec = self._buffers.paged_spec(layers, layout, block_size, kv_heads, head_dim)
         first = layers[0]
         return self._register(_registration(
             model_name, world_size, worker_id, len(layers), spec.num_blocks * block_size,
-            kv_heads * head_dim, first.dtype, spec, rotary, request_id), first, len(layers))
+            kv_heads * head_dim, first.dtype, spec, rotary), request_id, first, len(layers))
 
-    def _register(self, registration: RegisterInstance, kv: torch.Tensor, num_layers: int) -> int:
+    def _register(self, registration: Registration, request_id: str | None, kv: torch.Tensor,
+                  num_layers: int) -> int:
         """Register; the instance (``kv``: its buffer or first layer) is held from then on."""
-        iid, token, lease = self._control.register(registration)
+        iid, token, lease = self._control.register(registration, request_id)
         self._instances.track(iid, kv, token, lease, num_layers)
         return iid
 
@@ -348,13 +351,12 @@ class BlendClient:
 
 def _registration(model_name: str, world_size: int, worker_id: int | None, num_layers: int,
                   num_tokens: int, hidden_dim: int, dtype: torch.dtype,
-                  buffer: ShmBuffer | CudaIpcBuffer | PagedBuffer, rotary: RotaryConfig | None,
-                  request_id: str | None) -> RegisterInstance:
+                  buffer: ShmBuffer | CudaIpcBuffer | PagedBuffer,
+                  rotary: RotaryConfig | None) -> Registration:
     """The registration of an engine buffer (the one place the client builds it)."""
-    return RegisterInstance(model_name=model_name, world_size=world_size, worker_id=worker_id,
-                            num_layers=num_layers, num_tokens=num_tokens, hidden_dim=hidden_dim,
-                            dtype=WireDType(str(TORCH_DTYPES[dtype])), buffer=buffer,
-                            rotary=rotary, request_id=request_id)
+    return Registration(model_name=model_name, world_size=world_size, worker_id=worker_id,
+                        num_layers=num_layers, num_tokens=num_tokens, hidden_dim=hidden_dim,
+                        dtype=WireDType(str(TORCH_DTYPES[dtype])), buffer=buffer, rotary=rotary)
 
 
 # the client and what its calls take and give: an engine imports these from here, nothing of

@@ -9,7 +9,6 @@ first use, so an engine on the HTTP path never loads numba.
 
 from __future__ import annotations
 
-import base64
 import threading
 from typing import Any, Protocol
 
@@ -19,15 +18,16 @@ import numpy as np
 
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.errors import DataPlaneUnavailable, http_error
-from kvblend.dataplane.messages import (CudaIpcBuffer, PagedBuffer, Registered, RegisterInstance,
-                                        ShmBuffer, UnregisterInstance)
+from kvblend.dataplane.messages import Registered, RegisterInstance, UnregisterInstance
+from kvblend.dataplane.registration import Registration
 from kvblend.shm.matches import LookupResult, Match
 
 
 class Control(Protocol):
     """What the client asks of the service besides transfers."""
 
-    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
+    def register(self, reg: Registration, request_id: str | None = None
+                 ) -> tuple[int, str, float]:
         """Register a buffer; (instance id, instance token, lease seconds)."""
 
     def unregister(self, instance_id: int, token: str) -> None: ...
@@ -48,25 +48,13 @@ class HttpControl:
     def dataplane_address(self) -> str:
         return str(self.request("GET", "/v1/status").json()["dataplane"]["address"])
 
-    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
-        body: dict[str, Any] = dict(model_name=msg.model_name, world_size=msg.world_size,
-                                    worker_id=msg.worker_id, num_layers=msg.num_layers,
-                                    num_tokens=msg.num_tokens, hidden_dim=msg.hidden_dim,
-                                    dtype=msg.dtype)
-        spec = msg.buffer
-        if isinstance(spec, PagedBuffer):
-            body["paged"] = {
-                "block_size": spec.block_size, "num_blocks": spec.num_blocks,
-                "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
-                "k": msgspec.structs.asdict(spec.k), "v": msgspec.structs.asdict(spec.v),
-                "layer_bytes": spec.layer_bytes, "buffers": [_buffer(b) for b in spec.buffers],
-                "layers": [{"buffer": ly.buffer, "offset": ly.offset} for ly in spec.layers]}
-        else:
-            body.update(_buffer(spec))
-        if msg.rotary is not None:
-            body["rotary"] = msgspec.to_builtins(msg.rotary)
-        headers = {"X-Request-ID": msg.request_id} if msg.request_id else None
-        got = self.request("POST", "/v1/instances", json=body, headers=headers).json()
+    def register(self, reg: Registration, request_id: str | None = None
+                 ) -> tuple[int, str, float]:
+        headers = {"content-type": "application/json"}
+        if request_id:
+            headers["X-Request-ID"] = request_id
+        got = self.request("POST", "/v1/instances", content=msgspec.json.encode(reg),
+                           headers=headers).json()
         return int(got["instance_id"]), str(got["instance_token"]), float(got["lease_s"])
 
     def unregister(self, instance_id: int, token: str) -> None:
@@ -119,8 +107,10 @@ class DirectControl:
         self._shared: tuple[Any, Any] | None = None
         self._lock = threading.Lock()
 
-    def register(self, msg: RegisterInstance) -> tuple[int, str, float]:
-        reply: Registered = self._channel.call(msg, self._timeout)
+    def register(self, reg: Registration, request_id: str | None = None
+                 ) -> tuple[int, str, float]:
+        reply: Registered = self._channel.call(
+            RegisterInstance(registration=reg, request_id=request_id), self._timeout)
         return reply.instance_id, reply.token, reply.lease_s
 
     def unregister(self, instance_id: int, token: str) -> None:
@@ -149,16 +139,6 @@ class DirectControl:
             store, fingerprints = self._shared
             fingerprints.close()
             store.close()
-
-
-
-
-def _buffer(spec: ShmBuffer | CudaIpcBuffer) -> dict[str, Any]:
-    """A buffer as the API's registration names it (``shm_name`` or ``cuda_ipc``)."""
-    if isinstance(spec, ShmBuffer):
-        return {"shm_name": spec.name}
-    return {"cuda_ipc": {"handle": base64.b64encode(spec.handle).decode(),
-                         "offset": spec.offset, "device_uuid": spec.device_uuid}}
 
 
 __all__ = ["Control", "HttpControl", "DirectControl"]

@@ -23,7 +23,7 @@ from kvblend.dataplane import paged
 from kvblend.dataplane.backend import CopyEngine, Direction, InstanceBuffer
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
-from kvblend.dataplane.messages import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
+from kvblend.dataplane.registration import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.names import Names
 from kvblend.shm.private import shm_path

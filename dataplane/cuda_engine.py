@@ -23,7 +23,7 @@ from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.dataplane.gather import can_use_host_pointer
-from kvblend.dataplane.messages import BufferSpec, CudaIpcBuffer, PagedBuffer
+from kvblend.dataplane.registration import BufferSpec, CudaIpcBuffer, PagedBuffer
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.store import Store
 

@@ -53,7 +53,7 @@ from kvblend.dataplane.backend import Direction, LayerCopies
 from kvblend.dataplane.cuda import D2H, H2D, CudaBuffer
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.gather import SegmentCopier, Table
-from kvblend.dataplane.messages import PagedBuffer
+from kvblend.dataplane.registration import PagedBuffer
 from kvblend.shm.layout import KVLayout
 
 STAGING_BYTES = 128 << 20  # default GPU staging per instance (--staging-mib): whole chunks, >= 2

@@ -1,20 +1,9 @@
 """Registered engine buffers: the table of instances, their capabilities, leases and persistence.
 
-This module owns the instance table of one data-plane process. Each instance has its own FIFO
-queue and worker thread: calls for one instance start in the order they arrived (and queue their
-GPU work on the instance's own stream, so their copies run in that order too); calls for
-different instances run concurrently.
-
-A call runs in two parts (``dataplane.transfer.Call``): its start (checks, reservations or pins,
-every copy queued) on the worker, its end (wait for the copies, commit or unpin, reply) on the
-instance's completion thread, so the worker prepares the next call while the GPU still copies
-the previous ones. When no call waits behind it, the worker ends the call itself (one thread
-hand-off fewer). Calls of one instance in flight (started, not ended)::
-
-    worker starts a call      when fewer than MAX_IN_FLIGHT are in flight; a retrieve also
-                              waits until no store is in flight (it sees their commits)
-    completion thread ends    in the order the calls started
-    unregister / drop / stop  wait until none is in flight, then close the buffer
+This module owns the instance table of one data-plane process: registration and its checks, the
+capabilities and leases, dropping an instance and re-opening the saved ones. One instance's
+worker and calls in flight are ``dataplane.instance``'s; the saved table's format is
+``dataplane.statefile``'s.
 
 An instance is a capability (docs/security.md): registration draws a token of 128 random bits,
 and every call on the instance must present it (``Registry.authorize``). Its life is a lease, not
@@ -30,45 +19,35 @@ State of one instance::
 
 Registration checks everything (limits, names, geometry, the namespace's layout, the buffer
 opened and measured) before it creates anything: a refused registration leaves no instance, no
-layout class and no saved state.
+layout class and no saved state. The fields' own bounds were checked by the decoder that made the
+``Registration`` (``dataplane.registration``).
 
-The table is saved (atomically, with ``shm.private.write_private``, on every change) to
-``/dev/shm/{prefix}_dataplane.json``, tokens included (mode 0600, owned by the service): a restarted
-data plane re-opens every instance under the same id and token with a fresh lease, so engines keep
+The table is saved on every change (``dataplane.statefile``), tokens included: a restarted data
+plane re-opens every instance under the same id and token with a fresh lease, so engines keep
 working across a data-plane restart. The data plane never unlinks an engine's buffer.
 """
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
-import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import msgspec
-
+from kvblend.dataplane import statefile
 from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
 from kvblend.dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
-from kvblend.dataplane.messages import (TOKEN_HEX, BufferKind, CudaIpcBuffer, InstanceInfo,
-                                        PagedBuffer, RegisterInstance, ShmBuffer)
+from kvblend.dataplane.instance import Instance
+from kvblend.dataplane.messages import TOKEN_HEX
+from kvblend.dataplane.registration import PagedBuffer, Registration
 from kvblend.shm import errors as shm_errors
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.names import Names
-from kvblend.shm.private import read_private, write_private
 from kvblend.shm.store import Store
 
 log = logging.getLogger("kvblend.dataplane")
-
-Job = Callable[["Instance"], bool]  # returns False to stop the worker
-MAX_QUEUED = 64  # calls waiting on one instance; more are refused with TooMany
-MAX_IN_FLIGHT = 4  # calls of one instance started and not yet ended (reservations or pins held)
-Done = Callable[[Any, "BaseException | None"], None]  # a call's result or its error
 
 
 @dataclass(frozen=True)
@@ -84,143 +63,6 @@ class Limits:
     lease_s: float = 30.0
     max_instances: int = 256
     max_per_client: int = 64
-
-
-class Saved(msgspec.Struct):
-    instance_id: int
-    token: str
-    owner_uid: int
-    request: RegisterInstance
-
-
-@dataclass(eq=False)
-class Instance:
-    id: int
-    token: str
-    request: RegisterInstance
-    layout: KVLayout
-    class_id: int
-    buffer: InstanceBuffer
-    owner_uid: int
-    client: int | None          # the connection that registered it; None once restored
-    expires: float              # time.monotonic() deadline of the lease
-    jobs: "queue.SimpleQueue[Job]" = field(default_factory=queue.SimpleQueue)
-    thread: threading.Thread | None = None
-    dropping: bool = False
-    _queued: int = 0
-    _qlock: threading.Lock = field(default_factory=threading.Lock)
-    _ends: "queue.SimpleQueue[tuple[Generator[None, None, Any], Done, bool] | None]" = field(
-        default_factory=queue.SimpleQueue)
-    _ender: threading.Thread | None = None
-    _flight: threading.Condition = field(default_factory=threading.Condition)
-    _in_flight: int = 0
-    _stores: int = 0
-
-    @property
-    def rank(self) -> int:
-        return self.request.worker_id or 0
-
-    @functools.cached_property
-    def rotary_freqs(self) -> Any:
-        """The float32 frequencies of its rotary config (``dataplane.rotary``; torch, computed
-        on its worker when a retrieve first turns K)."""
-        from kvblend.dataplane import rotary
-        assert self.request.rotary is not None, "only instances with a rotary config turn K"
-        return rotary.frequencies(self.request.rotary)
-
-    def info(self) -> InstanceInfo:
-        r = self.request
-        return InstanceInfo(instance_id=self.id, model_name=r.model_name, world_size=r.world_size,
-                            worker_id=r.worker_id, num_layers=r.num_layers,
-                            num_tokens=r.num_tokens, hidden_dim=r.hidden_dim,
-                            dtype=r.dtype,
-                            buffer_kind=_KINDS[type(r.buffer)])
-
-    def submit(self, job: Job, *, bounded: bool = True) -> None:
-        """Queue ``job`` on the worker.
-
-        Raises:
-            TooMany: ``MAX_QUEUED`` calls already wait (only when ``bounded``).
-        """
-        with self._qlock:
-            if bounded and self._queued >= MAX_QUEUED:
-                raise TooMany(f"instance {self.id} has {MAX_QUEUED} calls queued: wait for some")
-            self._queued += 1
-        self.jobs.put(job)
-
-    def start(self) -> None:
-        """Start the worker and the completion thread."""
-        self.thread = threading.Thread(target=self._work, name=f"instance-{self.id}", daemon=True)
-        self._ender = threading.Thread(target=self._end_calls, name=f"instance-{self.id}-end",
-                                       daemon=True)
-        self._ender.start()
-        self.thread.start()
-
-    def run_call(self, call: Generator[None, None, Any], done: Done, *, store: bool) -> None:
-        """On the worker: start ``call`` (up to its ``yield``), then end it here when no call
-        waits behind it, else on the completion thread; ``done`` gets its result or error."""
-        with self._flight:
-            self._flight.wait_for(lambda: self._in_flight < MAX_IN_FLIGHT and
-                                  (store or not self._stores))
-            self._in_flight += 1
-            self._stores += store
-        try:
-            next(call)
-        except StopIteration as stop:  # ended without waiting for anything
-            self._ended(done, stop.value, None, store)
-        except BaseException as exc:
-            self._ended(done, None, exc, store)
-        else:
-            if self.jobs.empty():
-                self._end(call, done, store)
-            else:
-                self._ends.put((call, done, store))
-
-    def settle(self) -> None:
-        """Block until every call in flight ended (not on the completion thread)."""
-        with self._flight:
-            self._flight.wait_for(lambda: self._in_flight == 0)
-
-    def _end(self, call: Generator[None, None, Any], done: Done, store: bool) -> None:
-        try:
-            next(call)
-        except StopIteration as stop:
-            self._ended(done, stop.value, None, store)
-        except BaseException as exc:
-            self._ended(done, None, exc, store)
-        else:
-            self._ended(done, None, RuntimeError("a call yielded twice"), store)
-
-    def _ended(self, done: Done, result: Any, error: BaseException | None, store: bool) -> None:
-        try:
-            done(result, error)
-        except BaseException:  # done reports its own errors; never lose the thread
-            log.exception("instance %d: ending a call failed", self.id)
-        finally:
-            with self._flight:
-                self._in_flight -= 1
-                self._stores -= store
-                self._flight.notify_all()
-
-    def _end_calls(self) -> None:
-        while (item := self._ends.get()) is not None:
-            self._end(*item)
-
-    def _work(self) -> None:
-        try:
-            while True:
-                job = self.jobs.get()
-                try:
-                    if not job(self):
-                        return
-                except BaseException:  # a job reports its own errors; never lose the worker
-                    log.exception("instance %d: job failed", self.id)
-                finally:
-                    with self._qlock:
-                        self._queued -= 1
-        finally:
-            self.settle()
-            self._ends.put(None)
 
 
 class Registry:
@@ -246,15 +88,17 @@ class Registry:
 
     # -- registration -----------------------------------------------------------------------
 
-    def register(self, req: RegisterInstance, owner_uid: int, client: int | None,
-                 saved: tuple[int, str] | None = None) -> Instance:
+    def register(self, req: Registration, owner_uid: int, client: int | None,
+                 saved: tuple[int, str] | None = None, request_id: str | None = None
+                 ) -> Instance:
         """Check everything, then open the buffer and start the instance's worker.
 
         Args:
-            req: the registration.
+            req: the registration, decoded (its fields within their bounds).
             owner_uid: the registering peer's uid; an shm buffer must belong to it.
             client: the registering connection (per-client limit); None for a restored one.
             saved: (id, token) of an instance a previous data plane saved.
+            request_id: the call's, for the log.
 
         Raises:
             BadRequest: bad names, layout fields or dtype, or a buffer that is not the client's.
@@ -279,10 +123,10 @@ class Registry:
         inst.start()
         log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
-                 req.request_id)
+                 request_id)
         return inst
 
-    def _check_rotary(self, req: RegisterInstance) -> None:
+    def _check_rotary(self, req: Registration) -> None:
         """Refuse a rotary config that does not fit the buffer or fails
         ``dataplane.rotary.check`` (float64 numpy: no torch import on the connection's thread).
 
@@ -318,7 +162,7 @@ class Registry:
             log.info("released %d layout classes (no chunks, no instances)", len(released))
             return self._store.register_class(cc)
 
-    def _insert(self, req: RegisterInstance, layout: KVLayout, class_id: int,
+    def _insert(self, req: Registration, layout: KVLayout, class_id: int,
                 buffer: InstanceBuffer, owner_uid: int, client: int | None,
                 saved: tuple[int, str] | None) -> Instance:
         with self._lock:
@@ -430,9 +274,7 @@ class Registry:
     # -- persistence ------------------------------------------------------------------------
 
     def _save(self) -> None:
-        saved = [Saved(i.id, i.token, i.owner_uid, i.request) for i in self._by_id.values()]
-        write_private(self._path, msgspec.json.encode({"next_id": self._next_id,
-                                                       "instances": saved}))
+        statefile.save(self._path, self._next_id, self._by_id.values())
 
     def restore(self) -> list[int]:
         """Re-open the instances a previous data plane saved; returns their ids.
@@ -440,12 +282,7 @@ class Registry:
         Raises:
             ForeignObject: the saved table exists but is not the service's own file.
         """
-        raw = read_private(self._path)
-        try:
-            table = msgspec.json.decode(raw or b"{}", type=_SavedTable)
-        except msgspec.DecodeError as exc:
-            log.warning("ignoring an unreadable saved instance table: %s", exc)
-            table = _SavedTable()
+        table = statefile.load(self._path)
         self._next_id = max(self._next_id, table.next_id)
         back = []
         for item in table.instances:
@@ -459,18 +296,8 @@ class Registry:
         return back
 
 
-_KINDS = {ShmBuffer: BufferKind.SHM, CudaIpcBuffer: BufferKind.CUDA_IPC, PagedBuffer: BufferKind.PAGED}
-
-
-class _SavedTable(msgspec.Struct):
-    next_id: int = 1
-    instances: list[Saved] = []
-
-
-def _layout_of(req: RegisterInstance, chunk_size: int) -> tuple[KVLayout, ChunkClass]:
+def _layout_of(req: Registration, chunk_size: int) -> tuple[KVLayout, ChunkClass]:
     try:
-        if req.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {req.world_size}")
         if req.worker_id is not None and not 0 <= req.worker_id < req.world_size:
             raise ValueError(f"worker_id {req.worker_id} outside [0, {req.world_size})")
         layout = KVLayout(req.num_layers, req.num_tokens, req.hidden_dim, DType.parse(req.dtype))
@@ -479,4 +306,4 @@ def _layout_of(req: RegisterInstance, chunk_size: int) -> tuple[KVLayout, ChunkC
         raise BadRequest(str(exc)) from exc
 
 
-__all__ = ["Instance", "Limits", "Registry", "MAX_QUEUED", "MAX_IN_FLIGHT"]
+__all__ = ["Limits", "Registry"]

@@ -1,7 +1,9 @@
 """Typed messages between clients and the data plane: one tagged union each way.
 
 This module owns the wire types and their framing; it does not own the socket (``dataplane.channel``)
-or what the data plane does with a request (``dataplane.server``).
+or what the data plane does with a request (``dataplane.server``). The registration's types are
+declared in ``dataplane.registration`` (they are also the HTTP body of ``POST /v1/instances``);
+``RegisterInstance`` carries one, and this module re-exports them.
 
 Frame on the stream socket::
 
@@ -14,20 +16,24 @@ Token ids travel as little-endian uint32 bytes. Every request may carry a ``requ
 data plane puts in its events and logs.
 
 Every frame is hostile until decoded: a frame longer than ``MAX_FRAME`` closes the connection
-before its payload is read, and the decoder enforces each field's bounds (``msgspec.Meta`` below)
-before any side effect. Calls on an instance carry its ``token`` (the capability registration
-answered); docs/security.md has the model and the limits.
+before its payload is read, and the decoder enforces each field's bounds (``msgspec.Meta`` below
+and in ``dataplane.registration``) before any side effect. Calls on an instance carry its
+``token`` (the capability registration answered); docs/security.md has the model and the limits.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
 from kvblend.dataplane.backends import Backend
+from kvblend.dataplane.registration import (MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS,
+                                            BufferKind, BufferSpec, CudaIpcBuffer, KVPlacement,
+                                            PagedBuffer, PagedLayer, Registration, RotaryConfig,
+                                            ShmBuffer, WireDType)
 from kvblend.shm.hashing import CACHE_SALT_BYTES, MODEL_NAME_BYTES
 
 HEADER = struct.Struct("<IQ")
@@ -35,37 +41,20 @@ MAX_CALL_TOKENS = 1 << 20           # token ids in one store or retrieve call
 MAX_MATCHES = 16384                 # matches in one retrieve
 MAX_FRAME = 8 << 20                 # holds either bound with room to spare
 MAX_LAYER_GROUPS = 1024             # groups of a layer-wise retrieve
-MAX_PAGED_LAYERS = 1024             # layers of a paged registration
-MAX_PAGED_BUFFERS = 1024            # buffers a paged registration names
 MAX_LAYER_GROUP_MATCHES = 512       # matches (chunks) of a layer-wise retrieve (store): all
                                     # pinned (reserved) at once
 MAX_LAYER_WAIT_S = 300.0            # a layer-wise store's wait for each group's announcement
 TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
+MAX_POSITION = 1 << 24              # positions a rotation takes (float32 holds every integer
+                                    # below 2^24)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
 Label = Annotated[str, msgspec.Meta(max_length=max(MODEL_NAME_BYTES, CACHE_SALT_BYTES))]
 RequestId = Annotated[str, msgspec.Meta(max_length=128)] | None
 InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=64)]
 EventHandle = IpcHandle | None
-
-
-class WireDType(enum.StrEnum):
-    """A KV buffer's element type on the wire (``shm.layout.DType`` by name)."""
-
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
-
-
-class BufferKind(enum.StrEnum):
-    """How an instance's buffer is shared: the tag of its ``BufferSpec``."""
-
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-    PAGED = "paged"
 
 
 class StoreKind(str, enum.Enum):
@@ -106,69 +95,6 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, frozen=True
     pass
 
 
-# -- buffer specs -------------------------------------------------------------------------------
-
-class ShmBuffer(_Msg, tag="shm"):
-    """A CPU buffer: a POSIX shared-memory segment ``<prefix>_kvbuf_<32 hex>`` that the engine
-    created and owns, holding ``[2, L, T, D]`` from byte 0."""
-
-    name: Annotated[str, msgspec.Meta(max_length=255)]
-
-
-class CudaIpcBuffer(_Msg, tag="cuda_ipc"):
-    """A CUDA buffer shared by ``cudaIpcGetMemHandle``.
-
-    Attributes:
-        handle: the 64-byte IPC memory handle of the allocation holding the buffer.
-        offset: bytes from the allocation's base to the buffer's first element.
-        device_uuid: the GPU's UUID (hex, with or without ``GPU-`` and dashes), not its index.
-    """
-
-    handle: Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
-    offset: U63
-    device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
-
-
-class KVPlacement(msgspec.Struct, array_like=True, frozen=True):
-    """Where K (or V) sits in one layer of a paged cache, in elements of the dtype: element
-    (block b, slot s, head h, dim d) is at ``offset + b*block + s*token + h*head + d*dim``."""
-
-    offset: U63
-    block: U63
-    token: U63
-    head: U63
-    dim: U63
-
-
-class PagedLayer(msgspec.Struct, array_like=True, frozen=True):
-    """Layer l of a paged cache: ``buffers[buffer]`` from byte ``offset``."""
-
-    buffer: Count
-    offset: U63
-
-
-class PagedBuffer(_Msg, tag="paged"):
-    """An engine's paged KV cache: per-layer tensors in one or more shared buffers, described by
-    ``dataplane.paged`` (the layout table there). Its blocks hold ``block_size`` tokens each;
-    calls name them by a block table.
-
-    Attributes:
-        layer_bytes: bytes of one layer from its offset; every element K and V address lies in it.
-    """
-
-    block_size: Count
-    num_blocks: Count
-    kv_heads: Count
-    head_dim: Count
-    k: KVPlacement
-    v: KVPlacement
-    layer_bytes: U63
-    buffers: Annotated[list[ShmBuffer | CudaIpcBuffer],
-                       msgspec.Meta(max_length=MAX_PAGED_BUFFERS)]
-    layers: Annotated[list[PagedLayer], msgspec.Meta(max_length=MAX_PAGED_LAYERS)]
-
-
-BufferSpec = ShmBuffer | CudaIpcBuffer | PagedBuffer
 BlockTableBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)] | None
 
 
@@ -188,63 +114,12 @@ class Ping(_Msg):
     request_id: RequestId = None
 
 
-MAX_HEAD_DIM = 1024
-MAX_POSITION = 1 << 24  # positions a rotation takes (float32 holds every integer below 2^24)
-
-Positive = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class RotaryConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How a model rotates K by position (``dataplane.rotary`` has the formulas and the check).
-
-    Attributes:
-        head_dim: dims of one head.
-        rotary_dim: dims of each head that rotate (partial rotary); 0 means all of ``head_dim``.
-        theta: the base of the frequencies (``rope_theta``).
-        style: ``neox`` (half split, Llama, Mistral, Qwen) or ``gptj`` (interleaved pairs).
-        scaling: ``none``, ``linear``, ``llama3`` or ``yarn``.
-        factor: the scaling factor (linear, llama3, yarn).
-        low_freq_factor, high_freq_factor: llama3's bounds.
-        original_max_position_embeddings: the pre-training context (llama3, yarn).
-        beta_fast, beta_slow, truncate: yarn's ramp.
-        inv_freq: the engine's own frequencies, ``rotary_dim / 2`` of them; replaces theta and
-            scaling when given.
-    """
-
-    head_dim: Annotated[int, msgspec.Meta(ge=2, le=MAX_HEAD_DIM)]
-    rotary_dim: Annotated[int, msgspec.Meta(ge=0, le=MAX_HEAD_DIM)] = 0
-    theta: Positive = 10000.0
-    style: Literal["neox", "gptj"] = "neox"
-    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
-    factor: Positive = 1.0
-    low_freq_factor: Positive = 1.0
-    high_freq_factor: Positive = 4.0
-    original_max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] = 8192
-    beta_fast: Positive = 32.0
-    beta_slow: Positive = 1.0
-    truncate: bool = True
-    inv_freq: Annotated[list[float], msgspec.Meta(max_length=MAX_HEAD_DIM // 2)] | None = None
-
-    @property
-    def dim(self) -> int:
-        """The dims that rotate."""
-        return self.rotary_dim or self.head_dim
-
-
 class RegisterInstance(_Msg):
-    """Register an engine worker's KV buffer ``[2, num_layers, num_tokens, hidden_dim]``; the
-    instance lives while its lease is renewed (``RenewLease`` or any call with its token).
-    ``rotary``: the model's rotary config; its retrieves then turn K to the prompt's positions."""
+    """Register an engine worker's KV cache: ``registration`` is the body of ``POST
+    /v1/instances`` as it is (``dataplane.registration``, the one contract of both); the instance
+    lives while its lease is renewed (``RenewLease`` or any call with its token)."""
 
-    model_name: Label
-    world_size: Count
-    worker_id: Count | None
-    num_layers: Count
-    num_tokens: Count
-    hidden_dim: Count
-    dtype: WireDType
-    buffer: BufferSpec
-    rotary: RotaryConfig | None = None
+    registration: Registration
     request_id: RequestId = None
 
 
@@ -470,10 +345,13 @@ def frame(call_id: int, msg: _Msg) -> bytes:
     return HEADER.pack(len(payload), call_id) + payload
 
 
-__all__ = ["Backend", "StoreKind", "ErrorKind", "ShmBuffer", "CudaIpcBuffer", "BufferSpec",
-           "MatchSpec", "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease",
-           "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS", "MAX_MATCHES", "TOKEN_HEX",
-           "StoreChunks", "RetrieveChunks", "LayersWritten", "PrefetchChunks", "Prefetching",
-           "RotaryConfig", "Request", "Pong", "InstanceInfo", "Registered",
+__all__ = ["Backend", "StoreKind", "ErrorKind", "MatchSpec", "Ping", "RegisterInstance",
+           "UnregisterInstance", "RenewLease", "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS",
+           "MAX_MATCHES", "TOKEN_HEX", "StoreChunks", "RetrieveChunks", "LayersWritten",
+           "PrefetchChunks", "Prefetching", "Request", "Pong", "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",
-           "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME"]
+           "request_decoder", "reply_decoder", "HEADER", "MAX_FRAME", "MAX_POSITION",
+           # the registration's types (declared in dataplane.registration), part of the wire too
+           "Registration", "BufferSpec", "ShmBuffer", "CudaIpcBuffer", "PagedBuffer",
+           "KVPlacement", "PagedLayer", "RotaryConfig", "WireDType", "BufferKind",
+           "MAX_PAGED_LAYERS", "MAX_PAGED_BUFFERS", "MAX_HEAD_DIM"]

@@ -1,10 +1,10 @@
 """Paged engine KV: where each token's K and V sit in an engine's per-layer tensors.
 
-This module owns the layout descriptor of a paged KV cache (the wire form ``PagedBuffer`` is in
-``dataplane.messages``), its validation, the named layouts of common engines, and the mapping of
-a call's token positions to physical slots through its block table. It moves no bytes: the copy
-engines (``dataplane.cpu``, ``dataplane.cuda``) do, and it imports nothing heavy (an engine's
-client uses the presets).
+This module owns the layout descriptor of a paged KV cache (the wire form ``PagedBuffer`` is
+in ``dataplane.registration``), its validation, the named layouts of common engines, and the
+mapping of a call's token positions to physical slots through its block table. It moves no
+bytes: the copy engines (``dataplane.cpu``, ``dataplane.cuda``) do, and it imports nothing heavy
+(an engine's client uses the presets).
 
 An engine keeps layer l of its KV in ``buffers[layers[l].buffer]`` from byte ``layers[l].offset``.
 Element (block b, token slot s, head h, dim d) of K sits, in elements of the dtype, at::
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblend.dataplane.errors import BadRequest, OutOfRange
-from kvblend.dataplane.messages import MAX_PAGED_BUFFERS, KVPlacement, PagedBuffer
+from kvblend.dataplane.registration import MAX_PAGED_BUFFERS, KVPlacement, PagedBuffer
 
 LAYOUTS = ("flash_attn", "flashinfer", "cpu_kt", "contiguous")
 

@@ -26,7 +26,7 @@ from kvblend.shm.telemetry import RETRIEVE_SECONDS, Counter, RetrieveEnd, Retrie
 
 if TYPE_CHECKING:
     from kvblend.dataplane.backend import InstanceBuffer
-    from kvblend.dataplane.instances import Instance
+    from kvblend.dataplane.instance import Instance
 
 
 PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches

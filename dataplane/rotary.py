@@ -2,8 +2,9 @@
 
 A chunk's K was computed at positions ``old .. old+C``; placed at ``new .. new+C`` it must be rotated
 by the angle between the two positions, per frequency (V carries no position). This module owns
-the check that refuses an inconsistent config (``RotaryConfig``, declared in ``dataplane.messages``),
-the frequencies of each scaling type, and the rotation itself on CPU tensors.
+the check that refuses an inconsistent config (``RotaryConfig``, declared in
+``dataplane.registration``), the frequencies of each scaling type, and the rotation itself on
+CPU tensors.
 
 Frequencies, for ``d = rotary_dim`` and ``i = 0, 2, ..., d-2`` (float32, as the models compute
 them)::
@@ -42,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from kvblend.dataplane.messages import MAX_POSITION, RotaryConfig
+from kvblend.dataplane.messages import MAX_POSITION
+from kvblend.dataplane.registration import RotaryConfig
 
 
 def torch_dtype(name: str) -> Any:

@@ -9,7 +9,7 @@ This module owns the process's threads::
                          their instance once its token checked out, pass LayersWritten frames
                          to their layer-wise store (``dataplane.transfer.Gate``)
     instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance
-                         started in arrival order (``dataplane.instances``)
+                         started in arrival order (``dataplane.instance``)
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
                          unpin, reply) while its worker starts the next
     maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
@@ -36,7 +36,8 @@ from typing import Any
 from kvblend.dataplane.backend import CopyEngine
 from kvblend.dataplane.channel import recv_frame
 from kvblend.dataplane.errors import BackendError, BadRequest, RemoteError, remote_error, reply_for
-from kvblend.dataplane.instances import Instance, Limits, Registry
+from kvblend.dataplane.instance import Instance
+from kvblend.dataplane.instances import Limits, Registry
 from kvblend.dataplane.messages import (ErrorKind, ErrorReply, InstanceList, LayersReady,
                                         LayersWritten, LeaseRenewed, ListInstances, Ping, Pong,
                                         Prefetching, PrefetchChunks, Registered, RegisterInstance,
@@ -283,7 +284,8 @@ class DataPlane:
         if isinstance(msg, ListInstances):
             return InstanceList(instances=[i.info() for i in self.registry.all()])
         if isinstance(msg, RegisterInstance):
-            inst = self.registry.register(msg, conn.uid, conn.id)
+            inst = self.registry.register(msg.registration, conn.uid, conn.id,
+                                          request_id=msg.request_id)
             return Registered(instance_id=inst.id, token=inst.token,
                               lease_s=self.registry.limits.lease_s)
         if isinstance(msg, PrefetchChunks):  # answered at once: the fetches run on their own

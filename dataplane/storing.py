@@ -26,7 +26,7 @@ from kvblend.shm.telemetry import STORE_SECONDS, Counter, StoreEnd, StoreStart
 
 if TYPE_CHECKING:
     from kvblend.dataplane.backend import InstanceBuffer
-    from kvblend.dataplane.instances import Instance
+    from kvblend.dataplane.instance import Instance
 
 
 def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,

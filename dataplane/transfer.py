@@ -24,7 +24,7 @@ This module owns the order of operations that keeps the store consistent whateve
   (``InstanceBuffer.bind``); every chunk is checked to have slots before any side effect.
 
 Each call is a generator (``Call``) with one ``yield``, once every copy is queued: the instance's
-worker runs it that far, its completion thread (``dataplane.instances``) the rest, so the next call
+worker runs it that far, its completion thread (``dataplane.instance``) the rest, so the next call
 is prepared while these copies run. Before the ``yield`` a store or plain retrieve sends one
 ``LayersReady`` of every layer: the engine may reuse (store) or read (retrieve) its buffer after
 the done event from then on, without waiting for the commits and the reply.
@@ -51,7 +51,7 @@ from kvblend.dataplane.retrieving import prefetch, retrieve_call
 from kvblend.dataplane.storing import store_call
 
 if TYPE_CHECKING:
-    from kvblend.dataplane.instances import Instance
+    from kvblend.dataplane.instance import Instance
 
 
 def run_store(sh: Shared, inst: "Instance", msg: StoreChunks) -> TransferDone:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvblend.dataplane import rotary
-from kvblend.dataplane.messages import RotaryConfig
+from kvblend.dataplane.registration import RotaryConfig
 
 log = logging.getLogger("kvblend.engine")
 _reported: set[str] = set()  # the frequency dtypes already reported in the log

@@ -17,7 +17,7 @@ the other entries are paths in ``/dev/shm``::
     /dev/shm/P_remote.lock        file      its flock
     /dev/shm/P_serve.lock         file      api.supervisor: one ``kvblend serve`` per prefix
     /dev/shm/P_dataplane.sock     socket    dataplane: the channel's default address
-    /dev/shm/P_dataplane.json     file      dataplane.instances: registered instances, for restarts
+    /dev/shm/P_dataplane.json     file      dataplane.statefile: registered instances, for restarts
     P_kvbuf_<32 hex>              segment   an engine's CPU KV buffer (dataplane.client_buffers); not ours
     P_warm<pid>_*                 scratch   shm.warm, under a prefix of its own, removed by it
 """

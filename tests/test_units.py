@@ -17,11 +17,6 @@ ROOMS = ("api", "dataplane", "shm", "engine")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
-#: modules still over MAX_MODULE_LINES while other branches cut them. This list must be empty:
-#: when a cut lands, its file leaves the list (test_the_allow_list_only_shrinks fails until it
-#: does), and no file is ever added to it.
-LONG_MODULES = {"dataplane/messages.py", "dataplane/instances.py"}
-
 
 def sources(root: Path) -> dict[str, str]:
     """Every module of the rooms under ``root``, by its path (``shm/store.py``)."""
@@ -58,23 +53,15 @@ def long_functions(root: Path, limit: int) -> dict[str, int]:
 
 
 def test_no_module_is_long() -> None:
-    found = long_modules(ROOT, MAX_MODULE_LINES)
-    offenders = {rel: n for rel, n in sorted(found.items()) if rel not in LONG_MODULES}
-    assert offenders == {}, (f"modules over {MAX_MODULE_LINES} lines: cut each into cohesive "
-                             f"modules along its seams: {offenders}")
+    found = dict(sorted(long_modules(ROOT, MAX_MODULE_LINES).items()))
+    assert found == {}, (f"modules over {MAX_MODULE_LINES} lines: cut each into cohesive "
+                         f"modules along its seams: {found}")
 
 
 def test_no_function_is_long() -> None:
     found = dict(sorted(long_functions(ROOT, MAX_FUNCTION_LINES).items()))
     assert found == {}, (f"functions over {MAX_FUNCTION_LINES} lines: cut each into named "
                          f"phases it calls: {found}")
-
-
-def test_the_allow_list_only_shrinks() -> None:
-    found = long_modules(ROOT, MAX_MODULE_LINES)
-    short = sorted(rel for rel in LONG_MODULES if rel not in found)
-    assert short == [], (f"no longer over {MAX_MODULE_LINES} lines (or gone): drop them from "
-                         f"LONG_MODULES: {short}")
 
 
 def test_the_checks_find_long_units(tmp_path: Path) -> None:

@@ -1,17 +1,25 @@
-"""``/v1/instances``: engine KV buffers registered with the data plane."""
+"""``/v1/instances``: engine KV buffers registered with the data plane.
+
+The registration body is the data plane's own type (``dataplane.registration.Registration``, the
+payload of its ``RegisterInstance`` frame): this route decodes it with msgspec, which checks every
+bound before the data plane is asked, and passes it on as it is. Its OpenAPI schema is the type's
+JSON Schema (``SCHEMAS``, merged into the document by ``api.app``).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
 from kvblend.api.auth import require_token
 from kvblend.api.deps import DataPlaneDep
-from kvblend.api.errors import responses
+from kvblend.api.errors import InvalidInput, responses
 from kvblend.api.lookup import request_id_of
-from kvblend.api.schemas import Instance, InstanceCreated, InstanceList, RegisterInstance
+from kvblend.api.schemas import Instance, InstanceCreated, InstanceList
 from kvblend.dataplane.messages import TOKEN_HEX
+from kvblend.dataplane.registration import Registration
 
 router = APIRouter(prefix="/v1/instances", tags=["instances"],
                    dependencies=[Depends(require_token)])
@@ -20,6 +28,33 @@ InstanceId = Annotated[int, Path(ge=0, le=2**63 - 1, description="As returned by
 InstanceToken = Annotated[str, Header(alias="X-Instance-Token", max_length=TOKEN_HEX,
                                       description="The token registration returned.")]
 
+EXAMPLE = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "world_size": 1, "worker_id": 0,
+           "num_layers": 32, "num_tokens": 32768, "hidden_dim": 1024, "dtype": "bfloat16",
+           "buffer": {"type": "shm", "name": "kvblend_kvbuf_5f3c2d1e8a9b4c7d9e0f1a2b3c4d5e6f"}}
+# the body's schema, and the components it names (the document's ``components.schemas``)
+(BODY_SCHEMA,), SCHEMAS = msgspec.json.schema_components(
+    [Annotated[Registration, msgspec.Meta(examples=[EXAMPLE])]],
+    ref_template="#/components/schemas/{name}")
+BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": BODY_SCHEMA}}}}
+_decode = msgspec.json.Decoder(Registration).decode
+
+
+async def read_registration(request: Request) -> Registration:
+    """The body as a ``Registration``, every bound checked.
+
+    Raises:
+        msgspec.DecodeError: not JSON, or not a registration (a 422 naming the field).
+        InvalidInput: a body in another content type than JSON.
+    """
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise InvalidInput(f"a registration is JSON, not {ctype!r}")
+    return _decode(await request.body())
+
+
+RegistrationBody = Annotated[Registration, Depends(read_registration)]
+
 
 @router.post("", status_code=201, response_model=InstanceCreated, operation_id="registerInstance",
              summary="Register an engine worker's KV buffer",
@@ -27,8 +62,8 @@ InstanceToken = Annotated[str, Header(alias="X-Instance-Token", max_length=TOKEN
                          "created under `<shm_prefix>_kvbuf_<32 hex>`, or a CUDA IPC handle) "
                          "and serves store and retrieve calls for it from then on. The answer "
                          "holds the instance token every later call on it needs.",
-             responses=responses(401, 409, 413, 422, 429, 503))
-def register_instance(body: RegisterInstance, request: Request, dataplane: DataPlaneDep
+             responses=responses(401, 409, 413, 422, 429, 503), openapi_extra=BODY)
+def register_instance(body: RegistrationBody, request: Request, dataplane: DataPlaneDep
                       ) -> InstanceCreated:
     return dataplane.register(body, request_id_of(request))
 

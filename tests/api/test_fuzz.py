@@ -146,7 +146,8 @@ def test_an_instance_token_longer_than_any_token_is_refused_at_the_edge(client: 
 @pytest.mark.slow
 def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None:
     body = {"model_name": "m", "num_layers": 2, "num_tokens": 64, "hidden_dim": 8,
-            "cuda_ipc": {"handle": "A" * 86 + "==", "offset": 2**64, "device_uuid": "GPU-1"}}
+            "buffer": {"type": "cuda_ipc", "handle": "A" * 86 + "==", "offset": 2**64,
+                       "device_uuid": "GPU-1"}}
     problem(live_client.post("/v1/instances", json=body), 422)
 
 

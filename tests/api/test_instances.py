@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 from tests.api.conftest import problem
 
 BODY = {"model_name": "m", "world_size": 1, "worker_id": 0, "num_layers": 2, "num_tokens": 64,
-        "hidden_dim": 8, "dtype": "float16", "shm_name": "kvbt_kvbuf_" + "ab" * 16}
+        "hidden_dim": 8, "dtype": "float16",
+        "buffer": {"type": "shm", "name": "kvbt_kvbuf_" + "ab" * 16}}
+CUDA = {"type": "cuda_ipc", "handle": "A" * 86 + "==", "offset": 0, "device_uuid": "GPU-1"}
 
 
 def test_register_without_a_data_plane_is_503(client: TestClient) -> None:
@@ -22,14 +24,27 @@ def test_register_without_a_data_plane_is_503(client: TestClient) -> None:
     problem(client.delete("/v1/instances/3", headers={"X-Instance-Token": "0" * 32}), 503)
 
 
+@pytest.mark.parametrize("body", [
+    {**BODY, "buffer": CUDA}, {**BODY, "buffer": {**CUDA, "offset": 2**53}},
+    {**BODY, "dtype": "bfloat16", "worker_id": None, "rotary": {"head_dim": 8}},
+    {k: v for k, v in BODY.items() if k not in ("world_size", "worker_id", "dtype")},
+    {**BODY, "model_name": "é" * 60},  # 120 bytes
+])
+def test_good_registrations_reach_the_data_plane(client: TestClient, body: dict) -> None:
+    problem(client.post("/v1/instances", json=body), 503)  # valid: only the data plane is missing
+
+
 @pytest.mark.parametrize("change", [
-    {"shm_name": None},                                              # no buffer
-    {"cuda_ipc": {"handle": "A" * 86 + "==", "offset": 0, "device_uuid": "GPU-1"}},  # two buffers
+    {"buffer": None}, {"buffer": {"type": "shm"}},                   # no buffer
+    {"buffer": {"type": "disk", "name": BODY["buffer"]["name"]}},    # no such kind
+    {"buffer": {**BODY["buffer"], **CUDA}},                          # two buffers in one
     {"dtype": "int8"}, {"num_layers": 0}, {"world_size": 0}, {"model_name": ""},
-    {"worker_id": -1}, {"unknown_field": 1}, {"owner_pid": 9},
+    {"worker_id": -1}, {"unknown_field": 1}, {"owner_pid": 9}, {"shm_name": BODY["buffer"]["name"]},
+    {"rotary": {"head_dim": 1}}, {"rotary": {"head_dim": 8, "theta": 0}},
     # names that are not an engine buffer: the cache's own segments, anyone else's, paths
-    {"shm_name": "kvbt_meta"}, {"shm_name": "kvbt_fp"}, {"shm_name": "kvblend_slab"},
-    {"shm_name": "kvbt_kvbuf_../../etc/passwd"}, {"shm_name": "kvbt_kvbuf_" + "AB" * 16},
+    *({"buffer": {"type": "shm", "name": name}} for name in (
+        "kvbt_meta", "kvbt_fp", "kvblend_slab", "kvbt_kvbuf_../../etc/passwd",
+        "kvbt_kvbuf_" + "AB" * 16)),
     # integers past int64 (they raised OverflowError, a 500, before)
     {"num_tokens": 2**64}, {"worker_id": 2**64}, {"hidden_dim": 2**70},
     {"world_size": 2**64}, {"model_name": "\u0000"}, {"model_name": "a\nb"},
@@ -39,10 +54,24 @@ def test_bad_registrations_are_422(client: TestClient, change: dict) -> None:
     problem(client.post("/v1/instances", json={**BODY, **change}), 422)
 
 
-def test_bad_cuda_handle_is_422(client: TestClient) -> None:
-    body = {**BODY, "shm_name": None,
-            "cuda_ipc": {"handle": "zz", "offset": 0, "device_uuid": "GPU-1"}}
-    problem(client.post("/v1/instances", json=body), 422)
+@pytest.mark.parametrize("cuda", [{"handle": "zz"}, {"handle": "A" * 88}, {"offset": 2**53 + 1},
+                                  {"offset": -1}, {"device_uuid": ""}, {"handle": None}])
+def test_bad_cuda_buffers_are_422(client: TestClient, cuda: dict) -> None:
+    problem(client.post("/v1/instances", json={**BODY, "buffer": {**CUDA, **cuda}}), 422)
+
+
+def test_a_bad_field_is_named_where_it_is(client: TestClient) -> None:
+    body = {**BODY, "buffer": {**CUDA, "offset": -1}}
+    error = problem(client.post("/v1/instances", json=body), 422)["errors"][0]
+    assert error["loc"] == ["buffer", "offset"] and error["type"] == "value_error"
+    error = problem(client.post("/v1/instances", json={**BODY, "model_name": "a\nb"}),
+                    422)["errors"][0]
+    assert "model_name" in error["msg"]
+
+
+def test_a_body_that_is_not_json_is_refused(client: TestClient) -> None:
+    problem(client.post("/v1/instances", content=b"model_name=m",
+                        headers={"content-type": "application/x-www-form-urlencoded"}), 422)
 
 
 def test_bad_instance_id_is_422(client: TestClient) -> None:

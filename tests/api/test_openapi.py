@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from kvblend.api.openapi import render, schema
+from kvblend.dataplane.messages import RegisterInstance
 
 COMMITTED = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
 METHODS = {"get", "post", "put", "patch", "delete"}
@@ -47,3 +50,16 @@ def test_lookup_documents_both_body_types() -> None:
     tokens = components["LookupRequest"]["properties"]["token_ids"]["items"]
     assert tokens["minimum"] == 0 and tokens["maximum"] == 2**32 - 1
     json.dumps(components)  # every schema serializes
+
+
+def test_the_registration_body_is_the_data_planes_own_type() -> None:
+    """One contract: the body of registerInstance is the type the data plane's frame carries,
+    and its schema is that type's, as msgspec states it (no twin declared for the API)."""
+    doc = schema()
+    body = doc["paths"]["/v1/instances"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/Registration"
+    carried = msgspec.structs.fields(RegisterInstance)[0]
+    assert carried.name == "registration"
+    _, components = msgspec.json.schema_components([carried.type],
+                                                   ref_template="#/components/schemas/{name}")
+    assert {name: doc["components"]["schemas"].get(name) for name in components} == components

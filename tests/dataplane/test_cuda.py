@@ -12,8 +12,9 @@ import torch
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.instances import MAX_IN_FLIGHT
+from kvblend.dataplane.instance import MAX_IN_FLIGHT
 from kvblend.dataplane.messages import MatchSpec, RegisterInstance
+from kvblend.dataplane.registration import Registration
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
 
@@ -189,9 +190,9 @@ def test_a_layout_larger_than_the_shared_allocation_is_refused(shm_prefix: str) 
         with BlendClient(dataplane_address=dp.address) as client, Channel(dp.address) as ch:
             kv = torch.zeros((2, L, 64, D), dtype=torch.bfloat16, device="cuda")
             spec = client._buffers.spec(kv)
-            ask = lambda tokens: ch.call(RegisterInstance(
+            ask = lambda tokens: ch.call(RegisterInstance(registration=Registration(
                 model_name="gpu-m", world_size=1, worker_id=0, num_layers=L, num_tokens=tokens,
-                hidden_dim=D, dtype="bfloat16", buffer=spec), timeout=60)
+                hidden_dim=D, dtype="bfloat16", buffer=spec)), timeout=60)
             with pytest.raises(BadRequest, match="do not fit"):
                 # far past the allocator's block that holds the tensor: retrieves would write
                 # outside anything the engine shared (within the block is the engine's business)

@@ -16,7 +16,8 @@ from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import (BadRequest, LayoutMismatch, OutOfRange, Timeout,
                                       UnknownInstance)
 from kvblend.dataplane.messages import (ChunkFailure, Ping, Pong, RegisterInstance, RetrieveChunks,
-                                        ShmBuffer, StoreChunks)
+                                        StoreChunks)
+from kvblend.dataplane.registration import Registration, ShmBuffer
 from kvblend.shm.events import EventLog
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
@@ -182,17 +183,19 @@ def test_bad_calls_get_typed_errors_and_the_process_keeps_serving(
             client.store_pre_computed(inst, tokens).wait()
             client.register_kv_cache(other, model_name="m")
         with pytest.raises(BadRequest):
-            ch.call(RegisterInstance(model_name="m", world_size=1, worker_id=0, num_layers=L,
-                                     num_tokens=T, hidden_dim=D, dtype="int8",
-                                     buffer=ShmBuffer(name="nope")))
-        with pytest.raises(BadRequest):
-            ch.call(RegisterInstance(model_name="x", world_size=2, worker_id=2, num_layers=L,
-                                     num_tokens=T, hidden_dim=D, dtype="float16",
-                                     buffer=ShmBuffer(name="nope")))
+            ch.call(RegisterInstance(registration=Registration(
+                model_name="m", world_size=1, worker_id=0, num_layers=L, num_tokens=T,
+                hidden_dim=D, dtype="int8", buffer=ShmBuffer(name="nope"))))
+        with pytest.raises(BadRequest, match="worker_id"):
+            ch.call(RegisterInstance(registration=Registration(
+                model_name="x", world_size=2, worker_id=2, num_layers=L, num_tokens=T,
+                hidden_dim=D, dtype="float16",
+                buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'1' * 32}"))))
         with pytest.raises(BadRequest, match="cannot open"):  # a missing segment
-            ch.call(RegisterInstance(model_name="y", world_size=1, worker_id=0, num_layers=L,
-                                     num_tokens=T, hidden_dim=D, dtype="float16",
-                                     buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'0' * 32}")))
+            ch.call(RegisterInstance(registration=Registration(
+                model_name="y", world_size=1, worker_id=0, num_layers=L, num_tokens=T,
+                hidden_dim=D, dtype="float16",
+                buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'0' * 32}"))))
         pong = ch.call(Ping(), timeout=5)
         assert isinstance(pong, Pong) and pong.backend.value == "cpu" and pong.chunk_size == CHUNK
         assert client.store_pre_computed(inst, tokens).wait(timeout=10).ok

@@ -11,8 +11,9 @@ from kvblend.dataplane import paged
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest, OutOfRange
-from kvblend.dataplane.messages import (KVPlacement, PagedBuffer, PagedLayer, RegisterInstance,
-                                        ShmBuffer, WireDType)
+from kvblend.dataplane.messages import RegisterInstance
+from kvblend.dataplane.registration import (KVPlacement, PagedBuffer, PagedLayer, Registration,
+                                            ShmBuffer, WireDType)
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 L, B, S, H, DH = 2, 16, 8, 2, 16   # layers, blocks, block size, kv heads, head dim
@@ -182,9 +183,10 @@ def test_block_tables_and_descriptors_are_checked_before_any_side_effect(
             for why, change in bad.items():
                 spec = PagedBuffer(**{**good, **change})
                 with pytest.raises(BadRequest, match=why):
-                    ch.call(RegisterInstance(model_name="p", world_size=1, worker_id=0,
-                                             num_layers=L, num_tokens=B * S, hidden_dim=H * DH,
-                                             dtype=WireDType.FLOAT16, buffer=spec), timeout=30)
+                    ch.call(RegisterInstance(registration=Registration(
+                        model_name="p", world_size=1, worker_id=0, num_layers=L,
+                        num_tokens=B * S, hidden_dim=H * DH, dtype=WireDType.FLOAT16,
+                        buffer=spec)), timeout=30)
 
 
 @pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])

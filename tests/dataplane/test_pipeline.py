@@ -10,7 +10,7 @@ import torch
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.instances import MAX_IN_FLIGHT
+from kvblend.dataplane.instance import MAX_IN_FLIGHT
 from kvblend.dataplane.messages import MatchSpec
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc

@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaModel
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import ChunkFailure, MatchSpec, RotaryConfig
+from kvblend.dataplane.messages import ChunkFailure, MatchSpec
+from kvblend.dataplane.registration import RotaryConfig
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,7 @@ import torch
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest, DataPlaneUnavailable, TooMany
-from kvblend.dataplane.messages import (HEADER, MAX_FRAME, ListInstances, Ping, RegisterInstance,
-                                        ShmBuffer)
+from kvblend.dataplane.messages import HEADER, MAX_FRAME, ListInstances, Ping
 from kvblend.shm.events import EventLog
 from kvblend.shm.segment import Segment
 from kvblend.shm.segment import exists as segment_exists
@@ -40,10 +39,13 @@ NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another uid")
 
 
-def register_msg(name: str, model: str = "m", layers: int = L) -> RegisterInstance:
-    return RegisterInstance(model_name=model, world_size=1, worker_id=0, num_layers=layers,
-                            num_tokens=T, hidden_dim=D, dtype="float16",
-                            buffer=ShmBuffer(name=name))
+def register_msg(name: str, model: str = "m", layers: int = L) -> dict:
+    """A ``RegisterInstance`` frame as an attacker sends it: a plain map, no constructor's check
+    on this side."""
+    return {"type": "RegisterInstance", "registration": {
+        "model_name": model, "world_size": 1, "worker_id": 0, "num_layers": layers,
+        "num_tokens": T, "hidden_dim": D, "dtype": "float16",
+        "buffer": {"type": "shm", "name": name}}}
 
 
 def kvbuf(prefix: str, owner: int | None = None) -> str:
