@@ -13,8 +13,11 @@ read only when it is the service's own file (``shm.private.read_private``)::
                     "request": {Registration}}]}    as registered (dataplane.registration)
 
 NOTE: a write is a rename of a complete temp file, so a reader sees the table before or after it,
-never a torn one. A file that does not decode (another version's format) is ignored with a
-warning: the instances it named are not re-opened, and their engines register again.
+never a torn one. The previous release saved each request as its data-plane frame (tagged
+``"type": "RegisterInstance"``, with a ``request_id``, a paged buffer's placements and layers as
+arrays); ``load`` reads that format too, so an upgrade re-opens every instance. A file that
+decodes as neither is ignored with a warning: its instances are not re-opened, and their engines
+register again.
 """
 
 from __future__ import annotations
@@ -63,12 +66,37 @@ def load(path: str) -> SavedTable:
     Raises:
         shm.errors.ForeignObject: the file exists but is not the service's own.
     """
-    raw = read_private(path)
+    raw = read_private(path) or b"{}"
     try:
-        return msgspec.json.decode(raw or b"{}", type=SavedTable)
+        return msgspec.json.decode(raw, type=SavedTable)
     except msgspec.DecodeError as exc:
-        log.warning("ignoring an unreadable saved instance table: %s", exc)
-        return SavedTable()
+        try:
+            return msgspec.convert(_from_frames(msgspec.json.decode(raw)), SavedTable)
+        except (ValueError, TypeError, KeyError, AttributeError):  # msgspec.DecodeError too
+            log.warning("ignoring an unreadable saved instance table: %s", exc)
+            return SavedTable()
+
+
+_PLACEMENT = ("offset", "block", "token", "head", "dim")
+
+
+def _from_frames(table: dict) -> dict:
+    """The previous release's table (requests saved as frames) in this release's shape.
+
+    Raises:
+        ValueError, TypeError, KeyError, AttributeError: not that format either.
+    """
+    for item in table["instances"]:
+        request = item["request"]
+        if request.pop("type") != "RegisterInstance":
+            raise KeyError("type")
+        request.pop("request_id", None)
+        buffer = request["buffer"]
+        if buffer["type"] == "paged":
+            for kv in ("k", "v"):
+                buffer[kv] = dict(zip(_PLACEMENT, buffer[kv], strict=True))
+            buffer["layers"] = [{"buffer": b, "offset": o} for b, o in buffer["layers"]]
+    return table
 
 
 __all__ = ["Saved", "SavedTable", "save", "load"]
