@@ -145,8 +145,10 @@ def message_of(line: str, form: str) -> str | None:
         return None
     if not isinstance(record, dict) or "message" not in record or "level" not in record:
         return None
+    message = str(record["message"])
     exception = str(record.get("exception", "")).strip().splitlines()
-    return f"{record['message']}{': ' + exception[-1] if exception else ''}"
+    return f"{message}: {exception[-1]}" if exception and exception[-1] not in message \
+        else message
 
 
 __all__ = ["LogFormat", "LogLevel", "Formatter", "configure", "uvicorn_config", "message_of",
