@@ -154,8 +154,8 @@ def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -
 
 
 #: a text record's line: UTC time, level, process[pid], logger, message
-TEXT_RECORD = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                         r"(serve|api|dataplane)\[\d+\] [\w.]+: ")
+TEXT_RECORD = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+                         r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (serve|api|dataplane)\[\d+\] [\w.]+: ")
 
 
 def test_a_second_serve_names_the_first_and_a_clean_stop_logs_clean(services: Services) -> None:
