@@ -11,8 +11,14 @@ on stdout, the API's ``/healthz`` answering)::
     starting --exits, was ready in an earlier run--> crash loop: restart after a backoff
                                                      (0.5 s doubling to 15 s; reset once ready)
 
-Its stdout and stderr pass through pipes to the supervisor's own, line by line, so the last
-lines of a child that failed at start-up can name the cause in the supervisor's one error line.
+Its output passes through pipes to the supervisor, line by line, so the last lines of a child
+that failed at start-up can name the cause in the supervisor's one error line. The child's log
+records (stderr, in the service's format: ``dataplane.logs``) go on to the supervisor's stderr as
+they are; every other line becomes a record of the child's own (its name and pid): a line on its
+stdout at INFO, and, with ``--log-format json``, a stderr line that is not a JSON record (a crash
+before its logging was set up) at WARNING. The data plane's ready line is read, not relayed: the
+supervisor logs the readiness. A stop by the supervisor's SIGTERM (exit code 0, or the signal
+itself: uvicorn re-raises it) is logged as clean; anything else says how the child ended.
 
 NOTE: children run in their own process group (a terminal's Ctrl+C reaches only the supervisor)
 and get SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``).
@@ -30,6 +36,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO
+
+from kvblend.dataplane.logs import PID, PROCESS, LogFormat, message_of
 
 log = logging.getLogger("kvblend.serve")
 
@@ -54,13 +62,16 @@ class Child:
         ready_line: a stdout line prefix that says it is ready, or None.
         probe: a call that says it is ready, or None (polled while it starts).
         wake: set whenever the child's state changes (the supervisor's loop waits on it).
+        log_format: the form of the child's log records (the service's).
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], grace: float,
                  counter: str, *, ready_line: bytes | None = None,
                  probe: Callable[[], bool] | None = None,
-                 wake: threading.Event | None = None) -> None:
+                 wake: threading.Event | None = None,
+                 log_format: str = LogFormat.TEXT) -> None:
         self.name, self.argv, self.env, self.grace, self.counter = name, argv, env, grace, counter
+        self.log_format = LogFormat(log_format)
         self._ready_line, self._probe = ready_line, probe
         self._wake = wake or threading.Event()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,20 +93,25 @@ class Child:
         self.started_at = time.monotonic()
         self.starts += 1
         assert self.proc.stdout is not None and self.proc.stderr is not None
-        for stream, out, watch in ((self.proc.stdout, sys.stdout, True),
-                                   (self.proc.stderr, sys.stderr, False)):
-            threading.Thread(target=self._pump, args=(stream, out, watch), daemon=True,
-                             name=f"{self.name}-output").start()
+        for stream, is_stdout in ((self.proc.stdout, True), (self.proc.stderr, False)):
+            threading.Thread(target=self._pump, args=(stream, is_stdout, self.proc.pid),
+                             daemon=True, name=f"{self.name}-output").start()
         log.info("%s started (pid %d)", self.name, self.proc.pid)
 
-    def _pump(self, stream: IO[bytes], out: IO[str], watch: bool) -> None:
+    def _pump(self, stream: IO[bytes], is_stdout: bool, pid: int) -> None:
         for raw in iter(stream.readline, b""):
-            _write(out, raw)
-            text = raw.decode(errors="replace").strip()
-            if text:
-                self.tail.append(text)
-            if watch and self._ready_line is not None and raw.startswith(self._ready_line):
-                self._mark_ready()
+            text = raw.decode(errors="replace").rstrip("\r\n")
+            if is_stdout and self._ready_line is not None and raw.startswith(self._ready_line):
+                self._mark_ready(text[len(self._ready_line):].strip())
+                continue
+            message = None if is_stdout else message_of(text, self.log_format)
+            if message is None:  # not a record of the child's: make it one
+                log.log(logging.INFO if is_stdout else logging.WARNING, "%s", text,
+                        extra={PROCESS: self.name, PID: pid})
+            else:
+                _write(sys.stderr, raw)
+            if (message or text).strip():
+                self.tail.append((message or text).strip())
         stream.close()
 
     def poll_ready(self) -> None:
@@ -104,12 +120,13 @@ class Child:
             if self._probe():
                 self._mark_ready()
 
-    def _mark_ready(self) -> None:
+    def _mark_ready(self, said: str = "") -> None:
         if not self.ready.is_set():
             self.ready.set()
             self.ever_ready = True
             self.backoff = BACKOFF_FIRST
-            log.info("%s ready after %.2f s", self.name, time.monotonic() - self.started_at)
+            log.info("%s ready after %.2f s%s", self.name, time.monotonic() - self.started_at,
+                     f" ({said})" if said else "")
             self._wake.set()
 
     def reap(self, now: float) -> int | None:
@@ -143,20 +160,26 @@ class Child:
         return self.tail[-1] if self.tail else "no output"
 
     def stop(self) -> None:
-        """SIGTERM, wait out the grace period, then SIGKILL."""
+        """SIGTERM, wait out the grace period, then SIGKILL; logs how it ended."""
         proc = self.proc
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s: killing it", self.name, self.grace)
-                proc.kill()
-                proc.wait()
-        log.info("%s stopped (exit code %s)", self.name, proc.returncode)
         self.proc = None
+        if proc.poll() is not None:  # it ended by itself meanwhile
+            log.warning("%s had exited (exit code %s)", self.name, proc.returncode)
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(self.grace)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s: killing it", self.name, self.grace)
+            proc.kill()
+            proc.wait()
+            return
+        if rc in (0, -signal.SIGTERM):
+            log.info("%s stopped cleanly", self.name)
+        else:
+            log.warning("%s stopped with exit code %s", self.name, rc)
 
 
 def _write(out: IO[str], raw: bytes) -> None:

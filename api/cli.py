@@ -4,6 +4,11 @@
 Every ``serve`` flag is also an environment variable ``KVBLEND_<NAME>``; a flag wins over the
 variable, the variable over the default (see ``api.settings.Settings``). The remote tier's
 credentials are variables only (``api.settings.ENV_ONLY``).
+
+``status`` and ``clear`` present a token when one is given: ``--api-token`` / ``KVBLEND_API_TOKEN``
+or ``--admin-token`` / ``KVBLEND_ADMIN_TOKEN`` (``clear`` prefers the admin token, ``status`` the
+API token; the admin token is accepted wherever the API token is). A 401 or 403 says which token
+the call needs and how to give it.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import httpx
 from pydantic import SecretStr, ValidationError
@@ -24,7 +30,14 @@ from kvblend.api.settings import ENV_ONLY, Settings
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.version import kvblend_version
 
-CLIENT_FLAGS = ("host", "port", "api_token")
+CLIENT_FLAGS = ("host", "port", "api_token", "admin_token")
+#: a token setting -> its flag and its variable
+TOKEN_SOURCES = {"api_token": ("--api-token", "KVBLEND_API_TOKEN"),
+                 "admin_token": ("--admin-token", "KVBLEND_ADMIN_TOKEN")}
+SERVE_EPILOG = ("Every flag is also an environment variable KVBLEND_<FLAG> (--storage-mb: "
+                "KVBLEND_STORAGE_MB, --wipe: KVBLEND_WIPE=true); a flag wins over its variable. "
+                "The remote tier's credentials are variables only: KVBLEND_REMOTE_USERNAME, "
+                "KVBLEND_REMOTE_PASSWORD.")
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -41,11 +54,13 @@ def _kind(name: str, field: FieldInfo) -> dict[str, Any]:
     """The argparse arguments that read ``field``'s type: a switch for a bool, the values of an
     enum, else the plain type (a secret, or a URL that the settings parse, is read as a
     string)."""
+    if get_origin(field.annotation) is Literal:
+        return {"choices": list(get_args(field.annotation))}
     kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
-    if kind is bool:
+    if kind is bool:  # --wipe, and --no-wipe to override KVBLEND_WIPE
         if field.default is not False:
             raise TypeError(f"Settings.{name}: a switch must default to False")
-        return {"action": "store_const", "const": True}
+        return {"action": argparse.BooleanOptionalAction}
     if isinstance(kind, type) and issubclass(kind, Enum):
         return {"choices": [member.value for member in kind]}
     if kind is SecretStr or kind is RemoteURL:
@@ -73,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvblend", description="Per-host KV-cache server for context blending.")
     parser.add_argument("--version", action="version", version=f"kvblend {kvblend_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them")
+    serve = sub.add_parser("serve", help="run the API and the data plane, and supervise them",
+                           epilog=SERVE_EPILOG)
     _add_flags(serve)
     for name, doc in (("status", "show the running service's status"),
                       ("clear", "drop every cached chunk of the running service")):
@@ -114,11 +130,11 @@ def _main(argv: list[str] | None) -> int:
         return _serve(settings)
     if command == "destroy":
         return _destroy(settings.shm_prefix)
-    client = _client(settings, url)
-    with client:
+    credential = _credential(settings, set(args), admin=command == "clear")
+    with _client(settings, url, credential.token) as client:
         if command == "status":
-            return _status(client, as_json)
-        return _clear(client)
+            return _status(client, credential, as_json)
+        return _clear(client, credential)
 
 
 def _destroy(prefix: str) -> int:
@@ -132,10 +148,10 @@ def _destroy(prefix: str) -> int:
     existed = [p for p in names.service_paths() if os.path.lexists(p)]
     held = sum(os.lstat(p).st_blocks * 512 for p in existed)
     try:
-        fd = hold_prefix(prefix)  # creates the lock file when there was none: not counted
-    except AlreadyServing:
-        print(f"kvblend: a kvblend serve runs on prefix {prefix!r}: stop it first (the cache "
-              "it serves is what destroy would remove)", file=sys.stderr)
+        fd = hold_prefix(prefix, "destroy")  # creates the lock file when there was none
+    except AlreadyServing as exc:
+        print(f"kvblend: {exc}: stop it first (the cache it serves is what destroy would "
+              "remove)", file=sys.stderr)
         return 1
     except ForeignObject as exc:
         print(f"kvblend: {exc}", file=sys.stderr)
@@ -155,17 +171,13 @@ def _destroy(prefix: str) -> int:
 def _serve(settings: Settings) -> int:
     """Run the supervisor; 1 when another serve holds the prefix, 2 when a name is not ours."""
     from kvblend.api.supervisor import AlreadyServing, ConfigError, Supervisor
+    from kvblend.dataplane.logs import configure
     from kvblend.shm.errors import ForeignObject
 
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
-                        else "DEBUG", stream=sys.stderr,
-                        format="%(asctime)s kvblend %(levelname)s %(message)s")
+    configure(settings.log_level, settings.log_format, "serve")
     try:
         return Supervisor(settings).run()
-    except AlreadyServing as exc:
-        print(f"kvblend: {exc}", file=sys.stderr)
-        return 1
-    except ConfigError as exc:
+    except (AlreadyServing, ConfigError) as exc:
         logging.getLogger("kvblend.serve").error("%s", exc)
         return 1
     except ForeignObject as exc:
@@ -174,15 +186,48 @@ def _serve(settings: Settings) -> int:
         return 2
 
 
-def _client(settings: Settings, url: str | None) -> httpx.Client:
+@dataclass(frozen=True)
+class Credential:
+    """The token a client command presents (or None), where it came from (a flag or a variable),
+    and whether the call needs the admin token; ``hint`` says what a 401 or 403 means."""
+
+    token: str | None
+    source: str | None
+    admin: bool
+
+    def hint(self, status: int) -> str:
+        need = ("the admin token (the API token when the service has none): pass "
+                "--admin-token or set KVBLEND_ADMIN_TOKEN" if self.admin else
+                "the API token: pass --api-token or set KVBLEND_API_TOKEN (the admin token, "
+                "--admin-token or KVBLEND_ADMIN_TOKEN, works too)")
+        if status == 403:
+            return f"the token from {self.source} is not the admin token; this needs {need}"
+        if self.source is None:
+            return f"the service requires a token and none was given; this needs {need}"
+        return f"the service refused the token from {self.source}; this needs {need}"
+
+
+def _credential(settings: Settings, given: set[str], admin: bool) -> Credential:
+    """The admin token first for an admin call, else the API token first; ``given``: the
+    settings that came from flags."""
+    for name in ("admin_token", "api_token") if admin else ("api_token", "admin_token"):
+        secret = getattr(settings, name)
+        if secret is not None:
+            flag, variable = TOKEN_SOURCES[name]
+            return Credential(secret.get_secret_value(), flag if name in given else variable,
+                              admin)
+    return Credential(None, None, admin)
+
+
+def _client(settings: Settings, url: str | None, token: str | None) -> httpx.Client:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     base = url or f"http://{host}:{settings.port}"
-    token = settings.token()
     headers = {"authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=base, headers=headers, timeout=10.0)
 
 
-def _get(client: httpx.Client, method: str, path: str) -> dict[str, Any] | None:
+def _get(client: httpx.Client, credential: Credential, method: str,
+         path: str) -> dict[str, Any] | None:
     try:
         r = client.request(method, path)
     except httpx.TransportError as exc:
@@ -191,22 +236,23 @@ def _get(client: httpx.Client, method: str, path: str) -> dict[str, Any] | None:
     if r.status_code >= 400:
         detail = r.json().get("detail", r.text) if r.headers.get("content-type", "").endswith(
             "json") else r.text
-        print(f"kvblend: {method} {path}: {r.status_code} {detail}", file=sys.stderr)
+        hint = f"; {credential.hint(r.status_code)}" if r.status_code in (401, 403) else ""
+        print(f"kvblend: {method} {path}: {r.status_code} {detail}{hint}", file=sys.stderr)
         return None
     body: dict[str, Any] = r.json()
     return body
 
 
-def _status(client: httpx.Client, as_json: bool) -> int:
-    body = _get(client, "GET", "/v1/status")
+def _status(client: httpx.Client, credential: Credential, as_json: bool) -> int:
+    body = _get(client, credential, "GET", "/v1/status")
     if body is None:
         return 1
     print(json.dumps(body, indent=2) if as_json else format_status(body, str(client.base_url)))
     return 0
 
 
-def _clear(client: httpx.Client) -> int:
-    body = _get(client, "DELETE", "/v1/chunks")
+def _clear(client: httpx.Client, credential: Credential) -> int:
+    body = _get(client, credential, "DELETE", "/v1/chunks")
     if body is None:
         return 1
     print(f"removed {body['chunks_removed']} chunks and {body['fingerprints_removed']} "

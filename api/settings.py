@@ -20,6 +20,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvblend.dataplane.backends import Backend
+from kvblend.dataplane.logs import LogFormat, LogLevel
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.dataplane.settings import DataPlaneSettings as DP
 from kvblend.dataplane.settings import RemoteSettings as Remote
@@ -125,9 +126,12 @@ class Settings(BaseSettings):
     dp_staging_mib: float = Field(**bounds(DP, "staging_mib"), description=(
         "GPU staging per paged CUDA instance in MiB (at least two chunks)"))
     wipe: bool = Field(False, description="drop the cached chunks at start-up")
-    log_level: str = Field("info", pattern=r"^(critical|error|warning|info|debug|trace)$",
-                           description="uvicorn and supervisor log level: critical, error, "
-                                       "warning, info, debug or trace")
+    log_level: LogLevel = Field("info", description=(
+        "log level of every process of the service: critical, error, warning, info, debug or "
+        "trace"))
+    log_format: LogFormat = Field(LogFormat.TEXT, description=(
+        "form of the service's log records on stderr: text, or json (one object per line)"))
+    access_log: bool = Field(False, description="log one line per HTTP request")
 
     @field_validator("remote", mode="before")
     @classmethod
@@ -170,6 +174,11 @@ class Settings(BaseSettings):
             return self.page_mb * MIB
         return max(MIB, min(MAX_PAGE_BYTES, self.storage_mb * MIB // 8 // MIB * MIB))
 
+    @property
+    def api_grace_s(self) -> float:
+        """Seconds a stopping API may take: a quarter of the data plane's, at least 5."""
+        return max(5.0, self.stop_grace_s / 4)
+
     def token(self) -> str | None:
         """The API token in clear, or None when auth is off."""
         return _clear(self.api_token)
@@ -204,6 +213,7 @@ class Settings(BaseSettings):
         return DP.build(shm_prefix=self.shm_prefix, backend=self.backend,
                         socket=self.dataplane_socket,
                         log_level=DP_LOG_LEVEL.get(self.log_level, self.log_level.upper()),
+                        log_format=self.log_format,
                         instance_lease_s=self.instance_lease_s, max_instances=self.max_instances,
                         max_instances_per_client=self.max_instances_per_client,
                         max_connections=self.max_connections, first_mib=self.dp_first_mib,

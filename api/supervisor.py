@@ -4,7 +4,7 @@ This module owns the service's process tree and start-up; it never serves a requ
 
     kvblend serve (this process)
     ├── python -m kvblend.dataplane              restarted when it dies; re-attaches
-    └── python -m uvicorn kvblend.api.app:...    --workers N; restarted when it dies
+    └── python -m kvblend.api.uvicorn_workers   uvicorn, --workers N; restarted when it dies
 
 Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
 ready line, the API answered ``/healthz``) is restarted at once; one that keeps failing before it
@@ -28,6 +28,12 @@ the data plane gets its whole ``DataPlaneSettings`` (``Settings.dataplane_settin
 variable, ``KVBLEND_DP_SETTINGS``, and no other ``KVBLEND_*`` one (no API or admin token); the API
 workers get the service's settings as ``KVBLEND_*`` variables (``Settings.to_env``) but no remote
 credential. Neither gets a setting on its command line.
+
+Logs: every process writes records in the service's one format (``dataplane.logs``,
+``--log-format text|json``) to stderr; the supervisor relays its children's lines and wraps any
+other output of theirs into a record (``api.child``), logs each child's start, readiness, exit and
+stop (a stop by our SIGTERM is logged as clean), and names the pid and port of the serve that
+holds the prefix when it cannot take it.
 
 Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
 then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
@@ -70,23 +76,44 @@ STARTING_POLL = 0.05     # seconds between readiness probes while a child starts
 
 
 class AlreadyServing(RuntimeError):
-    """Another ``kvblend serve`` holds this prefix."""
+    """Another ``kvblend serve`` (or ``destroy``) holds this prefix; the message names its
+    pid, and its port when it serves one."""
 
 
-def hold_prefix(prefix: str) -> int:
+def hold_prefix(prefix: str, command: str = "serve", port: int | None = None) -> int:
     """Take the lock a running ``kvblend serve`` holds on its prefix; returns its descriptor
-    (closing it lets go).
+    (closing it lets go). The lock file then says who holds it (``command``, this pid, ``port``),
+    for the message of the next one that tries.
 
     Raises:
-        AlreadyServing: a ``kvblend serve`` holds it.
+        AlreadyServing: a ``kvblend serve`` or ``destroy`` holds it.
     """
     fd = open_private(Names(prefix).lock("serve"), create=True)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = _holder(os.pread(fd, 256, 0))
         os.close(fd)
-        raise AlreadyServing(f"another kvblend serve runs on prefix {prefix!r}") from None
+        raise AlreadyServing(f"another kvblend {holder.get('command', 'serve')} runs on prefix "
+                             f"{prefix!r}{_where(holder)}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"command={command} pid={os.getpid()} port={port or ''}\n".encode(), 0)
     return fd
+
+
+def _holder(text: bytes) -> dict[str, str]:
+    """What a lock file says of its holder: ``command``, ``pid``, ``port`` (any may be missing)."""
+    pairs = (item.split("=", 1) for item in text.decode(errors="replace").split())
+    return {k: v for k, v in (p for p in pairs if len(p) == 2) if v}
+
+
+def _where(holder: dict[str, str]) -> str:
+    """`` (pid N, API on port P)``, as much of it as the holder said and is still true."""
+    pid = holder.get("pid", "")
+    if not pid.isdigit() or not os.path.exists(f"/proc/{pid}"):
+        return ""  # written by a holder that died since (the lock went with it)
+    port = holder.get("port", "")
+    return f" (pid {pid}{', API on port ' + port if port.isdigit() else ''})"
 
 
 class ConfigError(RuntimeError):
@@ -238,21 +265,13 @@ class Supervisor:
         self.dataplane = Child("dataplane", [sys.executable, "-m", "kvblend.dataplane"],
                                dataplane_env(os.environ, resolved.dataplane_settings()),
                                settings.stop_grace_s, Counter.DATAPLANE_RESTARTS,
-                               ready_line=b"dataplane ready", wake=self._wake)
+                               ready_line=b"dataplane ready", wake=self._wake,
+                               log_format=settings.log_format)
         where = (probe_host(settings.host), settings.port)
-        self.api = Child("api", self._api_argv(), api_env(os.environ, resolved), self._api_grace(),
-                         Counter.API_RESTARTS, probe=lambda: healthz(*where), wake=self._wake)
-
-    def _api_argv(self) -> list[str]:
-        s = self.settings
-        return [sys.executable, "-m", "uvicorn", "kvblend.api.app:app_from_env", "--factory",
-                "--host", s.host, "--port", str(s.port), "--workers", str(s.workers),
-                "--log-level", s.log_level, "--no-access-log", "--lifespan", "on",
-                "--timeout-graceful-shutdown", str(int(self._api_grace()) - 2)]
-
-    def _api_grace(self) -> float:
-        """Seconds a stopping API may take: a quarter of the data plane's, at least 5."""
-        return max(5.0, self.settings.stop_grace_s / 4)
+        self.api = Child("api", [sys.executable, "-m", "kvblend.api.uvicorn_workers"],
+                         api_env(os.environ, resolved), settings.api_grace_s,
+                         Counter.API_RESTARTS, probe=lambda: healthz(*where), wake=self._wake,
+                         log_format=settings.log_format)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -301,7 +320,7 @@ class Supervisor:
         self._wake.set()
 
     def _take_prefix(self) -> None:
-        self._lock_fd = hold_prefix(self.settings.shm_prefix)
+        self._lock_fd = hold_prefix(self.settings.shm_prefix, "serve", self.settings.port)
 
     def _supervise(self) -> None:
         """Start, probe and restart the children until a stop signal.

@@ -94,7 +94,7 @@ def roles(supervisor: int) -> dict[str, int]:
             continue  # gone meanwhile
         if b"kvblend.dataplane" in argv:
             found["dataplane"] = pid
-        elif b"uvicorn" in argv:
+        elif b"kvblend.api.uvicorn_workers" in argv:
             found["api"] = pid
     return found
 

@@ -5,8 +5,10 @@ one variable (``dataplane.settings``). It attaches the existing store and finger
 the settings' prefix (the supervisor created them) and takes the chunk size from the index's
 header, serves the channel on ``socket`` (default ``dataplane.default_address(prefix)``), prints
 one line ``dataplane ready pid=<pid> backend=<backend> address=<path>`` on stdout when it accepts
-calls, and exits 0 after SIGTERM or SIGINT once every queued call completed. Missing or bad
-settings exit 2 with one line naming the field, before anything is attached.
+calls (the supervisor reads it and logs the readiness; it is the only line on stdout), and exits
+0 after SIGTERM or SIGINT once every queued call completed. Its log records go to stderr in the
+service's format (``log_format``: ``dataplane.logs``). Missing or bad settings exit 2 with one line
+naming the field, before anything is attached.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvblend.dataplane import default_address, kernels
+from kvblend.dataplane import default_address, kernels, logs
 from kvblend.dataplane.calls import Tuning
 from kvblend.dataplane.engines import make_engine
 from kvblend.dataplane.instances import Limits
@@ -75,8 +77,7 @@ def tuning(settings: DataPlaneSettings) -> Tuning:
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
     prefix = settings.shm_prefix
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(settings.log_level, settings.log_format, "dataplane")
     log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
     store = Store.open(prefix)
     fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size

@@ -9,13 +9,18 @@ instance sent on the same channel. Timeouts follow posix_ipc: ``None`` waits for
 once unless the reply is already there, ``> 0`` waits that long. A call that timed out is not
 cancelled: the data plane still completes it (a store still commits), its late reply is dropped.
 
+A connect that fails says why (``unreachable``): no data plane listening at the address, or a
+socket that refuses this process's uid (the uid rule of docs/security.md).
+
 NOTE: the connection is opened lazily and re-opened by the next call after it broke (for example,
 the data plane was restarted); calls in flight when it broke fail with ``DataPlaneUnavailable``.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import socket
 import threading
 from typing import Any
@@ -120,6 +125,23 @@ class Pending:
         return self._reply
 
 
+def unreachable(address: str, exc: OSError) -> str:
+    """Why a connect to the data plane at ``address`` failed, and what to do. A socket that
+    refuses this process (EACCES, EPERM) is the service's: mode 0600, owned by the uid that runs
+    ``kvblend serve``, and only that uid may connect (docs/security.md); anything else means no
+    data plane listens there."""
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return f"no data plane at {address}: {exc}"
+    try:
+        owner = f"uid {os.stat(address).st_uid}"
+    except OSError:
+        owner = "the service's uid"
+    return (f"the data plane's socket {address} refuses this process (uid {os.geteuid()}): "
+            f"{exc.strerror}. It belongs to {owner}, the uid that runs kvblend serve, and only "
+            "that uid may connect: run the engine as that uid, or the service as the engine's "
+            "(docs/security.md, 'Principals and channels')")
+
+
 class Channel:
     """A thread-safe client connection to the data plane at ``address`` (a Unix socket path).
 
@@ -184,7 +206,7 @@ class Channel:
             sock.connect(self.address)
         except OSError as exc:
             sock.close()
-            raise DataPlaneUnavailable(f"no data plane at {self.address}: {exc}") from exc
+            raise DataPlaneUnavailable(unreachable(self.address, exc)) from exc
         sock.settimeout(None)
         self._sock = sock
         threading.Thread(target=self._read, args=(sock,), name="dataplane-channel-reader",
@@ -246,4 +268,4 @@ class Channel:
         self.close()
 
 
-__all__ = ["Channel", "Pending", "recv_frame"]
+__all__ = ["Channel", "Pending", "recv_frame", "unreachable"]

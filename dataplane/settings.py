@@ -12,7 +12,8 @@ header the data plane attaches to, the store's geometry from the store's.
 It owns the knobs, not what they do: ``dataplane.instances.Limits`` (leases and instance bounds),
 ``dataplane.calls.Tuning`` (batch sizes) and the server's intervals are built from it in
 ``dataplane.__main__``. Standard library, msgspec and ``dataplane.backends`` /
-``dataplane.remoteurl`` only, so the service's settings take it without loading the data plane.
+``dataplane.logs`` / ``dataplane.remoteurl`` only, so the service's settings take it without
+loading the data plane.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from kvblend.dataplane.backends import Backend
+from kvblend.dataplane.logs import LogFormat
 from kvblend.dataplane.remoteurl import RemoteURL
 
 ENV = "KVBLEND_DP_SETTINGS"
@@ -87,6 +89,7 @@ class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         backend: ``cpu``, ``cuda`` or ``auto``.
         socket: the channel's Unix socket; empty: ``shm.names.Names(prefix).socket``.
         log_level: logging level name.
+        log_format: the form of its log records (``dataplane.logs``), the service's.
         reclaim_interval_s: seconds between passes over dead processes' reservations and pins,
             and over expired leases.
         instance_lease_s: seconds an instance lives without a renewal by its owner.
@@ -106,6 +109,7 @@ class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     backend: Backend = Backend.AUTO
     socket: Annotated[str, Meta(max_length=SOCKET_MAX)] = ""
     log_level: Literal["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"] = "INFO"
+    log_format: LogFormat = LogFormat.TEXT
     reclaim_interval_s: Annotated[float, Meta(gt=0, le=60)] = 1.0
     instance_lease_s: Annotated[float, Meta(ge=1.0, le=86400.0)] = 30.0
     max_instances: Annotated[int, Meta(ge=1, le=4096)] = 256

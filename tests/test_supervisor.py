@@ -1,9 +1,12 @@
 """``kvblend serve`` as a process: configuration failures end it with one line, crashes after a
-good start come back at once, only a crash loop backs off."""
+good start come back at once, only a crash loop backs off; every process logs in the service's one
+format (text or JSON), a clean stop is logged as clean."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,8 +29,9 @@ class Serve(Service):
     """A ``kvblend serve`` with a small store whose stderr lines are collected as they come;
     returned at once, since some are meant to exit by themselves."""
 
-    def __init__(self, prefix: str, *extra: str, port: int | None = None) -> None:
-        super().__init__(prefix, *extra, port=port, defaults=SMALL, wait=False)
+    def __init__(self, prefix: str, *extra: str, port: int | None = None,
+                 **options: Any) -> None:
+        super().__init__(prefix, *extra, port=port, defaults=SMALL, wait=False, **options)
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[Any]:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -36,7 +40,10 @@ class Serve(Service):
         return proc
 
     def errors(self) -> list[str]:
-        return [line for line in self.lines if " ERROR " in line]
+        """The ERROR records: text lines, or the messages of JSON ones."""
+        return [json.loads(line)["message"] if line.startswith("{") else line
+                for line in self.lines
+                if " ERROR " in line or line.startswith('{') and '"level": "ERROR"' in line]
 
     def wait(self) -> int:
         """The exit code of a service that ends by itself (or was signalled); every line read."""
@@ -66,12 +73,18 @@ def test_a_taken_port_ends_serve_with_one_line(services: Services) -> None:
     assert f":{svc.port}" in line and "--port" in line
 
 
-def test_a_child_that_never_starts_ends_serve(services: Services) -> None:
+@pytest.mark.parametrize("form", ["text", "json"])
+def test_a_child_that_never_starts_ends_serve(services: Services, form: str) -> None:
     socket_path = f"/dev/shm/{services.prefix}_no_such_dir/dataplane.sock"
-    svc = services.add(Serve(services.prefix, "--dataplane-socket", socket_path))
+    svc = services.add(Serve(services.prefix, "--dataplane-socket", socket_path,
+                             "--log-format", form))
     assert svc.wait() == 1
     (line,) = svc.errors()
     assert "dataplane failed at start-up" in line and "No such file" in line
+    if form == "json":  # the child's crash too is one record, not a traceback's lines
+        records = [json.loads(line) for line in svc.lines]
+        (crash,) = [r for r in records if r["process"] == "dataplane" and r["level"] != "INFO"]
+        assert crash["level"] == "CRITICAL" and crash["exception"].startswith("Traceback")
 
 
 def test_a_crash_after_a_good_start_comes_back_at_once(services: Services) -> None:
@@ -138,3 +151,46 @@ def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -
     assert command_line_of(dataplane)[1:] == ["-m", "kvblend.dataplane"]
     for pid in (dataplane, api[0], svc.proc.pid):
         assert not any(s in arg for arg in command_line_of(pid) for s in (password, admin))
+
+
+#: a text record's line: UTC time, level, process[pid], logger, message
+TEXT_RECORD = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+                         r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (serve|api|dataplane)\[\d+\] [\w.]+: ")
+
+
+def test_a_second_serve_names_the_first_and_a_clean_stop_logs_clean(services: Services) -> None:
+    """Text records from every process, no access log unless asked (the test polls /readyz),
+    a stop by SIGTERM logged as clean (before: "api stopped (exit code -15)")."""
+    first = services.add(Serve(services.prefix))
+    poll(first.ready, START_DEADLINE, "/readyz")
+    second = services.add(Serve(services.prefix))
+    assert second.wait() == 1
+    (line,) = second.errors()
+    assert f"another kvblend serve runs on prefix {services.prefix!r} (pid {first.proc.pid}, " \
+           f"API on port {first.port})" in line
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == 0
+    assert [line for line in first.lines if not TEXT_RECORD.match(line)] == []
+    assert {TEXT_RECORD.match(line)[2] for line in first.lines} == {"serve", "api", "dataplane"}
+    assert not [line for line in first.lines if "/readyz" in line or "exit code" in line]
+    assert {"api stopped cleanly", "dataplane stopped cleanly"} <= {
+        line.split(": ", 1)[1] for line in first.lines}
+
+
+def test_json_logs_one_record_per_line_from_every_process(services: Services) -> None:
+    """``--log-format json``: every stderr line of the service is one JSON record (the
+    supervisor's, the API's, uvicorn's access log with ``--access-log``, the data plane's)."""
+    svc = services.add(Serve(services.prefix, "--log-format", "json", "--access-log"))
+    poll(svc.ready, START_DEADLINE, "/readyz")
+    assert svc.status()["shm_prefix"] == services.prefix
+    svc.proc.send_signal(signal.SIGTERM)
+    assert svc.wait() == 0
+    records = [json.loads(line) for line in svc.lines]
+    assert all(list(r)[:6] == ["time", "level", "process", "pid", "logger", "message"]
+               for r in records)
+    assert {r["process"] for r in records} == {"serve", "api", "dataplane"}
+    assert [r["level"] for r in records if r["level"] not in ("INFO", "DEBUG")] == []
+    access = [(r["method"], r["path"], r["status"]) for r in records
+              if r["logger"] == "uvicorn.access"]
+    assert ("GET", "/v1/status", 200) in access
+    assert {"api stopped cleanly", "dataplane stopped cleanly"} <= {r["message"] for r in records}

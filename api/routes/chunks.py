@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Depends
 
 from kvblend.api.auth import require_admin
@@ -33,4 +35,6 @@ def clear_chunks(store: StoreDep, fingerprints: FingerprintsDep, events: EventsD
         services.remotes.clear()
     events.record(Clear(chunks_removed=removed, fingerprints_removed=entries))
     events.add(Counter.CLEARED_CHUNKS, removed)
+    logging.getLogger("kvblend.api").info("cache cleared: %d chunks and %d fingerprint entries "
+                                          "removed", removed, entries)
     return ChunksCleared(chunks_removed=removed, fingerprints_removed=entries)

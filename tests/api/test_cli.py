@@ -70,3 +70,60 @@ def test_destroy_refuses_while_serving_then_frees_the_cache(shm_prefix: str) -> 
     freed = float(done.stdout.split(", ")[1].split()[0])
     assert freed >= 8  # --storage-mb 8 of slab at least
     assert leftovers(shm_prefix) == []
+
+
+def test_serve_help_names_the_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "environment variable KVBLEND_<FLAG>" in out and "KVBLEND_REMOTE_PASSWORD" in out
+
+
+def test_a_bad_log_level_says_the_allowed_values(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    allowed = "'critical', 'error', 'warning', 'info', 'debug'"  # before: a regex
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--log-level", "loud"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert allowed in err and "'trace'" in err and "^(" not in err
+    monkeypatch.setenv("KVBLEND_LOG_LEVEL", "loud")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvblend: KVBLEND_LOG_LEVEL: ") and allowed in err and "^(" not in err
+
+
+@pytest.mark.slow
+def test_status_and_clear_say_which_token_they_need(shm_prefix: str,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """With both tokens set on the service: a 401 or 403 names the token the call needs and
+    its flag and variable; ``clear`` takes ``--admin-token`` (or KVBLEND_ADMIN_TOKEN), and the
+    service logs each clear."""
+    api, admin = "t" * 32, "a" * 32
+    svc = Serve(shm_prefix, token=api, env={"KVBLEND_ADMIN_TOKEN": admin})
+    port = ["--port", str(svc.port)]
+    try:
+        poll(svc.ready, START_DEADLINE, "/readyz")
+        assert main(["status", *port]) == 1  # before: a bare 401
+        err = capsys.readouterr().err
+        assert " 401 " in err and "none was given" in err
+        assert "--api-token or set KVBLEND_API_TOKEN" in err
+        assert main(["clear", *port, "--api-token", api]) == 1
+        err = capsys.readouterr().err
+        assert " 403 " in err and "the token from --api-token is not the admin token" in err
+        assert "--admin-token or set KVBLEND_ADMIN_TOKEN" in err
+        monkeypatch.setenv("KVBLEND_API_TOKEN", "wrong")
+        assert main(["status", *port]) == 1
+        assert "refused the token from KVBLEND_API_TOKEN" in capsys.readouterr().err
+        monkeypatch.delenv("KVBLEND_API_TOKEN")
+        assert main(["clear", *port, "--admin-token", admin]) == 0
+        assert capsys.readouterr().out.startswith("removed 0 chunks")
+        monkeypatch.setenv("KVBLEND_ADMIN_TOKEN", admin)
+        assert main(["status", *port]) == 0  # the admin token is accepted where the API's is
+        assert main(["clear", *port]) == 0
+    finally:
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.wait() == 0
+    cleared = [line for line in svc.lines if "cache cleared" in line]
+    assert len(cleared) == 2 and all(" INFO api[" in line for line in cleared)

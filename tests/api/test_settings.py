@@ -83,7 +83,7 @@ def test_serve_flags_come_from_the_settings() -> None:
     assert args == {"command": "serve", "wipe": True, "backend": "cpu", "stop_grace_s": 7.0,
                     "api_token": "t"}
     status = {a.dest for a in commands["status"]._actions if a.option_strings}
-    assert status == {"help", "host", "port", "api_token", "url", "json"}
+    assert status == {"help", "host", "port", "api_token", "admin_token", "url", "json"}
 
 
 @pytest.mark.parametrize("field,outside", [

@@ -1,0 +1,39 @@
+"""The API process: ``python -m kvblend.api.uvicorn_workers`` runs uvicorn and its workers.
+
+``kvblend serve`` starts it with the service's settings as ``KVBLEND_*`` variables
+(``Settings.to_env``) and nothing on its command line; each worker builds the app from the same
+variables (``api.app.app_from_env``). It owns how uvicorn is run: the bind, the workers, the
+graceful shutdown (``Settings.api_grace_s``, less 2 s), the access log (``--access-log``) and the
+service's log format (``dataplane.logs``) in this process and in every worker. It does not own
+the app.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import uvicorn
+
+from kvblend.api.settings import Settings
+from kvblend.dataplane.logs import configure, uvicorn_config
+
+PROG = "python -m kvblend.api.uvicorn_workers"
+
+
+def main(argv: list[str] | None = None) -> int:
+    if sys.argv[1:] if argv is None else argv:
+        print(f"{PROG}: takes no arguments; its settings come as KVBLEND_* variables "
+              "(kvblend serve sets them)", file=sys.stderr)
+        return 2
+    settings = Settings()
+    configure(settings.log_level, settings.log_format, "api")
+    uvicorn.run("kvblend.api.app:app_from_env", factory=True, host=settings.host,
+                port=settings.port, workers=settings.workers, log_level=settings.log_level,
+                access_log=settings.access_log, lifespan="on",
+                log_config=uvicorn_config(settings.log_level, settings.log_format),
+                timeout_graceful_shutdown=int(settings.api_grace_s) - 2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
