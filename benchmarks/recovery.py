@@ -81,7 +81,13 @@ class Bench:
             if self.svc.exited:
                 raise RuntimeError(f"kvblend serve exited: {self.svc.log_tail()}")
             return self.svc.ready() and which() not in (None, pid)
-        poll(back, DEADLINE_S, f"a new {kind}", every_s=POLL_S)
+        try:
+            poll(back, DEADLINE_S, f"a new {kind}", every_s=POLL_S)
+        except TimeoutError:
+            for child in children_of(self.svc.proc.pid):  # the data plane's stacks to the log
+                if b"kvblend.dataplane" in _read(f"/proc/{child}/cmdline"):
+                    os.kill(child, signal.SIGUSR1)
+            raise
         return time.monotonic() - t0, 0
 
     def serves_port(self, pid: int | None) -> bool:

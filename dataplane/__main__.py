@@ -11,6 +11,7 @@ settings exit 2 with one line naming the field, before anything is attached.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -74,10 +75,11 @@ def tuning(settings: DataPlaneSettings) -> Tuning:
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck start is: its stacks
     prefix = settings.shm_prefix
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
+    kernels.warm(prefix)  # before the first real call; it logs before and after
     store = Store.open(prefix)
     fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size
     events = EventLog.open(prefix)
