@@ -7,7 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
+# numba's kernel cache: the user's (~/.cache/kvblend/numba), shared by make serve, make test and a
+# direct kvblend serve, unless NUMBA_CACHE_DIR is set (kvblend.shm._jit)
 
 .PHONY: install serve test test-vllm bench clean redis-server
 

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     destroy = sub.add_parser("destroy", help="remove the shared memory of a stopped service "
                              "(every cached chunk): refused while a service runs on the prefix")
     _add_flags(destroy, ("shm_prefix",))
+    destroy.add_argument("--remove-engine-buffers", action="store_true",
+                         help="also remove engines' CPU KV buffers (<prefix>_kvbuf_*) that are "
+                              "orphans: of your uid, no live client holds them, no process "
+                              "maps them (others are listed and left)")
     return parser
 
 
@@ -116,6 +120,7 @@ def _main(argv: list[str] | None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     url, as_json = args.pop("url", None), args.pop("json", False)
+    remove_buffers = args.pop("remove_engine_buffers", False)
     try:
         settings = Settings(**args)
     except ValidationError as exc:
@@ -129,7 +134,7 @@ def _main(argv: list[str] | None) -> int:
     if command == "serve":
         return _serve(settings)
     if command == "destroy":
-        return _destroy(settings.shm_prefix)
+        return _destroy(settings.shm_prefix, remove_buffers)
     credential = _credential(settings, set(args), admin=command == "clear")
     with _client(settings, url, credential.token) as client:
         if command == "status":
@@ -137,9 +142,10 @@ def _main(argv: list[str] | None) -> int:
         return _clear(client, credential)
 
 
-def _destroy(prefix: str) -> int:
+def _destroy(prefix: str, remove_buffers: bool = False) -> int:
     """Remove the service's shared memory under ``prefix``, holding the serve lock meanwhile so
-    that no serve starts on it; 1 while a serve runs, 2 when a name is not ours."""
+    that no serve starts on it; 1 while a serve runs, 2 when a name is not ours. Engines' buffers
+    are listed, and removed with ``remove_buffers`` when orphans (``shm.kvbufs``)."""
     from kvblend.api.supervisor import AlreadyServing, hold_prefix
     from kvblend.shm.errors import ForeignObject
     from kvblend.shm.names import Names, destroy
@@ -165,7 +171,25 @@ def _destroy(prefix: str) -> int:
         os.close(fd)
     print(f"removed {removed} shared-memory names under prefix {prefix!r}, "
           f"{held / (1 << 20):.1f} MiB freed")
+    _engine_buffers(prefix, remove_buffers)
     return 0
+
+
+def _engine_buffers(prefix: str, remove: bool) -> None:
+    """List the engine buffers under ``prefix`` that stay; with ``remove``, remove the orphans."""
+    from kvblend.shm.kvbufs import engine_buffers, remove_orphan
+
+    for buf in engine_buffers(prefix):
+        if remove and buf.orphan and remove_orphan(buf.name, exclude=os.getpid()):
+            print(f"removed engine buffer {buf.name} (uid {buf.uid}, "
+                  f"{buf.size / (1 << 20):.1f} MiB): an orphan")
+            continue
+        why = ("a live client holds it" if buf.locked else
+               f"mapped by pid {', '.join(map(str, buf.mapped_by))}" if buf.mapped_by else
+               f"owned by uid {buf.uid}, not yours" if buf.uid != os.geteuid() else
+               "an orphan: --remove-engine-buffers removes it")
+        print(f"left engine buffer {buf.name} (uid {buf.uid}, "
+              f"{buf.size / (1 << 20):.1f} MiB): {why}")
 
 
 def _serve(settings: Settings) -> int:

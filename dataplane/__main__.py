@@ -13,6 +13,7 @@ naming the field, before anything is attached.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -76,9 +77,10 @@ def tuning(settings: DataPlaneSettings) -> Tuning:
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck start is: its stacks
     prefix = settings.shm_prefix
     logs.configure(settings.log_level, settings.log_format, "dataplane")
-    log.info("kernels ready in %.2f s", kernels.warm(prefix))  # before the first real call
+    kernels.warm(prefix)  # before the first real call; it logs before and after
     store = Store.open(prefix)
     fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size
     events = EventLog.open(prefix)

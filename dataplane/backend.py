@@ -36,6 +36,7 @@ import numpy as np
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.registration import BufferSpec
+from kvblend.shm.kvbufs import Identity
 from kvblend.shm.layout import KVLayout
 
 
@@ -100,6 +101,10 @@ class InstanceBuffer(abc.ABC):
 
     records_events: bool = False
     """Whether ``record`` takes interprocess events (CUDA buffers)."""
+
+    segments: tuple[tuple[str, Identity], ...] = ()
+    """The engine's shm segments this buffer opened, each with the file it was at registration
+    (``shm.kvbufs``: what the data plane may remove once the owner is gone)."""
 
     def record(self, handle: bytes) -> None:
         """Record the interprocess event ``handle`` after every copy enqueued so far (CUDA)."""

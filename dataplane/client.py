@@ -55,6 +55,7 @@ and ``dataplane.client_transfer`` ``Transfer`` and the events of one call.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,6 +110,10 @@ class BlendClient:
                                                        self.chunk_size, timeout)
         self._buffers = Buffers(self.prefix)
         self._instances = Instances(self._channel, timeout)
+        # a client dropped without close(): its leases stop (the data plane drops the instances
+        # when they run out) and its buffers are unlinked (Buffers' own finalizer)
+        self._finalizer = weakref.finalize(self, _let_go, self._instances, self._channel,
+                                           self._control)
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -324,7 +329,9 @@ class BlendClient:
 
     def close(self) -> None:
         """Unregister this client's instances, close the channel and HTTP client, and unlink
-        every CPU buffer this client created."""
+        every CPU buffer this client created. A client never closed does the last two when it is
+        garbage-collected or the interpreter exits (its instances then expire with their lease,
+        and the data plane drops them)."""
         held = self._instances.close()
         pending = []
         for iid, reg in held.items():  # best effort: an instance left behind expires anyway
@@ -339,14 +346,20 @@ class BlendClient:
             except DataPlaneError:
                 pass
         self._buffers.close()
-        self._channel.close()
-        self._control.close()
+        self._finalizer()
 
     def __enter__(self) -> "BlendClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _let_go(instances: Instances, channel: Channel, control: Control) -> None:
+    """Stop renewing leases and close the connections (a client closed or collected)."""
+    instances.close()
+    channel.close()
+    control.close()
 
 
 def _registration(model_name: str, world_size: int, worker_id: int | None, num_layers: int,

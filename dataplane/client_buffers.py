@@ -3,15 +3,24 @@ IPC handle.
 
 This module owns the shared-memory segments a ``BlendClient`` created or adopted for an engine's
 CPU buffers (named under the service's prefix, mode 0600, unlinked when their instance is
-unregistered or the client closes), and the description of a buffer sent with a registration
+unregistered, when the client closes, when it is garbage-collected and at interpreter exit), and the description of a buffer sent with a registration
 (``ShmBuffer``, ``CudaIpcBuffer``, ``PagedBuffer``). It does not register anything (the client's
 control does) nor copy anything (the data plane does).
+
+Each segment is held by a descriptor with a shared ``flock`` for as long as this process holds it:
+the kernel drops the lock with the process, SIGKILL included, which is how the data plane proves
+a dead engine's segment an orphan and removes it (``shm.kvbufs``).
+
+NOTE: the clean-up runs in the process that created the segments only: a forked child that
+exits does not unlink its parent's buffers.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +28,7 @@ import torch
 from kvblend.dataplane import paged
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import CudaIpcBuffer, PagedBuffer, PagedLayer, ShmBuffer
+from kvblend.shm.kvbufs import hold
 from kvblend.shm.layout import DType
 from kvblend.shm.names import KVBUF_HEX, Names
 from kvblend.shm.segment import Segment
@@ -38,6 +48,9 @@ class Buffers:
         self._prefix = prefix
         self._lock = threading.Lock()
         self._held: dict[int, Segment] = {}  # data_ptr -> segment we created
+        self._fds: dict[str, int] = {}       # segment name -> descriptor holding its flock
+        self._finalizer = weakref.finalize(self, _release_all, self._held, self._fds, self._lock,
+                                           os.getpid())
 
     def cpu_kv_buffer(self, num_layers: int, num_tokens: int, hidden_dim: int,
                       dtype: torch.dtype) -> torch.Tensor:
@@ -46,10 +59,17 @@ class Buffers:
             raise ValueError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
         nbytes = 2 * num_layers * num_tokens * hidden_dim * dtype.itemsize
         seg = Segment(self._new_name(), nbytes, create=True)
+        try:
+            fd = hold(seg.name)
+        except BaseException:
+            seg.unlink()
+            seg.close()
+            raise
         kv = torch.frombuffer(seg.buf, dtype=torch.uint8).view(dtype).view(
             2, num_layers, num_tokens, hidden_dim)
         with self._lock:
             self._held[kv.data_ptr()] = seg
+            self._fds[seg.name] = fd
         return kv
 
     def cpu_paged_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
@@ -81,8 +101,14 @@ class Buffers:
             if any(b <= ptr < b + s.size for b, s in self._held.items()):
                 raise BadRequest("this memory is shared already")
         seg = Segment.adopt(self._new_name(), ptr, nbytes)
+        try:
+            fd = hold(seg.name)
+        except BaseException:
+            _let_go(seg, None)
+            raise
         with self._lock:
             self._held[seg.base] = seg
+            self._fds[seg.name] = fd
 
     def spec(self, kv: torch.Tensor) -> ShmBuffer | CudaIpcBuffer:
         """How the data plane opens the whole buffer ``kv``: its CUDA allocation by IPC handle
@@ -157,21 +183,48 @@ class Buffers:
         with self._lock:
             base = next((b for b, s in self._held.items() if b <= ptr < b + s.size), None)
             seg = self._held.pop(base) if base is not None else None
+            fd = self._fds.pop(seg.name, None) if seg is not None else None
         if seg is not None:
             seg.restore()
             seg.unlink()
+            if fd is not None:
+                os.close(fd)
 
     def close(self) -> None:
-        """Unlink and close every segment (the client closes)."""
-        with self._lock:
-            segs, self._held = list(self._held.values()), {}
-        for seg in segs:
-            seg.restore()  # memory shared in place is the engine's again, private
-            seg.unlink()
-            seg.close()
+        """Unlink and close every segment (the client closes); once."""
+        self._finalizer()
 
     def _new_name(self) -> str:
         return Names(self._prefix).kvbuf(secrets.token_hex(KVBUF_HEX // 2))  # what it admits
+
+
+def _release_all(held: dict[int, Segment], fds: dict[str, int], lock: threading.Lock,
+                 creator: int) -> None:
+    """Unlink and close every segment of ``held`` (the client closes, is collected, or the
+    interpreter exits), in the process that created them only."""
+    if os.getpid() != creator:
+        return
+    with lock:
+        segs = list(held.values())
+        taken = dict(fds)
+        held.clear()
+        fds.clear()
+    for seg in segs:
+        try:
+            _let_go(seg, taken.pop(seg.name, None))
+        except OSError:
+            pass  # its name is gone already, or not ours any more: the others still go
+    for fd in taken.values():
+        os.close(fd)
+
+
+def _let_go(seg: Segment, fd: int | None) -> None:
+    """Memory shared in place is the engine's again (private); the name goes, then its lock."""
+    seg.restore()
+    seg.unlink()
+    seg.close()
+    if fd is not None:
+        os.close(fd)
 
 
 def _num_blocks(layers: Sequence[torch.Tensor], block_size: int, kv_heads: int,

@@ -7,7 +7,8 @@ worker threads of different instances copy in parallel.
 A buffer is opened only when the client proves it is its own (docs/security.md): its name is
 ``<prefix>_kvbuf_<32 lowercase hex>`` (a form no segment of kvblend's has), it is opened with
 ``O_NOFOLLOW``, and ``fstat`` on that descriptor shows a regular file owned by the registering
-peer's uid, large enough for the layout. The data plane never unlinks it: the engine does.
+peer's uid, large enough for the layout. The engine unlinks it; the data plane removes it only
+once it proved its owner gone (``shm.kvbufs``), from the file it opened here (``segments``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvblend.dataplane.backend import CopyEngine, Direction, InstanceBuffer
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.dataplane.registration import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
+from kvblend.shm.kvbufs import Identity
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.names import Names
 from kvblend.shm.private import shm_path
@@ -188,26 +190,36 @@ class CpuEngine(CopyEngine):
             if len({b.name for b in spec.buffers}) != len(spec.buffers):  # type: ignore[union-attr]
                 raise BadRequest("a paged buffer names each shm buffer once")
             mappings: list[mmap.mmap] = []
+            opened: list[tuple[str, Identity]] = []
             try:
                 for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
-                    mappings.append(self._map(b, owner_uid, need))  # type: ignore[arg-type]
+                    mappings.append(self._map(b, owner_uid, need, opened))  # type: ignore[arg-type]
             except BaseException:
                 for m in mappings:
                     m.close()
                 raise
-            return CpuPagedBuffer(mappings, spec, layout, self._slab)
-        if not isinstance(spec, ShmBuffer):
+            buf: InstanceBuffer = CpuPagedBuffer(mappings, spec, layout, self._slab)
+        elif isinstance(spec, ShmBuffer):
+            opened = []
+            buf = CpuBuffer(self._map(spec, owner_uid, layout.nbytes, opened), layout, self._slab)
+        else:
             raise BadRequest("the CPU data plane takes shm buffers only (got a CUDA buffer)")
-        return CpuBuffer(self._map(spec, owner_uid, layout.nbytes), layout, self._slab)
+        buf.segments = tuple(opened)
+        return buf
 
-    def _map(self, spec: ShmBuffer, owner_uid: int, nbytes: int) -> mmap.mmap:
+    def _map(self, spec: ShmBuffer, owner_uid: int, nbytes: int,
+             opened: list[tuple[str, Identity]]) -> mmap.mmap:
+        """Map the engine's segment (``_open_owned``'s checks); its name and file go to
+        ``opened``."""
         if not self._names.is_kvbuf(spec.name):
             raise BadRequest(f"shm buffer {spec.name!r} is not an engine buffer of this service: "
                              f"name it '{self._names.prefix}_kvbuf_<32 lowercase hex>' "
                              "(BlendClient.cpu_kv_buffer does)")
         fd = _open_owned(spec.name, owner_uid, nbytes)
         try:
-            return mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            mapping = mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            opened.append((spec.name, Identity.of(os.fstat(fd))))
+            return mapping
         except OSError as exc:
             raise BackendError(f"cannot map shm buffer {spec.name!r}: {exc}") from exc
         finally:

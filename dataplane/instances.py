@@ -24,7 +24,8 @@ layout class and no saved state. The fields' own bounds were checked by the deco
 
 The table is saved on every change (``dataplane.statefile``), tokens included: a restarted data
 plane re-opens every instance under the same id and token with a fresh lease, so engines keep
-working across a data-plane restart. The data plane never unlinks an engine's buffer.
+working across a data-plane restart. The data plane unlinks an engine's buffer only after the
+instance's lease ran out and ``shm.kvbufs`` proved its owner gone (``dataplane.server``).
 """
 
 from __future__ import annotations

@@ -7,22 +7,18 @@ of K (``dataplane.cpu_rotary``) and the paged segment table (``dataplane.segment
 
 from __future__ import annotations
 
-import time
-
 
 def warm(prefix: str) -> float:
-    """Compile (or load from numba's cache) every kernel; returns the seconds taken.
+    """Compile (or load from numba's cache) every kernel, a log line before and after; returns
+    the seconds taken.
 
     Args:
         prefix: the service's prefix (``shm.warm`` builds its scratch store beside it).
     """
     from kvblend.dataplane import cpu_rotary, segments
     from kvblend.shm.warm import warm as warm_store
-    t0 = time.monotonic()
-    warm_store(prefix)  # the store's and index's kernels, then K's turn and the segment table
-    cpu_rotary.warm()
-    segments.warm()
-    return time.monotonic() - t0
+    # the store's and index's kernels, then K's turn and the segment table
+    return warm_store(prefix, also=(cpu_rotary.warm, segments.warm))
 
 
 __all__ = ["warm"]

@@ -13,6 +13,8 @@ This module owns the process's threads::
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
                          unpin, reply) while its worker starts the next
     maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
+                         (then removing their engine's shm segments once ``shm.kvbufs`` proves
+                         the owner gone)
 
 Control calls never queue behind a copy: they are answered on the connection's own thread.
 A client that disconnects mid-call changes nothing: its queued calls still run to their end
@@ -45,6 +47,7 @@ from kvblend.dataplane.messages import (ErrorKind, ErrorReply, InstanceList, Lay
                                         UnregisterInstance, frame, request_decoder)
 from kvblend.dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
 from kvblend.shm.events import EventLog
+from kvblend.shm.kvbufs import remove_orphan
 from kvblend.shm.private import check_socket
 from kvblend.shm.telemetry import Counter, RetrieveError, StoreError
 from kvblend.shm.version import kvblend_version
@@ -344,10 +347,28 @@ def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any,
 
 
 def _drop_job(registry: Registry) -> Any:
+    """The job that drops an instance whose lease ran out, then removes its engine's shm
+    segments that are orphans."""
     def job(inst: Instance) -> bool:
         registry.remove(inst)
+        _remove_orphans(registry, inst)
         return False
     return job
+
+
+def _remove_orphans(registry: Registry, inst: Instance) -> None:
+    """Unlink the engine buffers of ``inst`` (dropped: its lease ran out) that ``shm.kvbufs``
+    proves orphans: the file opened at registration, its client's lock free, mapped by no process
+    but this one. A segment that another instance still holds is left alone."""
+    held = {ident for other in registry.all() for _, ident in other.buffer.segments}
+    for name, ident in inst.buffer.segments:
+        try:
+            gone = ident not in held and remove_orphan(name, ident, exclude=os.getpid())
+        except OSError as exc:
+            log.warning("could not check engine buffer %s of instance %d: %s", name, inst.id, exc)
+            continue
+        if gone:
+            log.info("removed engine buffer %s of instance %d: its owner is gone", name, inst.id)
 
 
 def _stop_worker(inst: Instance) -> bool:

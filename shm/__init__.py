@@ -36,6 +36,7 @@ Depends on nothing else of kvblend. Its modules, by the structure they serve::
       lock         the cross-process lock, surviving its holder's death
       names        every name under a prefix, and ``destroy``
       private      opening and removing only what is ours
+      kvbufs       engines' buffers: proving one an orphan before removing it
       warm         kernels compiled or loaded before serving
       errors       the exception tree                   _jit      numba's cache folder
 """

@@ -1,7 +1,9 @@
 """numba's cache folder, set before a kernel module first imports numba.
 
 numba's ``cache=True`` needs a writable folder when kernels are defined (import time); without
-one it fails. Unless the caller chose a folder, the user's cache is used. Only the kernel modules
+one it fails. Unless the caller chose a folder (``NUMBA_CACHE_DIR``), the user's cache is used:
+``$XDG_CACHE_HOME/kvblend/numba`` or ``~/.cache/kvblend/numba``, one per user, so ``make serve``,
+a direct ``kvblend serve`` and the tests all compile once and load afterwards. Only the kernel modules
 (``index``, ``slab``, ``pins``, ``recovery``, ``table``, ``fpformat``, ``fpkernels``, ``probe``,
 ``cover``) import this, first: a process that only uses ``shm``'s plain types (an engine's
 client) neither loads numba nor has its environment changed.
@@ -40,3 +42,9 @@ _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
     "kvblend", "numba")
 if os.path.basename(_base) != (_digest := _sources_digest()):  # a child inherits it already set
     os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, _digest)
+CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+def cached() -> bool:
+    """True when the cache folder holds compiled kernels (numba's ``.nbi`` index files)."""
+    return any(Path(CACHE_DIR).rglob("*.nbi"))

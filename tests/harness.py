@@ -135,9 +135,9 @@ def kvblend_argv() -> list[str]:
 
 def serve_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child ``kvblend``: none of its ``KVBLEND_*`` settings
-    (the child's are the caller's to give), the repository's numba cache unless one is set."""
+    (the child's are the caller's to give); numba's cache is this process's (``NUMBA_CACHE_DIR``
+    when set, else the user's, as for any ``kvblend serve``: ``kvblend.shm._jit``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-    env.setdefault("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba"))
     return {**env, **(extra or {})}
 
 

@@ -1,4 +1,5 @@
-"""Processes killed with SIGKILL: a client mid-call, the data plane itself (restarted, cache intact)."""
+"""Processes killed with SIGKILL: a client mid-call (its buffer removed once its lease ran out),
+the data plane itself (restarted, cache intact); a client that never closes leaves no buffer."""
 
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ def test_client_killed_mid_call_leaves_no_reservation_or_pin(dataplane: DataPlan
     assert stats.num_reserved == 0 and stats.num_pinned == 0
     assert stats.num_objects == 16 + 40  # both stores committed in full
     with BlendClient(dataplane_address=dataplane.address) as c:
-        # the dead owner's lease ran out: dropped ...
+        # the dead owner's lease ran out: dropped, and its buffer, an orphan, removed
         poll(lambda: c.list_instances() == [], 30.0, "the dead owner's instance to go")
-        assert segment_exists(buf_name)  # ... but its buffer is the engine's: never unlinked
+        poll(lambda: not segment_exists(buf_name), 30.0, "the dead owner's buffer to go")
         expect = c.cpu_kv_buffer(L, T, D, torch.float16)
         seeded(expect, 11)
         kv = c.cpu_kv_buffer(L, T, D, torch.float16)
@@ -119,3 +120,32 @@ def test_dataplane_killed_and_restarted_keeps_cache_and_instances(
         assert c.retrieve(inst, doc, res.matches, offset=0).wait().ok
         assert torch.equal(kv[:, :, :20 * CHUNK].view(torch.int16),
                            ref[:, :, :20 * CHUNK].view(torch.int16))
+
+
+_LEAVER = """
+import gc, sys, torch
+from kvblend.dataplane.client import BlendClient
+c = BlendClient(dataplane_address=sys.argv[1])
+kv = c.cpu_kv_buffer(2, 64, 8, torch.float16)
+c.register_kv_cache(kv, model_name="m")
+kept = c._buffers.segment_of(kv)[0].name
+dropped = BlendClient(dataplane_address=sys.argv[1])
+gone = dropped._buffers.segment_of(dropped.cpu_kv_buffer(2, 64, 8, torch.float16))[0].name
+del dropped
+gc.collect()
+print(kept, gone, flush=True)
+sys.stdin.readline()
+"""  # then exits with neither client closed
+
+
+def test_a_client_never_closed_leaves_no_buffer(dataplane: DataPlaneProc) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _LEAVER, dataplane.address],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    kept, gone = proc.stdout.readline().decode().split()
+    assert segment_exists(kept)
+    assert not segment_exists(gone)  # its client was garbage-collected
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
+    assert not segment_exists(kept)  # unlinked at interpreter exit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,24 @@ def test_a_child_keeps_its_parents_folder(tmp_path: Path) -> None:
     """The service's children inherit the folder already chosen and do not nest it again."""
     chosen = _cache_dir(ROOT, tmp_path)
     assert _cache_dir(ROOT, chosen) == chosen
+
+
+def test_without_a_folder_set_the_users_cache_is_used(tmp_path: Path) -> None:
+    """``make serve``, a direct ``kvblend serve`` and the tests share one cache per user."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", SHOW], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=120)
+    assert Path(out.stdout.strip()).parent == tmp_path / "kvblend" / "numba"
+
+
+def test_the_warm_up_logs_a_line_before_and_one_after(caplog: pytest.LogCaptureFixture,
+                                                     shm_prefix: str) -> None:
+    from kvblend.shm import _jit
+    from kvblend.shm.warm import warm
+    with caplog.at_level("INFO", logger="kvblend.kernels"):
+        warm(shm_prefix)
+    first, last = caplog.messages[0], caplog.messages[-1]
+    assert ("loading kernels from" in first or "compiling kernels into" in first) and \
+        _jit.CACHE_DIR in first
+    assert re.fullmatch(r"kernels ready in \d+\.\d\d s", last) and len(caplog.messages) == 2
