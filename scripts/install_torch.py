@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
@@ -126,7 +127,8 @@ def choose(build: str, pin: str, constraints: Path, index: str) -> tuple[Wheel, 
         return resolve(pin, constraints, source), source, need
     wheel = resolve(pin, constraints, [])
     if wheel.cuda:
-        print(f"install_torch: refusing torch {wheel.version} from {wheel.url}: it is "
+        print(f"install_torch: refusing torch {wheel.version} from "
+              f"{urllib.parse.unquote(wheel.url)}: it is "
               f"{wheel.build}, and {need}; PyTorch's CPU index {index} did not answer in "
               f"{PROBE_S:g} s. Ways out: {WAYS_OUT.format(index=index)}", file=sys.stderr)
         raise SystemExit(1)
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch {have.version}, {have.build}, is installed already", flush=True)
         return 0
     wheel, source, why = choose(args.build, pin, args.constraints, args.cpu_index)
-    print(f"torch: installing {wheel.version}, {wheel.build}, from {wheel.url}: {why}",
+    where = urllib.parse.unquote(wheel.url)
+    print(f"torch: installing {wheel.version}, {wheel.build}, from {where}: {why}",
           flush=True)
     done = subprocess.run(pip("install", "--quiet", "--progress-bar", "off",
                               "-c", str(args.constraints), *source, wheel.url))
