@@ -119,7 +119,7 @@ def install(venv: Path, tmp_path: Path, default_index: str, *args: str, gpu: boo
     real = shutil.which("nvidia-smi")
     path = [str(stubs)] + [d for d in os.environ["PATH"].split(os.pathsep)
                            if not real or Path(d) != Path(real).parent]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env = clean_env()
     env.update(PATH=os.pathsep.join(path), PIP_CONFIG_FILE=os.devnull,
                PIP_INDEX_URL=default_index, PIP_CACHE_DIR=str(tmp_path / "pip-cache"),
                PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -130,10 +130,15 @@ def install(venv: Path, tmp_path: Path, default_index: str, *args: str, gpu: boo
                           text=True, timeout=600)
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without pip's settings or a PYTHONPATH: the venv sees only itself."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+
+
 def installed(venv: Path) -> dict[str, str]:
     """Every distribution in ``venv``: name -> version (pip and setuptools left out)."""
     out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
-                         capture_output=True, text=True, check=True, timeout=120)
+                         capture_output=True, text=True, check=True, timeout=120, env=clean_env())
     return {d["name"]: d["version"] for d in json.loads(out.stdout)
             if d["name"] not in ("pip", "setuptools")}
 
