@@ -77,13 +77,11 @@ def cuda_requirements(requires: list[str]) -> tuple[str, ...]:
                  if CUDA_REQUIREMENT.match(n))
 
 
-def installed(pin: str) -> Wheel | None:
-    """The torch already installed here, when it is the pinned version."""
+def installed() -> Wheel | None:
+    """The torch already installed here, if any."""
     try:
         dist = metadata.distribution("torch")
     except metadata.PackageNotFoundError:
-        return None
-    if dist.version.split("+")[0] != pin.split("==")[1]:
         return None
     return Wheel(dist.version, "this environment", cuda_requirements(dist.requires or []))
 
@@ -142,15 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--constraints", type=Path, default=Path("constraints.txt"))
     args = parser.parse_args(argv)
     pin = pinned(args.constraints)
-    have = installed(pin)
-    if have is not None and (args.build == "cuda" or not have.cuda or
-                             (args.build == "auto" and shutil.which("nvidia-smi"))):
+    have = installed()
+    pinned_here = have is not None and have.version.split("+")[0] == pin.split("==")[1]
+    if have is not None and pinned_here and (args.build == "cuda" or not have.cuda or
+                                             (args.build == "auto" and shutil.which("nvidia-smi"))):
         print(f"torch {have.version}, {have.build}, is installed already", flush=True)
         return 0
     wheel, source, why = choose(args.build, pin, args.constraints, args.cpu_index)
     where = urllib.parse.unquote(wheel.url)
     print(f"torch: installing {wheel.version}, {wheel.build}, from {where}: {why}",
           flush=True)
+    if have is not None and have.cuda and not wheel.cuda:
+        print(f"install_torch: it replaces torch {have.version}, a CUDA build, whose CUDA packages "
+              f"({', '.join(have.cuda)}) stay installed: make clean install drops them",
+              file=sys.stderr, flush=True)
     done = subprocess.run(pip("install", "--quiet", "--progress-bar", "off",
                               "-c", str(args.constraints), *source, wheel.url))
     return 0 if done.returncode == 0 else 1

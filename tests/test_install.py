@@ -178,6 +178,20 @@ def test_no_gpu_takes_the_pinned_cpu_build_from_the_cpu_index(
 
 
 @pytest.mark.slow
+def test_a_cuda_build_installed_before_is_replaced_saying_what_stays(
+        indexes: Indexes, venv: Path, tmp_path: Path) -> None:
+    default = pypi_like(indexes)
+    assert install(venv, tmp_path, default, "--build", "cuda").returncode == 0
+    indexes.add("cpu", "torch", f"{PIN}+cpu")
+    out = install(venv, tmp_path, default, "--cpu-index", indexes.url("cpu"))
+    assert out.returncode == 0, out.stderr
+    assert f"torch: installing {PIN}+cpu, the CPU build" in out.stdout
+    (note,) = [line for line in out.stderr.splitlines() if line.startswith("install_torch:")]
+    assert f"replaces torch {PIN}, a CUDA build" in note and "nvidia-cudnn-cu13" in note
+    assert installed(venv)["torch"] == f"{PIN}+cpu"
+
+
+@pytest.mark.slow
 def test_no_gpu_and_no_cpu_index_refuses_the_cuda_build_saying_what_it_costs(
         indexes: Indexes, venv: Path, tmp_path: Path) -> None:
     url = closed_index()
