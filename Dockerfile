@@ -1,12 +1,16 @@
 # kvblend service image.
 #   CPU (default):  docker build -t kvblend .
-#   CUDA:           docker build -t kvblend:cuda \
-#                     --build-arg BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 --build-arg EXTRAS=gpu .
+#   CUDA:           docker build -t kvblend:cuda --build-arg EXTRAS=gpu .
+# One base for both: the CUDA image's CUDA libraries are the pip wheels that torch's CUDA build
+# and cupy-cuda13x[ctk] bring (one copy, torch's pinned cuda-toolkit); the GPU driver comes from the
+# host (--gpus all). A CUDA base image would add a second CUDA stack next to them.
 # Run (see README, "Running on a GPU host"): --ipc=host for CUDA IPC or --shm-size for the cache,
 # and --stop-timeout 90, since Docker's default 10 s would kill a data plane that is draining:
 #   docker run --rm --ipc=host --stop-timeout 90 -p 127.0.0.1:8780:8780 -e KVBLEND_API_TOKEN kvblend
-# The image binds 0.0.0.0: kvblend serve refuses to start there without an API token.
-ARG BASE=python:3.11-slim
+# The image binds 0.0.0.0: kvblend serve refuses to start there without an API token (or a
+# KVBLEND_API_TOKEN_FILE, as a Docker secret gives: deploy/compose.yaml).
+# The base is pinned by tag and digest (the tag says which, the digest is what is pulled).
+ARG BASE=python:3.11.13-slim-bookworm@sha256:86adf8dbadc3d6e82ee5dd2c74bec2e1c2467cdad47886280501df722372d2e1
 FROM ${BASE}
 
 ARG EXTRAS=""
@@ -19,8 +23,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     NUMBA_CACHE_DIR=/var/cache/kvblend/numba \
     KVBLEND_HOST=0.0.0.0
 
-# CUDA base images carry no Python; the slim Python image already has it. The packages come from
-# whichever distribution the base image is: their versions are the base image's to pin.
+# A BASE without Python (another distribution's image) gets its python3; the default has one.
+# The packages come from whichever distribution the base image is: their versions are its to pin.
 # hadolint ignore=DL3008
 RUN if ! command -v python3 >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && \
@@ -33,19 +37,21 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
 ENV PATH=/opt/kvblend/bin:$PATH
 
 WORKDIR /src
-# Dependencies first, from pyproject.toml alone, so that editing the source reuses this layer
-# (torch is most of the image). Without the gpu extra take torch's CPU build first (the default
-# wheel pulls several GB of CUDA); the list's own torch requirement is then already met.
-# The versions are pyproject.toml's ranges.
-COPY pyproject.toml ./
+# Dependencies first, from pyproject.toml and constraints.txt alone, so that editing the source
+# reuses this layer (torch is most of the image). torch first, the version of constraints.txt:
+# the CPU build without the gpu extra (scripts/install_torch.py never takes the CUDA one then),
+# PyPI's CUDA build with it; the list's own torch requirement is then already met. The other
+# versions are pyproject.toml's ranges, under the same constraints.
+COPY pyproject.toml constraints.txt ./
+COPY scripts/install_torch.py scripts/
 # hadolint ignore=DL3013
 RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-dependencies"][e]]))' \
         "$EXTRAS" > /tmp/requirements.txt && \
-    if [ -z "$EXTRAS" ]; then \
-        pip install torch --index-url https://download.pytorch.org/whl/cpu ; \
-    fi && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+    case ",$EXTRAS," in *,gpu,*) build=cuda ;; *) build=cpu ;; esac && \
+    python3 scripts/install_torch.py --build "$build" --constraints constraints.txt && \
+    pip install -c constraints.txt -r /tmp/requirements.txt && rm /tmp/requirements.txt
 
 COPY README.md setup.py kvblend-legacy.pth ./
 COPY shm/ shm/
@@ -53,6 +59,8 @@ COPY dataplane/ dataplane/
 COPY api/ api/
 COPY engine/ engine/
 RUN pip install --no-deps .
+# compose's shm-check service: does /dev/shm hold what kvblend serve creates there?
+COPY scripts/shm_check.py /opt/kvblend/shm_check.py
 
 # Run as an unprivileged user, from a folder without sources: `python -m kvblend.dataplane` and
 # `python -m uvicorn` put the working directory first on sys.path, and must import the installed

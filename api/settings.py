@@ -3,6 +3,8 @@
 Every field is also an environment variable ``KVBLEND_<NAME>`` (``KVBLEND_STORAGE_MB=4096``); a
 command-line flag wins over the environment, the environment over the default. The remote tier's
 credentials (``ENV_ONLY``) are variables only: a command line is visible to every user of the host.
+The tokens may also come from files (``FILE_SECRETS``): ``KVBLEND_API_TOKEN_FILE=/run/secrets/x``
+(Docker and compose secrets), used where neither the flag nor the variable gives one.
 
 Each child gets its own part, built here: the API workers these settings as ``KVBLEND_*``
 variables (``to_env``, without the remote credentials); the data plane one
@@ -14,6 +16,8 @@ setting the data plane would refuse fails here, before anything starts.
 from __future__ import annotations
 
 import ipaddress
+import os
+from pathlib import Path
 
 import msgspec
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -30,6 +34,8 @@ MIB = 1 << 20
 MAX_PAGE_BYTES = 256 * MIB
 #: settings read from the environment only, never a flag, and handed to the data plane only
 ENV_ONLY = ("remote_username", "remote_password")
+#: settings that ``KVBLEND_<NAME>_FILE`` may name a file for: the file's content is the value
+FILE_SECRETS = ("api_token", "admin_token")
 #: the data plane's logging level for each of uvicorn's
 DP_LOG_LEVEL = {"trace": "DEBUG"}
 
@@ -151,6 +157,17 @@ class Settings(BaseSettings):
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value in ("", b"") else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        for name in FILE_SECRETS:
+            path = os.environ.get(f"KVBLEND_{name.upper()}_FILE")
+            if path and data.get(name) in (None, "", b""):
+                data = {**data, name: _read_secret(f"KVBLEND_{name.upper()}_FILE", path)}
+        return data
+
     @model_validator(mode="after")
     def _token_off_loopback(self) -> "Settings":
         if self.api_token is None and not self.insecure_no_token and not _loopback(self.host):
@@ -228,6 +245,17 @@ class Settings(BaseSettings):
         from kvblend import dataplane
 
         return str(dataplane.default_address(self.shm_prefix))
+
+
+def _read_secret(variable: str, path: str) -> str:
+    """A secret file's content less its line end; a file that is unreadable or empty fails."""
+    try:
+        value = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{variable}={path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not value:
+        raise ValueError(f"{variable}={path} is empty")
+    return value
 
 
 def _clear(secret: SecretStr | None) -> str | None:

@@ -1,8 +1,13 @@
 """Shared fixtures: every test gets its own shared-memory prefix, removed afterwards, and the
-services it starts on it (``tests/harness.py`` owns how a service starts and stops)."""
+services it starts on it (``tests/harness.py`` owns how a service starts and stops).
+
+And the run's last section before pytest's own summary: which suites were skipped and why,
+one line per cause (a missing redis-server, promtool, chromium, GPU...), naming the test files
+it skipped, so a run without them says so where it ends (``pytest_terminal_summary``)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +32,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def skipped_by_cause(reports: list[pytest.TestReport]) -> dict[str, dict[str, int]]:
+    """Skip reports grouped: cause -> test file -> how many tests it skipped."""
+    causes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for report in reports:
+        if not isinstance(report.longrepr, tuple):
+            continue
+        path, _, reason = report.longrepr
+        causes[reason.removeprefix("Skipped: ")][report.nodeid.split("::")[0] or path] += 1
+    return causes
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    causes = skipped_by_cause(terminalreporter.stats.get("skipped", []))
+    if not causes:
+        return
+    terminalreporter.section("skipped suites, by cause")
+    for cause, files in sorted(causes.items(), key=lambda c: -sum(c[1].values())):
+        where = ", ".join(f"{f} ({n})" for f, n in sorted(files.items()))
+        terminalreporter.write_line(f"{sum(files.values())} skipped: {cause}")
+        terminalreporter.write_line(f"    in {where}")
 
 
 @pytest.fixture

@@ -1,11 +1,14 @@
 """The compose stack of ``deploy/`` without a Docker daemon: the compose file against the
 compose-spec schema, Prometheus's scrape configuration by ``promtool``, and what neither checks:
-the pieces name each other right (secret, mounts, service names, ports), no token is written down,
-images are pinned, /dev/shm holds the default cache, and every documented stop timeout outlasts the
-supervisor's worst-case drain."""
+the pieces name each other right (secret, mounts, service names, ports), no token is written down
+or passed as a variable (kvblend reads it from its secret file), images are pinned by tag and
+digest, /dev/shm holds the default cache, a /dev/shm too small for the settings stops ``up`` once
+(shm-check, ``scripts/shm_check.py``, before kvblend starts) instead of a restart loop, and every
+documented stop timeout outlasts the supervisor's worst-case drain."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -16,13 +19,14 @@ from typing import Any
 import pytest
 import yaml
 
-from kvblend.api.settings import Settings
+from kvblend.api.settings import FILE_SECRETS, Settings
 from kvblend.shm.fpformat import segment_bytes
-from tests.api.test_docker import instructions, worst_case_stop_s
+from tests.api.test_docker import SMALL, instructions, worst_case_stop_s
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
+SHM_CHECK = ROOT / "scripts" / "shm_check.py"
 COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 PROMETHEUS: dict[str, Any] = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
@@ -74,7 +78,7 @@ def test_the_compose_file_matches_the_compose_spec() -> None:
 def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
     # promtool checks that the credentials file exists: point it at one here
     token = tmp_path / "token"
     token.write_text("t")
@@ -95,10 +99,21 @@ def test_kvblend_is_built_from_this_dockerfile() -> None:
 
 def test_no_token_or_password_is_written_down() -> None:
     kvblend, grafana = SERVICES["kvblend"], SERVICES["grafana"]
-    assert kvblend["environment"]["KVBLEND_API_TOKEN"].startswith("${KVBLEND_API_TOKEN")
+    assert not any(name in kvblend["environment"] for name in ("KVBLEND_API_TOKEN",
+                                                                "KVBLEND_ADMIN_TOKEN"))
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${")
     assert COMPOSE["secrets"]["kvblend_api_token"] == {"environment": "KVBLEND_API_TOKEN"}
     assert "credentials" not in JOB["authorization"]
+
+
+def test_kvblend_reads_its_token_from_the_secret_file() -> None:
+    kvblend = SERVICES["kvblend"]
+    (secret,) = kvblend["secrets"]
+    assert secret["source"] == "kvblend_api_token"
+    target = secret.get("target", secret["source"])
+    variable = f"KVBLEND_{FILE_SECRETS[0].upper()}_FILE"  # the one Settings reads
+    assert FILE_SECRETS[0] == "api_token"
+    assert kvblend["environment"][variable] == f"/run/secrets/{target}"
 
 
 def test_prometheus_scrapes_kvblend_with_the_token_secret() -> None:
@@ -136,12 +151,13 @@ def test_grafana_provisions_prometheus_and_the_dashboards_folder() -> None:
     assert (DEPLOY / folder).is_dir()
 
 
-def test_third_party_images_are_pinned() -> None:
+def test_third_party_images_are_pinned_by_tag_and_digest() -> None:
     for name, service in SERVICES.items():
-        if "build" in service:
+        if "build" in service or service.get("pull_policy") == "never":
             continue
         image = service["image"]
-        assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)+", image), f"{name}: {image} is not pinned"
+        assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)+@sha256:[0-9a-f]{64}", image), \
+            f"{name}: {image} is not pinned by tag and digest"
 
 
 def test_ports_are_published_on_loopback_only() -> None:
@@ -169,3 +185,65 @@ def test_every_documented_stop_timeout_outlasts_the_drain() -> None:
         timeouts = re.findall(r"--stop-timeout[ =](\d+)", (ROOT / doc).read_text())
         assert timeouts, f"{doc} does not say how to run with --stop-timeout"
         assert all(int(t) > worst for t in timeouts), f"{doc}: {timeouts} vs {worst} s"
+
+
+# -- /dev/shm too small: one failure at start, not a restart loop ------------------------------
+
+
+def test_shm_check_runs_once_before_kvblend_with_its_settings() -> None:
+    kvblend, check = SERVICES["kvblend"], SERVICES["shm-check"]
+    assert kvblend["depends_on"]["shm-check"] == {"condition": "service_completed_successfully"}
+    assert check["restart"] == "no"
+    for key in ("environment", "secrets", "shm_size"):
+        assert check[key] == kvblend[key], key
+    assert check["image"] == kvblend["image"] and check["pull_policy"] == "never"  # not pulled
+    script = next(c.split()[1] for c in instructions("COPY") if "shm_check.py" in c)
+    assert check["entrypoint"] == ["python3", script]
+    assert (ROOT / next(c.split()[0] for c in instructions("COPY") if "shm_check.py" in c)) \
+        == SHM_CHECK
+
+
+def shm_check(**env: str) -> subprocess.CompletedProcess[str]:
+    """scripts/shm_check.py as compose's shm-check runs it: the kvblend service's variables
+    (the token as a secret file), ``env`` on top."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
+    settings = {k: default(v) for k, v in SERVICES["kvblend"]["environment"].items()
+                if not k.endswith("_FILE")}
+    return subprocess.run([sys.executable, str(SHM_CHECK)], capture_output=True, text=True,
+                          env={**base, **settings, "KVBLEND_API_TOKEN": "t", **env}, timeout=120)
+
+
+def dev_shm_mib() -> int:
+    fs = os.statvfs("/dev/shm")
+    return fs.f_blocks * fs.f_frsize >> 20
+
+
+@pytest.mark.slow
+def test_shm_check_passes_settings_that_fit() -> None:
+    out = shm_check(**SMALL)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.startswith("shm-check: /dev/shm holds ")
+
+
+@pytest.mark.slow
+def test_shm_check_fails_a_storage_above_dev_shm_with_one_line_naming_shm_size() -> None:
+    storage_mb = str(dev_shm_mib() + 64)
+    out = shm_check(KVBLEND_STORAGE_MB=storage_mb)
+    assert out.returncode == 78 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert "KVBLEND_SHM_SIZE" in line and "shm_size" in line and \
+        f"KVBLEND_STORAGE_MB={storage_mb}" in line, line
+
+
+def test_shm_check_counts_what_serve_creates_at_its_defaults() -> None:
+    """The sum behind compose's default shm_size: more than the slab and the index together."""
+    sys.path.insert(0, str(SHM_CHECK.parent))
+    try:
+        import shm_check as check
+    finally:
+        sys.path.remove(str(SHM_CHECK.parent))
+    settings = Settings(storage_mb=int(default(SERVICES["kvblend"]["environment"]
+                                               ["KVBLEND_STORAGE_MB"])))
+    index = segment_bytes(settings.fingerprint_capacity)
+    assert check.needed(settings) > (settings.storage_mb << 20) + index
+    assert size_bytes(default(SERVICES["kvblend"]["shm_size"])) > check.needed(settings)

@@ -137,10 +137,12 @@ def test_every_package_pyproject_ships_is_copied() -> None:
 def test_dependencies_install_from_pyproject_alone_before_the_source() -> None:
     order = steps()
     first_source = next(i for i, (name, args) in enumerate(order)
-                        if name == "COPY" and "pyproject.toml" not in args)
+                        if name == "COPY" and "pyproject.toml" not in args
+                        and "install_torch" not in args)
     before = order[:first_source]
-    assert [args for name, args in before if name == "COPY"] == ["pyproject.toml ./"]
-    assert any(name == "RUN" and "pip install -r" in args for name, args in before)
+    assert [args for name, args in before if name == "COPY"] == [
+        "pyproject.toml constraints.txt ./", "scripts/install_torch.py scripts/"]
+    assert any(name == "RUN" and "-r /tmp/requirements.txt" in args for name, args in before)
     assert any(name == "RUN" and "pip install --no-deps ." in args
                for name, args in order[first_source:])
     assert not any("pip install ." in args or "pip install \".[" in args
@@ -160,11 +162,35 @@ def test_the_dependency_list_is_pyprojects(extras: str) -> None:
     assert "torch" in " ".join(wanted)  # the heavy one this layer exists to keep
 
 
-def test_the_cpu_build_takes_torch_from_the_cpu_index_and_the_cuda_build_its_extras() -> None:
-    (deps,) = [args for args in instructions("RUN") if "pip install -r" in args]
-    assert 'if [ -z "$EXTRAS" ]' in deps and "download.pytorch.org/whl/cpu" in deps
-    assert '"$EXTRAS"' in deps
+def test_torch_is_the_constraints_and_its_build_the_extras() -> None:
+    """The CPU image takes the CPU build (never the CUDA one), the gpu extra PyPI's CUDA build;
+    both the version of constraints.txt, which every pip install of the image takes too."""
+    (deps,) = [args for args in instructions("RUN") if "-r /tmp/requirements.txt" in args]
+    assert "scripts/install_torch.py --build \"$build\" --constraints constraints.txt" in deps
+    for extras, build in (("", "cpu"), ("engine", "cpu"), ("gpu", "cuda"), ("engine,gpu", "cuda")):
+        case = re.search(r"case .*? esac", deps)
+        assert case is not None
+        out = subprocess.run(["sh", "-c", f'EXTRAS="{extras}"; {case.group(0)}; echo $build'],
+                             capture_output=True, text=True, check=True, timeout=30)
+        assert out.stdout == f"{build}\n", extras
+    installs = re.findall(r"pip install [^&]*", " ".join(instructions("RUN")))
+    assert all("-c constraints.txt" in i or "--no-deps ." in i for i in installs), installs
     assert "BASE" in " ".join(instructions("ARG")) and "EXTRAS" in " ".join(instructions("ARG"))
+
+
+def test_the_base_image_is_pinned_by_tag_and_digest() -> None:
+    assert instructions("FROM") == ["${BASE}"]
+    (base,) = [a.split("=", 1)[1] for a in instructions("ARG") if a.startswith("BASE=")]
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+@sha256:[0-9a-f]{64}", base), base
+
+
+def test_one_cuda_stack_the_pip_wheels() -> None:
+    """The CUDA image is the CPU image's base plus the gpu extra: CUDA comes as the pip wheels
+    torch's CUDA build pins, and CuPy loads those ([ctk]); no CUDA base image adds a second."""
+    for doc in ("Dockerfile", "README.md"):
+        assert "nvidia/cuda" not in (ROOT / doc).read_text(), doc
+    (cupy,) = PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    assert cupy.startswith("cupy-cuda13x[ctk]")
 
 
 def test_runs_as_a_user_that_is_not_root() -> None:
@@ -272,6 +298,21 @@ def test_the_image_serves_from_its_warm_cache_and_stops_on_sigterm(
     c.proc.send_signal(getattr(signal, instructions("STOPSIGNAL")[0]))
     assert c.wait(grace) == 0, "\n".join(c.lines)
     assert not any("Traceback" in line or " ERROR " in line for line in c.lines), c.lines
+
+
+@pytest.mark.slow
+def test_the_image_takes_its_token_from_a_secret_file(
+        shm_prefix: str, image_cache: Path, tmp_path: Path, containers: list[Container]) -> None:
+    """As deploy/compose.yaml runs it: KVBLEND_API_TOKEN_FILE names the secret, no token in the
+    environment; the public bind accepts it, and /metrics wants that token."""
+    secret = tmp_path / "kvblend_api_token"
+    secret.write_text(TOKEN + "\n")
+    containers.append(c := Container(shm_prefix, image_cache, KVBLEND_API_TOKEN_FILE=str(secret)))
+    poll(lambda: c.get("/readyz") == 200 or c.proc.poll() is not None, START_DEADLINE, "/readyz")
+    assert c.proc.poll() is None, "\n".join(c.lines)
+    assert c.get("/metrics") == 401 and c.get("/metrics", TOKEN) == 200
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.wait(worst_case_stop_s()) == 0
 
 
 @pytest.mark.slow
