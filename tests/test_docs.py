@@ -124,6 +124,14 @@ def missing_in(doc: Path) -> list[str]:
     return out
 
 
+def test_the_peer_venv_is_built_as_the_matcher_benchmark_says() -> None:
+    """docs/benchmarks.md gives the commands ``bench_matcher.py`` prints when its peer is missing."""
+    tree = ast.parse((ROOT / "benchmarks" / "bench_matcher.py").read_text())
+    (setup,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "PEER_SETUP" for t in n.targets)]
+    assert f"```sh\n{setup}\n```" in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 def test_every_named_file_test_figure_and_target_exists() -> None:
     missing = [m for doc in DOCS for m in missing_in(doc)]
     assert not missing, "the docs name what is not there:\n" + "\n".join(missing)
