@@ -17,7 +17,6 @@ Exception tree of the API itself::
     ApiError
     ├── Unauthorized             missing, malformed or wrong token      401
     ├── AdminRequired            the API token where the admin's is due 403
-    ├── InstanceNotFound         no registered instance with that id    404
     ├── PayloadTooLarge          a body over ``--max-request-kb``       413
     ├── UnsupportedMediaType     a body that is neither JSON nor bytes  415
     └── InvalidInput             parsed, but impossible                 422
@@ -66,13 +65,6 @@ class AdminRequired(ApiError):
     """A valid API token on an operation that needs the admin token."""
 
 
-class InstanceNotFound(ApiError, KeyError):
-    """No registered engine instance with that id."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown instance"
-
-
 class PayloadTooLarge(ApiError):
     """A request body larger than the service takes (``api.limits``)."""
 
@@ -91,7 +83,6 @@ class InvalidInput(ApiError, ValueError):
 ERROR_STATUS: dict[type[BaseException], int] = {
     Unauthorized: 401,
     AdminRequired: 403,
-    InstanceNotFound: 404,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     InvalidInput: 422,
@@ -108,7 +99,6 @@ class ErrorCode(enum.StrEnum):
 
     UNAUTHORIZED = "unauthorized"
     ADMIN_REQUIRED = "admin_required"
-    INSTANCE_NOT_FOUND = "instance_not_found"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     INVALID_INPUT = "invalid_input"
@@ -138,7 +128,6 @@ class ErrorCode(enum.StrEnum):
 CODES: dict[ErrorCode, tuple[str, str]] = {
     ErrorCode.UNAUTHORIZED: ("401", "missing, malformed or wrong `Authorization: Bearer` token"),
     ErrorCode.ADMIN_REQUIRED: ("403", "the API token where the admin token is due"),
-    ErrorCode.INSTANCE_NOT_FOUND: ("404", "no registered instance with that id"),
     ErrorCode.PAYLOAD_TOO_LARGE: ("413", "a body over `--max-request-kb`"),
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: ("415", "a body that is neither JSON nor bytes"),
     ErrorCode.INVALID_INPUT: ("422", "parsed, but impossible (a name over its byte limit, a "
@@ -174,7 +163,6 @@ CODES: dict[ErrorCode, tuple[str, str]] = {
 ERROR_CODE: dict[type[BaseException], ErrorCode] = {
     Unauthorized: ErrorCode.UNAUTHORIZED,
     AdminRequired: ErrorCode.ADMIN_REQUIRED,
-    InstanceNotFound: ErrorCode.INSTANCE_NOT_FOUND,
     PayloadTooLarge: ErrorCode.PAYLOAD_TOO_LARGE,
     UnsupportedMediaType: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
     InvalidInput: ErrorCode.INVALID_INPUT,
