@@ -23,7 +23,8 @@ from kvblend.api.auth import Tokens, require_admin, require_token
 from kvblend.api.limits import BodyLimit
 from kvblend.api.lookup import LookupFastPath
 from kvblend.api.metrics import build_registry
-from kvblend.api.routes import chunks, events, health, instances, lookup, metrics, status
+from kvblend.api.requestid import RequestId
+from kvblend.api.routes import add_head, chunks, events, health, instances, lookup, metrics, status
 from kvblend.api.schemas import LookupRequest
 from kvblend.api.services import Services
 from kvblend.api.settings import Settings
@@ -39,6 +40,13 @@ Errors are RFC 9457 `application/problem+json`. When the service runs with an AP
 When it runs with an admin token, that token is accepted wherever the API token is, and it alone
 may clear the cache and see request ids and model names in `/v1/events`. A request body larger
 than `--max-request-kb` is answered 413.
+
+Every response carries `X-Request-ID`: the request's own when it has one of at most 128 printable
+characters, else a fresh one; the service's log lines and events for that request name it. Every
+`GET` also answers `HEAD` (the same status and headers, no body).
+
+Every error's `code` is one of this list (the `ErrorCode` schema), never a class name:
+
 """
 
 TAGS = [
@@ -68,19 +76,24 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             services.close()
 
-    app = FastAPI(title="kvblend", version=kvblend_version(), description=DESCRIPTION,
+    app = FastAPI(title="kvblend", version=kvblend_version(),
+                  description=DESCRIPTION + errors.codes_table(),
                   openapi_tags=TAGS, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tokens = Tokens.of(settings)
     app.state.settings = settings
     errors.install(app)
-    # the last added runs first: the body limit in front of the lookup fast path (api.limits)
+    # the last added runs first: the request id, then the body limit in front of the lookup
+    # fast path (api.limits), so that every answer, a 413 included, carries the id
     app.add_middleware(LookupFastPath)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_kb * 1024)
+    app.add_middleware(RequestId)
     routers = [m.router for m in (health, status, instances, lookup, chunks, metrics, events)]
     for router in routers:
+        add_head(router)
         app.include_router(router)
     app.openapi = lambda: _openapi(app, routers)  # type: ignore[method-assign]
     _api_docs(app)
+    add_head(app.router)
     return app
 
 

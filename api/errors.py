@@ -4,10 +4,11 @@ Routes raise typed exceptions (the store's, the data plane's, or the few below) 
 ``try/except``. Every error response of the service is ``application/problem+json``::
 
     {"type": "about:blank", "title": "Not Found", "status": 404,
-     "detail": "no instance 7", "instance": "/v1/instances/7", "code": "InstanceNotFound"}
+     "detail": "no instance 7", "instance": "/v1/instances/7", "code": "unknown_instance"}
 
 ``title`` is the status's phrase from ``TITLES`` (RFC 9110's, the same on every Python);
-``code`` names the exception; validation errors add ``errors`` (location, message, kind). Every
+``code`` is one of ``ErrorCode`` (``CODES`` says what each means; docs/errors.md is that table),
+never a Python class name; validation errors add ``errors`` (location, message, kind). Every
 invalid body is a 422, a body that does not parse as JSON included; a 405 lists in ``Allow`` every
 method the path serves.
 
@@ -16,7 +17,6 @@ Exception tree of the API itself::
     ApiError
     ├── Unauthorized             missing, malformed or wrong token      401
     ├── AdminRequired            the API token where the admin's is due 403
-    ├── InstanceNotFound         no registered instance with that id    404
     ├── PayloadTooLarge          a body over ``--max-request-kb``       413
     ├── UnsupportedMediaType     a body that is neither JSON nor bytes  415
     └── InvalidInput             parsed, but impossible                 422
@@ -28,6 +28,7 @@ in the API gets the status of what the data plane would answer for it (``FROM_SH
 
 from __future__ import annotations
 
+import enum
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -44,6 +45,7 @@ from starlette.types import Scope
 
 from kvblend.dataplane.errors import FROM_SHM
 from kvblend.dataplane.errors import HTTP_STATUS as DATAPLANE_STATUS
+from kvblend.dataplane.errors import PROBLEM_CODE as DATAPLANE_CODE
 
 log = logging.getLogger("kvblend.api")
 
@@ -61,13 +63,6 @@ class Unauthorized(ApiError):
 
 class AdminRequired(ApiError):
     """A valid API token on an operation that needs the admin token."""
-
-
-class InstanceNotFound(ApiError, KeyError):
-    """No registered engine instance with that id."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown instance"
 
 
 class PayloadTooLarge(ApiError):
@@ -88,7 +83,6 @@ class InvalidInput(ApiError, ValueError):
 ERROR_STATUS: dict[type[BaseException], int] = {
     Unauthorized: 401,
     AdminRequired: 403,
-    InstanceNotFound: 404,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     InvalidInput: 422,
@@ -97,6 +91,94 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     pydantic.ValidationError: 422,
     msgspec.DecodeError: 422,
 }
+
+
+class ErrorCode(enum.StrEnum):
+    """The `code` of every problem the service answers: stable, never a class name (the API's
+    description and docs/errors.md say what each means)."""
+
+    UNAUTHORIZED = "unauthorized"
+    ADMIN_REQUIRED = "admin_required"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    INVALID_INPUT = "invalid_input"
+    INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    HTTP_ERROR = "http_error"
+    INTERNAL_ERROR = "internal_error"
+    # the data plane's (``dataplane.errors.PROBLEM_CODE``), which its client maps back
+    DATAPLANE_ERROR = "dataplane_error"
+    UNKNOWN_INSTANCE = "unknown_instance"
+    FORBIDDEN = "forbidden"
+    TOO_MANY = "too_many"
+    BAD_REQUEST = "bad_request"
+    OUT_OF_RANGE = "out_of_range"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    STORE_FULL = "store_full"
+    CAPACITY_EXCEEDED = "capacity_exceeded"
+    BUSY = "busy"
+    BACKEND_ERROR = "backend_error"
+    LAYERS_NOT_WRITTEN = "layers_not_written"
+    DATAPLANE_UNAVAILABLE = "dataplane_unavailable"
+    TIMEOUT = "timeout"
+
+
+# What each code means, with its status: the table docs/errors.md and the OpenAPI description show.
+CODES: dict[ErrorCode, tuple[str, str]] = {
+    ErrorCode.UNAUTHORIZED: ("401", "missing, malformed or wrong `Authorization: Bearer` token"),
+    ErrorCode.ADMIN_REQUIRED: ("403", "the API token where the admin token is due"),
+    ErrorCode.PAYLOAD_TOO_LARGE: ("413", "a body over `--max-request-kb`"),
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: ("415", "a body that is neither JSON nor bytes"),
+    ErrorCode.INVALID_INPUT: ("422", "parsed, but impossible (a name over its byte limit, a "
+                                     "binary body that is not whole uint32 ids)"),
+    ErrorCode.INVALID_REQUEST: ("422", "a body, query or path that does not validate, or is "
+                                       "not JSON; `errors` says where"),
+    ErrorCode.NOT_FOUND: ("404", "no route at that path"),
+    ErrorCode.METHOD_NOT_ALLOWED: ("405", "the path does not serve that method; `Allow` lists "
+                                          "those it does"),
+    ErrorCode.HTTP_ERROR: ("4xx", "any other refusal of the HTTP layer"),
+    ErrorCode.INTERNAL_ERROR: ("500", "an error the service did not mean to raise (logged with "
+                                      "the request id)"),
+    ErrorCode.DATAPLANE_ERROR: ("500", "the data plane failed in an unnamed way"),
+    ErrorCode.UNKNOWN_INSTANCE: ("404", "the data plane has no instance with that id (never "
+                                        "registered, unregistered, expired)"),
+    ErrorCode.FORBIDDEN: ("403", "the instance token is missing or wrong; nothing done"),
+    ErrorCode.TOO_MANY: ("429", "a limit on instances, connections or queued calls is reached"),
+    ErrorCode.BAD_REQUEST: ("422", "the data plane refused a malformed call (buffer, dtype, "
+                                   "tokens)"),
+    ErrorCode.OUT_OF_RANGE: ("422", "offset plus tokens (or a match) beyond the buffer"),
+    ErrorCode.LAYOUT_MISMATCH: ("409", "the buffer's layout disagrees with the namespace's"),
+    ErrorCode.STORE_FULL: ("507", "nothing free and nothing evictable in the store"),
+    ErrorCode.CAPACITY_EXCEEDED: ("507", "a fixed-size table is full (layout classes, pins)"),
+    ErrorCode.BUSY: ("503", "the store's lock stayed taken past its wait; try again"),
+    ErrorCode.BACKEND_ERROR: ("500", "the copy engine or the store's own state failed"),
+    ErrorCode.LAYERS_NOT_WRITTEN: ("504", "a layer-wise store's engine did not announce its "
+                                          "layers in time"),
+    ErrorCode.DATAPLANE_UNAVAILABLE: ("503", "no data plane answers (yet); `/readyz` says when"),
+    ErrorCode.TIMEOUT: ("504", "the data plane did not answer within its timeout"),
+}
+
+# The code of each exception type of ``ERROR_STATUS`` (the same keys, MRO walked the same way).
+ERROR_CODE: dict[type[BaseException], ErrorCode] = {
+    Unauthorized: ErrorCode.UNAUTHORIZED,
+    AdminRequired: ErrorCode.ADMIN_REQUIRED,
+    PayloadTooLarge: ErrorCode.PAYLOAD_TOO_LARGE,
+    UnsupportedMediaType: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    InvalidInput: ErrorCode.INVALID_INPUT,
+    **{ours: ErrorCode(code) for ours, code in DATAPLANE_CODE.items()},
+    **{shm_error: ErrorCode(DATAPLANE_CODE[ours]) for shm_error, ours in FROM_SHM.items()},
+    pydantic.ValidationError: ErrorCode.INVALID_REQUEST,
+    msgspec.DecodeError: ErrorCode.INVALID_REQUEST,
+}
+# the HTTP layer's own refusals (``HTTPException``), by status
+HTTP_CODE: dict[int, ErrorCode] = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
+def codes_table() -> str:
+    """``CODES`` as a Markdown table (docs/errors.md holds it; so does the OpenAPI description)."""
+    rows = [f"| `{code}` | {status} | {meaning} |" for code, (status, meaning) in CODES.items()]
+    return "\n".join(["| code | status | meaning |", "|---|---|---|", *rows])
 
 
 # Every error status's title, ours so that every Python gives the same one: the stdlib's
@@ -135,7 +217,7 @@ class Problem(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
         "type": "about:blank", "title": "Unprocessable Content", "status": 422,
         "detail": "token ids must lie in [0, 2^32)", "instance": "/v1/lookup",
-        "code": "InvalidInput"}]})
+        "code": "invalid_input"}]})
 
     type: str = Field("about:blank", description="Problem type URI; about:blank for all of ours.")
     title: str = Field(description="The status's reason phrase (RFC 9110's names).",
@@ -143,12 +225,13 @@ class Problem(BaseModel):
     status: int = Field(description="The HTTP status code.", examples=[404])
     detail: str = Field("", description="What went wrong, for a human.")
     instance: str = Field("", description="The request path.")
-    code: str = Field("", description="Name of the error, stable for programs to switch on.")
+    code: ErrorCode = Field(description="What went wrong, stable for programs to switch on: one "
+                                        "of a fixed list, never a class name.")
     errors: list[dict[str, Any]] | None = Field(
         None, description="Validation errors: location, message and kind of each.")
 
 
-def problem_response(status: int, detail: str, instance: str, code: str,
+def problem_response(status: int, detail: str, instance: str, code: ErrorCode,
                      errors: list[dict[str, Any]] | None = None,
                      headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"type": "about:blank", "title": title(status),
@@ -165,6 +248,15 @@ def status_of(exc: BaseException) -> int:
         if status is not None:
             return status
     return 500
+
+
+def code_of(exc: BaseException) -> ErrorCode:
+    """``exc``'s problem code: ``ERROR_CODE`` along its MRO, else ``internal_error``."""
+    for klass in type(exc).__mro__:
+        code = ERROR_CODE.get(klass)
+        if code is not None:
+            return code
+    return ErrorCode.INTERNAL_ERROR
 
 
 def _clean_errors(raw: Any) -> list[dict[str, Any]]:
@@ -186,7 +278,9 @@ def _msgspec_errors(exc: msgspec.DecodeError) -> list[dict[str, Any]]:
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     status = status_of(exc)
     if status >= 500 and status not in (503, 504):
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        rid = request.headers.get("x-request-id")  # always there: ``api.requestid``
+        log.error("%s %s failed (request id %s)", request.method, request.url.path, rid,
+                  exc_info=exc, extra={"request_id": rid})
     errors = None
     if isinstance(exc, pydantic.ValidationError):
         errors = _clean_errors(exc.errors())
@@ -194,7 +288,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         errors = _msgspec_errors(exc)
     detail = "invalid request" if errors is not None else str(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return problem_response(status, detail, request.url.path, type(exc).__name__, errors, headers)
+    return problem_response(status, detail, request.url.path, code_of(exc), errors, headers)
 
 
 async def problem_for(request: Request, exc: Exception) -> JSONResponse:
@@ -209,7 +303,7 @@ async def problem_for(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError), "handler registered for the wrong type"
-    return problem_response(422, "invalid request", request.url.path, "RequestValidationError",
+    return problem_response(422, "invalid request", request.url.path, ErrorCode.INVALID_REQUEST,
                             _clean_errors(exc.errors()))
 
 
@@ -219,15 +313,15 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 400 and exc.__cause__ is not None:
         # FastAPI answers 400 to a body it could not read as JSON (invalid UTF-8, nesting too
         # deep) but 422 to one that is not JSON at all: both are an invalid body, 422 here.
-        return problem_response(422, "invalid request", path, "RequestValidationError", [{
+        return problem_response(422, "invalid request", path, ErrorCode.INVALID_REQUEST, [{
             "loc": ["body"], "msg": f"the body is not valid JSON: {exc.__cause__}",
             "type": "json_invalid"}])
     headers = exc.headers
     if exc.status_code == 405:  # the router names one route's methods; the path may have more
         headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app,
                                                                          request.scope))}
-    return problem_response(exc.status_code, str(exc.detail), path, "HTTPException",
-                            headers=headers)
+    return problem_response(exc.status_code, str(exc.detail), path,
+                            HTTP_CODE.get(exc.status_code, ErrorCode.HTTP_ERROR), headers=headers)
 
 
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:

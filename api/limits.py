@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvblend.api.errors import PayloadTooLarge, problem_response
+from kvblend.api.errors import ErrorCode, PayloadTooLarge, problem_response
 
 _CLOSE = {"connection": "close"}
 _MAX_DIGITS = 18  # a longer Content-Length is over any limit (and would not fit an int64)
@@ -104,6 +104,6 @@ class _CountedBody:
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, detail: str) -> None:
     """Send the 413 problem+json answer."""
-    response = problem_response(413, detail, scope["path"], PayloadTooLarge.__name__,
+    response = problem_response(413, detail, scope["path"], ErrorCode.PAYLOAD_TOO_LARGE,
                                 headers=_CLOSE)
     await response(scope, receive, send)

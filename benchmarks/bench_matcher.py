@@ -8,6 +8,11 @@ their ratio.
 
     python benchmarks/bench_matcher.py --peer .peer/venv/bin/python
 
+The peer's venv is not part of the repository; build it once with the commands of ``PEER_SETUP``
+(docs/benchmarks.md shows the same). Without ``--peer`` the peer columns stay empty and the run
+says so; a ``--peer`` that cannot import LMCache's matcher stops the run before it starts, with
+those commands.
+
 Both sides generate the tokens from the same seeds (numpy ``default_rng``), so they index the same
 sequences; the query and the expected hits travel to the peer as a small ``.npz`` file. Each side gets
 its query as a numpy array (the peer's own conversion of a Python list is not timed). Registration
@@ -41,6 +46,27 @@ VOCAB = 128_256  # a Llama-3 sized vocabulary
 SEED = 20260
 NS = Namespace("bench-model")
 PEER = Path(__file__).resolve().with_name("matcher_peer.py")  # run by the peer's interpreter
+PEER_SETUP = """\
+python3 -m venv .peer/venv
+.peer/venv/bin/pip install numpy numba msgspec
+.peer/venv/bin/pip install --no-deps lmcache==0.5.6"""
+NO_PEER = ("no --peer: the peer columns stay empty. To compare with LMCache 0.5.6's matcher, "
+           "build its venv once:\n" + PEER_SETUP + "\nthen add --peer .peer/venv/bin/python")
+
+
+def check_peer(python: str) -> None:
+    """Stop at once, saying how to build the peer, when ``python`` cannot import LMCache."""
+    if not os.access(python, os.X_OK):
+        reason = f"{python} is not an executable"
+    else:
+        out = subprocess.run([python, "-c", "import lmcache.v1.multiprocess"],
+                             capture_output=True, text=True, cwd=tempfile.gettempdir())
+        if out.returncode == 0:
+            return
+        last = (out.stderr.strip().splitlines() or ["no error text"])[-1]
+        reason = f"{python} cannot import lmcache ({last})"
+    sys.exit(f"--peer: {reason}\nbuild the peer's venv (from the repository root) with:\n"
+             f"{PEER_SETUP}")
 
 
 def build_query(n_chunks: int, q_len: int, n_hits: int, rng: np.random.Generator):
@@ -131,6 +157,10 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the raw summaries here")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.peer:
+        check_peer(args.peer)
+    else:
+        print(NO_PEER, file=sys.stderr, flush=True)
     rows = []
     for n in sizes:
         rng = np.random.default_rng([SEED, n])
@@ -174,6 +204,8 @@ def _print_table(rows: list, args: argparse.Namespace) -> None:
         print(f"{n:>9} | {o['median_ms']:11.3f} {o['p99_ms']:7.3f} {o['hits']:>3.0f}/{args.hits} | "
               f"{ph} | {ratio} | {o['reg_per_s']:13.0f} {preg}")
     print("\nlatencies in ms; hits = expected (cur_st, chunk) pairs returned")
+    if not args.peer:
+        print("peer columns empty: run with --peer (see the top of this run's output)")
 
 
 if __name__ == "__main__":

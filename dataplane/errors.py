@@ -23,8 +23,9 @@ Crossing boundaries (each is one table here, walked along the exception's MRO, m
 
 - ``FROM_SHM``: what the store's errors (``shm.errors``) become in a reply (``remote_error``);
 - ``ErrorKind`` in the reply and back (``reply_for`` / ``error_for``);
-- ``HTTP_STATUS``: the status the API answers with (``api.errors`` uses this table), and back from
-  a problem+json answer to the exception the client raises (``http_error``).
+- ``HTTP_STATUS`` and ``PROBLEM_CODE``: the status and problem ``code`` the API answers with
+  (``api.errors`` uses these tables), and back from a problem+json answer to the exception the
+  client raises (``http_error``).
 """
 
 from __future__ import annotations
@@ -112,9 +113,22 @@ FROM_SHM: dict[type[shm.ShmError], type[RemoteError]] = {
     shm.CapacityError: CapacityExceeded, shm.Busy: Busy, shm.ForeignObject: BadRequest,
 }
 
+# The ``code`` of each error's problem+json answer: stable names for programs to switch on, never
+# a class name (``api.errors.ErrorCode`` lists them with the API's own, and docs/errors.md).
+PROBLEM_CODE: dict[type[DataPlaneError], str] = {
+    RemoteError: "dataplane_error", UnknownInstance: "unknown_instance", Forbidden: "forbidden",
+    TooMany: "too_many", BadRequest: "bad_request", OutOfRange: "out_of_range",
+    LayoutMismatch: "layout_mismatch", StoreFull: "store_full",
+    CapacityExceeded: "capacity_exceeded", Busy: "busy", BackendError: "backend_error",
+    LayersNotWritten: "layers_not_written", DataPlaneUnavailable: "dataplane_unavailable",
+    Timeout: "timeout",
+}
+
 _BY_KIND: dict[ErrorKind, type[RemoteError]] = {
     cls.kind: cls for cls in HTTP_STATUS if issubclass(cls, RemoteError)}
-_BY_NAME: dict[str, type[DataPlaneError]] = {cls.__name__: cls for cls in HTTP_STATUS}
+_BY_CODE: dict[str, type[DataPlaneError]] = {
+    **{cls.__name__: cls for cls in HTTP_STATUS},  # what services before stable codes answered
+    **{code: cls for cls, code in PROBLEM_CODE.items()}}
 # an answer whose code names none of ours (the API's own errors): the nearest kind by status
 _BY_STATUS: dict[int, type[DataPlaneError]] = {
     401: Forbidden, 403: Forbidden, 404: UnknownInstance, 409: LayoutMismatch, 413: BadRequest,
@@ -147,9 +161,10 @@ def reply_for(exc: RemoteError) -> ErrorReply:
 
 
 def http_error(status: int, code: str, detail: str) -> DataPlaneError:
-    """The exception a client raises for an HTTP error answer: the class ``code`` names when it
-    is ours and has that status, else the nearest by status, else ``RemoteError``."""
-    klass = _BY_NAME.get(code)
+    """The exception a client raises for an HTTP error answer: the class whose ``PROBLEM_CODE``
+    is ``code`` (or, from an older service, whose name it is) when that class has this status,
+    else the nearest by status, else ``RemoteError``."""
+    klass = _BY_CODE.get(code)
     if klass is None or HTTP_STATUS[klass] != status:
         klass = _BY_STATUS.get(status, RemoteError)
     return klass(detail)
@@ -157,5 +172,5 @@ def http_error(status: int, code: str, detail: str) -> DataPlaneError:
 
 __all__ = ["DataPlaneError", "RemoteError", "UnknownInstance", "Forbidden", "TooMany",
            "BadRequest", "OutOfRange", "LayoutMismatch", "StoreFull", "CapacityExceeded", "Busy",
-           "BackendError", "LayersNotWritten", "DataPlaneUnavailable", "Timeout", "HTTP_STATUS", "FROM_SHM",
-           "remote_error", "error_for", "reply_for", "http_error"]
+           "BackendError", "LayersNotWritten", "DataPlaneUnavailable", "Timeout", "HTTP_STATUS",
+           "FROM_SHM", "PROBLEM_CODE", "remote_error", "error_for", "reply_for", "http_error"]

@@ -83,12 +83,13 @@ def test_every_body_route_documents_422_and_no_route_400() -> None:
 def test_options_on_an_instance_allows_get_and_delete(client: TestClient) -> None:
     response = client.options("/v1/instances/1")
     problem(response, 405)
-    assert sorted(response.headers["allow"].split(", ")) == ["DELETE", "GET"]
+    assert sorted(response.headers["allow"].split(", ")) == ["DELETE", "GET", "HEAD"]
 
 
 def test_every_405_allows_exactly_the_documented_methods(client: TestClient) -> None:
+    """The documented methods, and HEAD wherever GET is (the description says so)."""
     for path, item in client.get("/openapi.json").json()["paths"].items():
-        served = {m.upper() for m in item}
+        served = {m.upper() for m in item} | ({"HEAD"} if "get" in item else set())
         for method in sorted(set(METHODS) - served):
             response = client.request(method, concrete(path))
             assert response.status_code == 405, (method, path)

@@ -18,7 +18,7 @@ CUDA = {"type": "cuda_ipc", "handle": "A" * 86 + "==", "offset": 0, "device_uuid
 
 def test_register_without_a_data_plane_is_503(client: TestClient) -> None:
     body = problem(client.post("/v1/instances", json=BODY), 503)
-    assert body["code"] == "DataPlaneUnavailable"
+    assert body["code"] == "dataplane_unavailable"
     problem(client.get("/v1/instances"), 503)
     problem(client.get("/v1/instances/3"), 503)
     problem(client.delete("/v1/instances/3", headers={"X-Instance-Token": "0" * 32}), 503)

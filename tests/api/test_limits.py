@@ -36,7 +36,7 @@ def small(shm_prefix: str, cache: Cache) -> Iterator[TestClient]:
 
 def too_large(response: httpx.Response) -> None:
     body = problem(response, 413)
-    assert body["code"] == "PayloadTooLarge" and str(LIMIT) in body["detail"]
+    assert body["code"] == "payload_too_large" and str(LIMIT) in body["detail"]
     assert response.headers["connection"] == "close"
 
 
@@ -149,7 +149,7 @@ def test_the_default_limit_serves_a_large_lookup(shm_prefix: str, cache: Cache) 
         assert r.status_code == 200
         r = client.post("/v1/lookup", params={"model_name": "m"}, content=b"\0" * (8 << 20 | 4),
                         headers={"content-type": OCTET_STREAM})
-        assert problem(r, 413)["code"] == "PayloadTooLarge"
+        assert problem(r, 413)["code"] == "payload_too_large"
 
 
 def test_every_operation_with_a_body_documents_413() -> None:

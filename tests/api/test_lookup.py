@@ -151,7 +151,7 @@ def test_malformed_json_and_missing_fields_are_422(client: TestClient) -> None:
 
 def test_other_content_types_are_415(client: TestClient) -> None:
     r = client.post("/v1/lookup", content=b"1 2 3", headers={"content-type": "text/plain"})
-    assert problem(r, 415)["code"] == "UnsupportedMediaType"
+    assert problem(r, 415)["code"] == "unsupported_media_type"
 
 
 def test_responses_follow_the_documented_model(client: TestClient, stored: tuple) -> None:
@@ -241,7 +241,7 @@ def test_fast_path_and_route_take_only_the_exact_bearer_form(auth_client: TestCl
 def test_query_parameters_are_checked_for_json_bodies_too(client: TestClient) -> None:
     r = client.post("/v1/lookup", params={"world_size": 0},
                     json={"model_name": "m", "token_ids": [1, 2, 3]})
-    assert problem(r, 422)["code"] == "RequestValidationError"
+    assert problem(r, 422)["code"] == "invalid_request"
 
 
 def test_store_errors_in_the_fast_path_are_problems(client: TestClient,
@@ -252,7 +252,7 @@ def test_store_errors_in_the_fast_path_are_problems(client: TestClient,
     monkeypatch.setattr(lookups, "lookup", busy)
     r = binary(client, np.arange(3, dtype=np.uint32))
     body = problem(r, 503)
-    assert body["code"] == "Busy" and body["instance"] == "/v1/lookup"
+    assert body["code"] == "busy" and body["instance"] == "/v1/lookup"
 
 
 def test_covered_tokens_counts_overlaps_once() -> None:
@@ -309,7 +309,7 @@ def test_refused_names_and_salts_are_422_and_harm_nothing(auth_client: TestClien
                                                          binary_body: bool) -> None:
     for _ in range(2):  # the same bad request again answers the same
         body = problem(bad_lookup(auth_client, field, value, binary_body), 422)
-        assert body["code"] == "InvalidInput" and field in body["detail"]
+        assert body["code"] == "invalid_input" and field in body["detail"]
     still_serves(auth_client, stored[0])
 
 

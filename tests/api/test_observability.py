@@ -1,12 +1,19 @@
-"""``/metrics`` and ``/v1/events``: read from shared memory, so every worker reports the same."""
+"""``/metrics`` and ``/v1/events``: read from shared memory, so every worker reports the same.
+``X-Request-ID`` on every answer and in the log; ``HEAD`` wherever ``GET`` is served."""
 
 from __future__ import annotations
 
+import logging
+import re
+
+import httpx
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvblend.api.app import create_app
+from kvblend.api.requestid import MAX_LENGTH
 from kvblend.shm.events import EventLog
 from kvblend.shm.hashing import Namespace
 from kvblend.shm.telemetry import StoreError
@@ -152,3 +159,99 @@ def test_error_texts_are_redacted_too(shm_prefix: str, cache: Cache) -> None:
             return got["events"][-1]["error"]
         assert error_seen(TOKEN) is None
         assert "tenant-secret" in str(error_seen(ADMIN))
+
+
+# -- X-Request-ID: on every answer, the caller's when fit, else fresh -----------------------------
+
+FIT_IDS = ["r", "req-7", "a b", "~" * MAX_LENGTH, "0123abcd-ef45-6789-abcd-ef0123456789"]
+UNFIT_IDS = [b"", b" leading", b"trailing ", b"x" * (MAX_LENGTH + 1), b"tab\there", b"nul\x00",
+             b"caf\xc3\xa9", b"\xff"]
+
+
+def every_kind_of_answer(client: TestClient, headers: list[tuple[bytes, bytes]]
+                         ) -> list[httpx.Response]:
+    """A 200 of a route and of the lookup fast path, a 404, a 405, a 413, a 422, a 503, a HEAD."""
+    lookup_body = {"model_name": "m", "token_ids": [1, 2, 3]}
+    return [client.get("/healthz", headers=headers),
+            client.post("/v1/lookup", json=lookup_body, headers=headers),
+            client.get("/v1/nothing", headers=headers),
+            client.put("/v1/status", headers=headers),
+            client.post("/v1/lookup", content=b"0" * (64 * 1024 + 1), headers=headers),
+            client.post("/v1/lookup", json={"token_ids": [-1]}, headers=headers),
+            client.get("/readyz", headers=headers),
+            client.head("/metrics", headers=headers)]
+
+
+@pytest.mark.parametrize("rid", FIT_IDS)
+def test_a_fit_request_id_comes_back_on_every_answer(shm_prefix: str, cache: Cache,
+                                                     rid: str) -> None:
+    with serving(shm_prefix, max_request_kb=64) as client:
+        answers = every_kind_of_answer(client, [(b"x-request-id", rid.encode())])
+        assert [r.headers.get_list("x-request-id") for r in answers] == [[rid]] * len(answers)
+        assert {r.status_code for r in answers} == {200, 404, 405, 413, 422, 503}
+
+
+@pytest.mark.parametrize("raw", [[], *([v] for v in UNFIT_IDS), [b"a", b"b"]],
+                         ids=lambda raw: repr(raw)[:20])
+def test_an_absent_or_unfit_request_id_is_replaced(shm_prefix: str, cache: Cache,
+                                                   raw: list[bytes]) -> None:
+    with serving(shm_prefix, max_request_kb=64) as client:
+        answers = every_kind_of_answer(client, [(b"x-request-id", v) for v in raw])
+        given = [r.headers.get_list("x-request-id") for r in answers]
+        assert all(len(ids) == 1 and re.fullmatch("[0-9a-f]{32}", ids[0]) for ids in given), given
+        assert len({ids[0] for ids in given}) == len(answers)  # one fresh id per request
+
+
+def test_the_events_and_the_answer_name_the_same_id(client: TestClient) -> None:
+    r = client.post("/v1/lookup", json={"model_name": "m", "token_ids": [1, 2]},
+                    headers={"x-request-id": "x" * (MAX_LENGTH + 1)})
+    start, end = client.get("/v1/events", params={"limit": 2}).json()["events"]
+    assert start["request_id"] == end["request_id"] == r.headers["x-request-id"]
+
+
+def test_the_log_line_of_a_failed_request_names_its_id(shm_prefix: str, cache: Cache,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    with serving(shm_prefix) as client:
+
+        @client.app.get("/test-bug")  # type: ignore[attr-defined]
+        def bug() -> None:
+            raise RuntimeError("a bug")
+
+        with caplog.at_level(logging.ERROR, logger="kvblend.api"):
+            given = client.get("/test-bug", headers={"x-request-id": "req-42"})
+            fresh = client.get("/test-bug")
+    assert problem(given, 500)["code"] == "internal_error"
+    assert given.headers["x-request-id"] == "req-42"
+    lines = [(r.getMessage(), getattr(r, "request_id", None)) for r in caplog.records
+             if r.name == "kvblend.api"]
+    rid = fresh.headers["x-request-id"]
+    assert lines == [("GET /test-bug failed (request id req-42)", "req-42"),
+                     (f"GET /test-bug failed (request id {rid})", rid)]
+
+
+# -- HEAD wherever GET is served ------------------------------------------------------------------
+
+def get_paths(client: TestClient) -> list[str]:
+    """Every path the app serves GET at: the documented operations and the API's docs pages."""
+    paths = [p.replace("{instance_id}", "1") for p, item in
+             client.get("/openapi.json").json()["paths"].items() if "get" in item]
+    return [*paths, "/docs", "/redoc", "/openapi.json", "/docs/assets/swagger-ui.css"]
+
+
+def test_head_answers_as_get_does_without_a_body(client: TestClient) -> None:
+    paths = get_paths(client)
+    assert {"/healthz", "/readyz", "/metrics", "/v1/status", "/v1/events"} <= set(paths)
+    for path in paths:
+        got, head = client.get(path), client.head(path)
+        assert head.status_code == got.status_code, path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        assert head.content == b"", path
+    allow = client.put("/metrics").headers["allow"]
+    assert allow == "GET, HEAD"
+
+
+def test_head_needs_the_token_where_get_does(auth_client: TestClient) -> None:
+    for path in ("/metrics", "/v1/status", "/v1/events", "/v1/instances"):
+        assert auth_client.head(path).status_code == 401, path
+        assert auth_client.head(path, headers=bearer(TOKEN)).status_code in (200, 503), path
+    assert auth_client.head("/healthz").status_code == 200

@@ -46,14 +46,17 @@ def test_a_reply_brings_back_the_same_class(klass: type[dp.RemoteError]) -> None
 def test_http_keeps_the_status_and_the_client_raises_the_same_class(klass: type) -> None:
     status = api_errors.status_of(klass("why"))
     assert status == dp.HTTP_STATUS[klass]
-    assert type(dp.http_error(status, klass.__name__, "why")) is klass
+    code = api_errors.code_of(klass("why"))
+    assert code == dp.PROBLEM_CODE[klass]
+    assert type(dp.http_error(status, code, "why")) is klass
+    assert type(dp.http_error(status, klass.__name__, "why")) is klass  # an older service's code
 
 
 @pytest.mark.parametrize("klass", _tree(api_errors.ApiError)[1:], ids=lambda c: c.__name__)
 def test_every_api_error_has_a_status_the_client_understands(klass: type) -> None:
     status = api_errors.status_of(klass("why"))
     assert 400 <= status < 500
-    assert type(dp.http_error(status, klass.__name__, "why")) is not dp.RemoteError
+    assert type(dp.http_error(status, api_errors.code_of(klass("why")), "why")) is not dp.RemoteError
 
 
 @pytest.mark.parametrize("klass", _tree(shm.ShmError), ids=lambda c: c.__name__)
