@@ -26,7 +26,7 @@ import httpx
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from kvblend.api.settings import ENV_ONLY, Settings
+from kvblend.api.settings import ENV_ONLY, MissingRemoteKey, Settings
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.version import kvblend_version
 
@@ -36,8 +36,9 @@ TOKEN_SOURCES = {"api_token": ("--api-token", "KVBLEND_API_TOKEN"),
                  "admin_token": ("--admin-token", "KVBLEND_ADMIN_TOKEN")}
 SERVE_EPILOG = ("Every flag is also an environment variable KVBLEND_<FLAG> (--storage-mb: "
                 "KVBLEND_STORAGE_MB, --wipe: KVBLEND_WIPE=true); a flag wins over its variable. "
-                "The remote tier's credentials are variables only: KVBLEND_REMOTE_USERNAME, "
-                "KVBLEND_REMOTE_PASSWORD.")
+                "The remote tier's credentials and key are variables only: "
+                "KVBLEND_REMOTE_USERNAME, KVBLEND_REMOTE_PASSWORD, KVBLEND_REMOTE_KEY (or "
+                "KVBLEND_REMOTE_KEY_FILE).")
 
 
 def _add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -123,6 +124,8 @@ def _main(argv: list[str] | None) -> int:
     remove_buffers = args.pop("remove_engine_buffers", False)
     try:
         settings = Settings(**args)
+        if command == "serve":
+            settings.dataplane_settings()  # the remote key, which the API workers are not given
     except ValidationError as exc:
         for err in exc.errors():
             name = "_".join(map(str, err["loc"]))
@@ -130,6 +133,9 @@ def _main(argv: list[str] | None) -> int:
             where = ("--" + name.replace("_", "-") if name in args else
                      f"KVBLEND_{name.upper()}" if name else "")
             print(f"kvblend: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
+        return 2
+    except MissingRemoteKey as exc:
+        print(f"kvblend: {exc}", file=sys.stderr)
         return 2
     if command == "serve":
         return _serve(settings)

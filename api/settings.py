@@ -2,9 +2,10 @@
 
 Every field is also an environment variable ``KVBLEND_<NAME>`` (``KVBLEND_STORAGE_MB=4096``); a
 command-line flag wins over the environment, the environment over the default. The remote tier's
-credentials (``ENV_ONLY``) are variables only: a command line is visible to every user of the host.
-The tokens may also come from files (``FILE_SECRETS``): ``KVBLEND_API_TOKEN_FILE=/run/secrets/x``
-(Docker and compose secrets), used where neither the flag nor the variable gives one.
+credentials and key (``ENV_ONLY``) are variables only: a command line is visible to every user of
+the host. The tokens and the remote key may also come from files (``FILE_SECRETS``):
+``KVBLEND_API_TOKEN_FILE=/run/secrets/x`` (Docker and compose secrets), used where neither the flag
+nor the variable gives one.
 
 Each child gets its own part, built here: the API workers these settings as ``KVBLEND_*``
 variables (``to_env``, without the remote credentials); the data plane one
@@ -28,14 +29,14 @@ from kvblend.dataplane.logs import LogFormat, LogLevel
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.dataplane.settings import DataPlaneSettings as DP
 from kvblend.dataplane.settings import RemoteSettings as Remote
-from kvblend.dataplane.settings import bounds, power_of_two
+from kvblend.dataplane.settings import MIN_REMOTE_KEY, bounds, power_of_two
 
 MIB = 1 << 20
 MAX_PAGE_BYTES = 256 * MIB
 #: settings read from the environment only, never a flag, and handed to the data plane only
-ENV_ONLY = ("remote_username", "remote_password")
+ENV_ONLY = ("remote_username", "remote_password", "remote_key")
 #: settings that ``KVBLEND_<NAME>_FILE`` may name a file for: the file's content is the value
-FILE_SECRETS = ("api_token", "admin_token")
+FILE_SECRETS = ("api_token", "admin_token", "remote_key")
 #: the data plane's logging level for each of uvicorn's
 DP_LOG_LEVEL = {"trace": "DEBUG"}
 
@@ -100,7 +101,8 @@ class Settings(BaseSettings):
     remote: RemoteURL | None = Field(None, description=(
         "a second tier on Redis/Valkey that stored chunks are also written to: redis://host:port, "
         "rediss:// for TLS, redis+cluster://h1:p1,h2:p2 for a cluster; empty: none. Credentials "
-        "come from KVBLEND_REMOTE_USERNAME and KVBLEND_REMOTE_PASSWORD, never from the URL"))
+        "come from KVBLEND_REMOTE_USERNAME and KVBLEND_REMOTE_PASSWORD, never from the URL; the "
+        "key that signs its values from KVBLEND_REMOTE_KEY or KVBLEND_REMOTE_KEY_FILE"))
     remote_ttl_s: float = Field(**bounds(Remote, "ttl_s"), description=(
         "seconds a chunk lives in the remote tier (its own maxmemory-policy may evict sooner)"))
     remote_timeout_s: float = Field(**bounds(Remote, "timeout_s"), description=(
@@ -122,6 +124,11 @@ class Settings(BaseSettings):
         "gets it"))
     remote_password: SecretStr | None = Field(None, description=(
         "the remote tier's password; KVBLEND_REMOTE_PASSWORD only, and only the data plane "
+        "gets it"))
+    remote_key: SecretStr | None = Field(None, description=(
+        "the key every host sharing the remote tier signs and checks its values with "
+        f"(HMAC-SHA256, at least {MIN_REMOTE_KEY} bytes: openssl rand -hex 32); needed with "
+        "--remote; KVBLEND_REMOTE_KEY or KVBLEND_REMOTE_KEY_FILE only, and only the data plane "
         "gets it"))
     dp_first_mib: float = Field(**bounds(DP, "first_mib"), description=(
         "MiB of a data-plane call's first batch, whose copies start while the rest is reserved "
@@ -152,10 +159,18 @@ class Settings(BaseSettings):
         return power_of_two(value)
 
     @field_validator("api_token", "admin_token", "remote_username", "remote_password",
-                     mode="before")
+                     "remote_key", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value in ("", b"") else value
+
+    @field_validator("remote_key")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_REMOTE_KEY:
+            raise ValueError(f"the remote key must have at least {MIN_REMOTE_KEY} characters "
+                             "(openssl rand -hex 32)")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -179,7 +194,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _dataplane_takes_them(self) -> "Settings":
         try:
-            self.dataplane_settings()
+            # the API workers are not given the remote key: its presence is checked where the
+            # data plane's settings are made (dataplane_settings), its bounds here
+            self._dataplane(_clear(self.remote_key) or "-" * MIN_REMOTE_KEY)
         except msgspec.ValidationError as exc:
             raise ValueError(f"the data plane's settings: {exc}") from None
         return self
@@ -217,8 +234,18 @@ class Settings(BaseSettings):
         """The data plane's settings (``dataplane.settings``), every bound checked.
 
         Raises:
+            MissingRemoteKey: a remote tier without a key (``KVBLEND_REMOTE_KEY``).
             msgspec.ValidationError: the data plane would refuse one; the message names it.
         """
+        if self.remote is not None and self.remote_key is None:
+            raise MissingRemoteKey(
+                "--remote needs a key that every host sharing the remote tier signs its values "
+                "with, so that a value written by anyone without it is never served: set "
+                "KVBLEND_REMOTE_KEY (or KVBLEND_REMOTE_KEY_FILE) to the same secret on every "
+                f"host, at least {MIN_REMOTE_KEY} bytes (openssl rand -hex 32)")
+        return self._dataplane(_clear(self.remote_key) or "")
+
+    def _dataplane(self, remote_key: str) -> DP:
         remote = None
         if self.remote is not None:
             remote = Remote(url=self.remote, ttl_s=self.remote_ttl_s,
@@ -226,7 +253,7 @@ class Settings(BaseSettings):
                             capacity=self.remote_capacity, streams=self.remote_streams,
                             stream_len=self.remote_stream_len,
                             username=_clear(self.remote_username),
-                            password=_clear(self.remote_password))
+                            password=_clear(self.remote_password), key=remote_key)
         return DP.build(shm_prefix=self.shm_prefix, backend=self.backend,
                         socket=self.dataplane_socket,
                         log_level=DP_LOG_LEVEL.get(self.log_level, self.log_level.upper()),
@@ -245,6 +272,10 @@ class Settings(BaseSettings):
         from kvblend import dataplane
 
         return str(dataplane.default_address(self.shm_prefix))
+
+
+class MissingRemoteKey(ValueError):
+    """A remote tier is configured without the key of its values' digest."""
 
 
 def _read_secret(variable: str, path: str) -> str:

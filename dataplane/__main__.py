@@ -136,12 +136,13 @@ class Remote:
         misses until it answers) and start the write-behind and discovery threads."""
         from kvblend.dataplane.discovery import Discovery
         from kvblend.dataplane.promote import Promoter
-        from kvblend.dataplane.remote import RemoteTier
+        from kvblend.dataplane.remote import RemoteKey, RemoteTier
         from kvblend.dataplane.writebehind import WriteBehind
         from kvblend.shm.remotes import RemoteChunks
 
         tier = RemoteTier(settings.url, settings.username, settings.password, settings.timeout_s,
-                          settings.ttl_s, stream_len=settings.stream_len)
+                          settings.ttl_s, stream_len=settings.stream_len,
+                          key=RemoteKey(settings.key))
         remotes = RemoteChunks.open(prefix, settings.capacity)
         log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
                  settings.url)

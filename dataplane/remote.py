@@ -42,10 +42,10 @@ import numpy as np
 
 from kvblend.dataplane.redis_wire import BadReply, ReadAt, direct_reads, range_reader
 from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MAGIC, ORIGINS,
-                                            STREAM, ChunkId, Fetched, Miss, Record, check_head,
-                                            decode, encode, hash_head, parse_record)
+                                            STREAM, ChunkId, Fetched, Miss, Record, RemoteKey,
+                                            check_head, decode, digest_matches, encode,
+                                            hash_head, parse_record)
 from kvblend.dataplane.remoteurl import RemoteURL
-from kvblend.shm.hashing import DIGEST_BYTES
 
 
 class Breaker:
@@ -129,12 +129,14 @@ class RemoteTier:
         stream_len: about how many records the stream keeps (``XADD MAXLEN ~``).
         block_s: the longest a ``records`` call waits for a record (its connection's timeout is
             this plus ``timeout_s``).
+        key: the shared key of the value digest (``remoteformat.RemoteKey``): values are
+            written under it (``encode(..., key=tier.key)``) and a read checks it.
     """
 
     def __init__(self, url: RemoteURL | str, username: str | None = None,
                  password: str | None = None, timeout_s: float = 0.5, ttl_s: float = 86400.0,
                  breaker: Breaker | None = None, stream_len: int = 1 << 17,
-                 block_s: float = 1.0) -> None:
+                 block_s: float = 1.0, *, key: RemoteKey) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
@@ -147,6 +149,7 @@ class RemoteTier:
         if stream_len < 1 or block_s <= 0:
             raise ValueError("stream_len must be >= 1 and block_s > 0")
         self.ttl_ms = int(ttl_s * 1000)
+        self.key = key
         self.stream_len, self.block_s = stream_len, block_s
         self.breaker = breaker or Breaker()
         # no retries of our own: a call takes one timeout at most, and the breaker decides
@@ -224,7 +227,7 @@ class RemoteTier:
         value = self._call(lambda: self._client_of("main").get(chunk.key))
         if value is _FAILED:
             return Miss.UNAVAILABLE
-        return decode(value, chunk, tokens)
+        return decode(value, chunk, tokens, key=self.key)
 
     def get_into(self, chunk: ChunkId, tokens: np.ndarray, dest: np.ndarray, streams: int = 1
                  ) -> Fetched | Miss:
@@ -265,10 +268,10 @@ class RemoteTier:
         if isinstance(head, Miss):
             return head
         pos0, origin, digest = head
-        h = hash_head(value_head)
+        h = hash_head(value_head, self.key)
         if not self._read_kv(chunk, dest, streams, h):
             return Miss.TRUNCATED
-        if h.digest()[:DIGEST_BYTES] != digest or origin not in ORIGINS:
+        if not digest_matches(h.digest(), digest) or origin not in ORIGINS:
             return Miss.CORRUPT
         return Fetched(dest, pos0, origin)
 
@@ -340,6 +343,7 @@ class RemoteTier:
 
 _FAILED = object()
 
-__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "encode", "decode",
+__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "RemoteKey", "encode",
+           "decode",
            "parse_record", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM",
            "MAX_STREAMS", "MIN_PIECE_BYTES"]

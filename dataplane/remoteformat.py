@@ -14,7 +14,7 @@ Value of a chunk (little-endian)::
 
     offset    bytes   field
     0         8       MAGIC    b"kvblendC"
-    8         2       FORMAT   1
+    8         2       FORMAT   2 (1: the digest was unkeyed; such a value is a FORMAT miss)
     10        2       DTYPE    ``shm.layout.DType`` code
     12        4       LAYERS   L
     16        4       CHUNK    C, tokens per chunk
@@ -24,8 +24,8 @@ Value of a chunk (little-endian)::
     32        8       POS0     the position of the chunk's first token when its KV was computed
     40        16      ROOT     the namespace root
     56        16      KEY      the chunk hash
-    72        16      DIGEST   SHA-256 of every other byte of the value ([0, 72) and [88, end)),
-                               its first 16 bytes
+    72        16      DIGEST   HMAC-SHA256 under the shared key of every other byte of the
+                               value ([0, 72) and [88, end)), its first 16 bytes
     88        4 C     TOKENS   uint32 token ids
     ...               zero padding to KV_AT = round_up(88 + 4 C, 64)
     KV_AT     2 L C D itemsize   KV, [2, L, C, D] of DTYPE (the slab's canonical layout)
@@ -34,17 +34,25 @@ A read checks, in order: the length against the header's geometry, MAGIC and FOR
 root, rank and layout the caller expects, the token ids the caller expects, then the digest. The
 first failure names the miss (``Miss``); a value that passes every check is returned.
 
+The digest is keyed (``RemoteKey``: a secret every host of a deployment shares, from
+``KVBLEND_REMOTE_KEY``), so that a value written by anyone without the key, however well formed,
+fails it (CORRUPT) and is never served: write access to the remote store is not enough to put
+bytes into an engine. A value written under another key is the same miss.
+
 Record of a chunk, for discovery: the first ``88 + 4 C`` bytes of its value (header and token ids,
 no KV), added to the stream ``kvblend:1:fp`` (field ``v``) beside its expiry in Unix milliseconds
 (field ``x``) right after the value is written. The stream is capped (``XADD MAXLEN ~``), so it
 holds the newest records; a host that tails it learns which chunks exist and where their KV was
 computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
-been evicted since, and the read that follows checks the value as above.
+been evicted since, and the read that follows checks the value as above. A record carries no
+digest of its own (the value's digest covers KV it does not hold): a forged one costs a reader a
+miss, never wrong bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from enum import Enum
@@ -52,12 +60,13 @@ from typing import Any
 
 import numpy as np
 
+from kvblend.dataplane.settings import MIN_REMOTE_KEY as MIN_KEY_BYTES
 from kvblend.shm.hashing import DIGEST_BYTES
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import DType
 
 MAGIC = b"kvblendC"
-FORMAT = 1
+FORMAT = 2
 _HEAD = struct.Struct("<8sHHIIIIIq16s16s16s")
 HEADER_BYTES = _HEAD.size  # 88
 _DIGEST_AT = 72
@@ -66,6 +75,35 @@ KEY_PREFIX = "kvblend:1:"
 STREAM = "kvblend:1:fp"  # the records of every chunk written (module docstring)
 MAX_LAYERS, MAX_CHUNK, MAX_HIDDEN, MAX_RANK = 1 << 12, 1 << 16, 1 << 20, 1 << 10
 ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
+
+
+class RemoteKey:
+    """The shared secret of the value digest (module docstring): HMAC-SHA256 under it.
+
+    The key is not in the repr, so a logged tier or settings object does not show it.
+
+    Args:
+        secret: at least MIN_KEY_BYTES bytes (a ``str`` is taken as its UTF-8 bytes).
+
+    Raises:
+        ValueError: the secret is shorter than MIN_KEY_BYTES.
+    """
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes | str) -> None:
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(raw) < MIN_KEY_BYTES:
+            raise ValueError(f"the remote key must have at least {MIN_KEY_BYTES} bytes, got "
+                             f"{len(raw)} (make one with `openssl rand -hex 32`)")
+        self._secret = raw
+
+    def __repr__(self) -> str:
+        return "RemoteKey(***)"
+
+    def hasher(self) -> Any:
+        """A fresh HMAC-SHA256 under the key (``update``, ``digest``)."""
+        return hmac.new(self._secret, digestmod=hashlib.sha256)
 
 
 class Miss(Enum):
@@ -124,10 +162,12 @@ class ChunkId:
         return self.kv_at + self.kv_bytes
 
 
-def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) -> memoryview:
+def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int, *,
+           key: RemoteKey) -> memoryview:
     """The value of ``chunk``: its header, ``tokens`` (``chunk_size`` ids) and ``kv`` (any buffer
-    of ``kv_bytes`` bytes, ``[2, L, C, D]``), as a read-only view of the one buffer it was built
-    in (redis-py sends a memoryview as it is: no copy of a value of megabytes).
+    of ``kv_bytes`` bytes, ``[2, L, C, D]``), digested under ``key``, as a read-only view of the
+    one buffer it was built in (redis-py sends a memoryview as it is: no copy of a value of
+    megabytes).
 
     Raises:
         ValueError: the tokens or the KV do not fit the chunk's layout, the KV is not contiguous,
@@ -150,7 +190,7 @@ def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int) 
                     bytes(DIGEST_BYTES))
     out[HEADER_BYTES:HEADER_BYTES + tokens.nbytes] = tokens.tobytes()
     out[chunk.kv_at:] = kv_view
-    out[_DIGEST_AT:HEADER_BYTES] = _digest(out)
+    out[_DIGEST_AT:HEADER_BYTES] = _digest(out, key)
     return memoryview(out).toreadonly()
 
 
@@ -164,16 +204,17 @@ class Fetched:
     origin: int
 
 
-def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
-    """``value`` checked against what the reader expects (module docstring); a ``Miss`` says
-    which check failed."""
+def decode(value: bytes | None, chunk: ChunkId, tokens: np.ndarray, *, key: RemoteKey
+           ) -> Fetched | Miss:
+    """``value`` checked against what the reader expects and its digest under ``key`` (module
+    docstring); a ``Miss`` says which check failed."""
     if value is None:
         return Miss.ABSENT
     head = check_head(value, len(value), chunk, tokens)
     if isinstance(head, Miss):
         return head
     pos0, origin, digest = head
-    if _digest(value) != digest or origin not in ORIGINS:
+    if not digest_matches(_digest(value, key), digest) or origin not in ORIGINS:
         return Miss.CORRUPT
     return Fetched(memoryview(value)[chunk.kv_at:], pos0, origin)
 
@@ -241,23 +282,31 @@ def parse_record(head: bytes, expires: bytes | str) -> Record | None:
     return Record(chunk, tokens, pos0, origin, expires_ms)
 
 
-def _digest(value: bytes | bytearray) -> bytes:
-    """SHA-256 rather than BLAKE2b: CPUs hash it in hardware, 1.65 GB/s against 0.63 on the
-    2-core VM (32 MiB), and a fetch checks every byte it reads. Unkeyed, it catches corruption
-    and truncation, not a forger with write access to the remote (that needs a shared key)."""
-    return hash_head(value).digest()[:DIGEST_BYTES]
+def _digest(value: bytes | bytearray, key: RemoteKey) -> bytes:
+    """HMAC-SHA256 rather than keyed BLAKE2b: CPUs hash SHA-256 in hardware, and HMAC adds two
+    blocks per value; 1.81 GB/s against 0.95 on the 2-core VM (32 MiB, ``benchmarks/
+    remote_digest.py``), and a fetch checks every byte it reads. Keyed, it catches a forger with
+    write access to the remote as well as corruption and truncation."""
+    return hash_head(value, key).digest()[:DIGEST_BYTES]
 
 
-def hash_head(head: bytes | bytearray) -> Any:
-    """SHA-256 begun over the first bytes of a value, less the digest field; a reader of the KV
-    apart goes on with ``update``."""
-    h = hashlib.sha256()
+def digest_matches(got: bytes, want: bytes) -> bool:
+    """Whether a digest computed (its first DIGEST_BYTES) equals the one a value carries, in
+    constant time (a forger learns nothing from how long a check took)."""
+    return hmac.compare_digest(got[:DIGEST_BYTES], want)
+
+
+def hash_head(head: bytes | bytearray, key: RemoteKey) -> Any:
+    """HMAC-SHA256 under ``key`` begun over the first bytes of a value, less the digest field; a
+    reader of the KV apart goes on with ``update``."""
+    h = key.hasher()
     view = memoryview(head)
     h.update(view[:_DIGEST_AT])
     h.update(view[HEADER_BYTES:])
     return h
 
 
-__all__ = ["ChunkId", "Fetched", "Miss", "Record", "encode", "decode", "check_head", "hash_head",
-           "parse_record", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM", "ORIGINS",
-           "MAX_LAYERS", "MAX_CHUNK", "MAX_HIDDEN", "MAX_RANK"]
+__all__ = ["ChunkId", "Fetched", "Miss", "Record", "RemoteKey", "encode", "decode", "check_head",
+           "hash_head", "digest_matches", "parse_record", "MIN_KEY_BYTES", "MAGIC", "FORMAT",
+           "HEADER_BYTES", "KEY_PREFIX", "STREAM", "ORIGINS", "MAX_LAYERS", "MAX_CHUNK",
+           "MAX_HIDDEN", "MAX_RANK"]

@@ -35,7 +35,9 @@ PREFIX_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 #: a Unix socket path fits ``sockaddr_un.sun_path`` (108 bytes with its NUL)
 SOCKET_MAX = 107
 #: the secret fields of ``RemoteSettings``: never shown in a repr
-SECRETS = ("username", "password")
+SECRETS = ("username", "password", "key")
+#: the shortest remote key taken, in bytes (``dataplane.remoteformat.RemoteKey``)
+MIN_REMOTE_KEY = 16
 
 
 def power_of_two(value: int) -> int:
@@ -62,6 +64,9 @@ class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         stream_len: about how many records the remote tier's record stream keeps.
         username, password: the remote's credentials (the service reads them from
             ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only); not in the repr.
+        key: the shared key of the values' digest (``dataplane.remoteformat.RemoteKey``), from
+            ``KVBLEND_REMOTE_KEY`` or ``KVBLEND_REMOTE_KEY_FILE`` only; not in the repr. Required:
+            a remote tier never runs with a digest a writer without the key could forge.
     """
 
     url: RemoteURL
@@ -73,6 +78,7 @@ class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stream_len: Annotated[int, Meta(ge=1024, le=1 << 26)] = 1 << 17
     username: str | None = None
     password: str | None = None
+    key: Annotated[str, Meta(min_length=MIN_REMOTE_KEY)]
 
     def __post_init__(self) -> None:
         power_of_two(self.capacity)
@@ -166,4 +172,5 @@ def bounds(struct: type[msgspec.Struct], name: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ENV", "DataPlaneSettings", "RemoteSettings", "bounds", "power_of_two"]
+__all__ = ["ENV", "MIN_REMOTE_KEY", "DataPlaneSettings", "RemoteSettings", "bounds",
+           "power_of_two"]

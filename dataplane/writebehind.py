@@ -133,7 +133,7 @@ class WriteBehind:
             if checked[0] != VERIFIED or origin not in (ORIGIN_STANDALONE, ORIGIN_FINAL):
                 return "skipped"
             value = encode(item.chunk, item.tokens, self._store.slot_kv(int(slots[0])), pos0,
-                           origin)
+                           origin, key=self._tier.key)
         finally:
             self._store.unpin_slots(slots)
         return "written" if self._tier.put(item.chunk, value) else "failed"
