@@ -8,7 +8,7 @@ them all back:
 
 - *plain GET*: one redis-py client, one GET after another, the bytes only;
 - *get, N threads*: ``RemoteTier.get`` (GET, then every check of ``decode``: header, tokens,
-  SHA-256 over the whole value) from N threads sharing the tier's connection pool;
+  HMAC-SHA256 over the whole value) from N threads sharing the tier's connection pool;
 - *get_into, N streams*: ``RemoteTier.get_into``, one chunk after another, each read in N pieces at
   once into one preallocated numpy buffer (and checked as ``get`` does);
 - *get_into, 8 chunks at once*: 8 threads, each ``get_into`` with one stream into a preallocated
@@ -36,7 +36,7 @@ from kvblend.dataplane.remote import ChunkId, Fetched, RemoteTier, encode  # noq
 from kvblend.shm.hashing import Namespace, chunk_hashes  # noqa: E402
 from kvblend.shm.header import ORIGIN_STANDALONE  # noqa: E402
 from kvblend.shm.layout import DType  # noqa: E402
-from tests.remote.conftest import ClusterProcs, started  # noqa: E402
+from tests.remote.conftest import KEY, ClusterProcs, started  # noqa: E402
 
 C = 256
 SIZES = {"2 MiB": (8, 256), "32 MiB": (32, 1024)}  # KV bytes of a chunk -> (layers, hidden), bf16
@@ -54,7 +54,7 @@ def chunks(n: int, layers: int, hidden: int) -> list[Item]:
     for i, h in enumerate(chunk_hashes(ns, tokens, C)):
         cid = ChunkId(ns.root, h, 0, DType.BFLOAT16, layers, C, hidden)
         row = tokens[i * C:(i + 1) * C]
-        out.append((cid, row, encode(cid, row, kv, i * C, ORIGIN_STANDALONE)))
+        out.append((cid, row, encode(cid, row, kv, i * C, ORIGIN_STANDALONE, key=KEY)))
     return out
 
 
@@ -69,7 +69,7 @@ def run(name: str, url: str, plain: redis.Redis | redis.RedisCluster, args: argp
     for size, (layers, hidden) in SIZES.items():
         items = chunks(args.chunks, layers, hidden)
         kv_bytes = sum(c.kv_bytes for c, _, _ in items)
-        with RemoteTier(url, timeout_s=30) as tier:
+        with RemoteTier(url, key=KEY, timeout_s=30) as tier:
             for cid, _, value in items:
                 assert tier.put(cid, value)
 

@@ -57,7 +57,7 @@ from kvblend.shm.hashing import Namespace  # noqa: E402
 from kvblend.shm.header import ORIGIN_STANDALONE  # noqa: E402
 from kvblend.shm.layout import DType  # noqa: E402
 from tests.harness import Service, poll, remove_prefix, unique_prefix  # noqa: E402
-from tests.remote.conftest import ClusterProcs, RedisProc, started  # noqa: E402
+from tests.remote.conftest import KEY, KEY_TEXT, ClusterProcs, RedisProc, started  # noqa: E402
 
 C = 256
 MODEL = "bench-share"
@@ -113,7 +113,8 @@ class Host:
         self.service: Service | None = None
         self.client: BlendClient | None = None
         try:
-            self.service = Service(self.prefix, "--remote", remote, "--storage-mb", str(storage_mb))
+            self.service = Service(self.prefix, "--remote", remote, "--storage-mb", str(storage_mb),
+                                   env={"KVBLEND_REMOTE_KEY": KEY_TEXT})
             self.client = BlendClient(self.service.url)
             self.kv = self.client.cpu_kv_buffer(num_layers=geo.layers, num_tokens=buffer_chunks * C,
                                                 hidden_dim=geo.hidden, dtype=torch.bfloat16)
@@ -269,7 +270,7 @@ def reference(remote: Remote, geo: Geometry, n: int) -> dict[str, float]:
     tokens = np.arange(C, dtype=np.uint32)
     t0 = time.perf_counter()
     for _ in range(n):
-        value = encode(chunk, tokens, kv, 0, ORIGIN_STANDALONE)
+        value = encode(chunk, tokens, kv, 0, ORIGIN_STANDALONE, key=KEY)
     encode_s = (time.perf_counter() - t0) / n
     keys = [f"bench:set:{i}" for i in range(n)]
     t0 = time.perf_counter()

@@ -126,14 +126,14 @@ def children_of(pid: int) -> list[int]:
 
 def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -> None:
     """The data plane's environment holds its whole settings in one variable (the remote tier's
-    credential inside) and no other ``KVBLEND_*`` one: no API or admin token. The API workers'
-    holds the service's settings but no remote-tier credential. Neither command line holds a
+    credential and key inside) and no other ``KVBLEND_*`` one: no API or admin token. The API
+    workers' holds the service's settings but no remote-tier credential or key. Neither command line holds a
     setting or a secret."""
-    token, admin, password = "t" * 32, "a" * 32, "remote-secret-1"
+    token, admin, password, key = "t" * 32, "a" * 32, "remote-secret-1", "remote-key-" * 4
     remote = f"redis://127.0.0.1:{free_port()}"  # nobody answers: a remote that is down only misses
     svc = services.start("--remote", remote, token=token,
                          env={"KVBLEND_ADMIN_TOKEN": admin, "KVBLEND_REMOTE_PASSWORD": password,
-                              "KVBLEND_DP_FIRST_MIB": "8"})
+                              "KVBLEND_REMOTE_KEY": key, "KVBLEND_DP_FIRST_MIB": "8"})
     dataplane = svc.dataplane_pid()
     assert dataplane is not None
     api = [p for p in children_of(svc.proc.pid) if p != dataplane]
@@ -144,13 +144,13 @@ def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -
     settings = msgspec.json.decode(dp_env[ENV], type=DataPlaneSettings)
     assert settings.shm_prefix == services.prefix and settings.first_mib == 8.0
     assert settings.remote is not None and str(settings.remote.url) == remote
-    assert settings.remote.password == password
+    assert settings.remote.password == password and settings.remote.key == key
     assert api_env["KVBLEND_API_TOKEN"] == token and api_env["KVBLEND_ADMIN_TOKEN"] == admin
     assert api_env["KVBLEND_REMOTE"] == remote and ENV not in api_env
-    assert not any(password in value for value in api_env.values())
+    assert not any(s in value for value in api_env.values() for s in (password, key))
     assert command_line_of(dataplane)[1:] == ["-m", "kvblend.dataplane"]
     for pid in (dataplane, api[0], svc.proc.pid):
-        assert not any(s in arg for arg in command_line_of(pid) for s in (password, admin))
+        assert not any(s in arg for arg in command_line_of(pid) for s in (password, admin, key))
 
 
 #: a text record's line: UTC time, level, process[pid], logger, message

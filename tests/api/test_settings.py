@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from kvblend.api.settings import ENV_ONLY, Settings
+from kvblend.api.settings import ENV_ONLY, MissingRemoteKey, Settings
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "example.org"])
@@ -98,9 +99,29 @@ def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside:
     with pytest.raises(ValidationError) as refused:
         Settings(**{field: outside})
     assert [e["loc"] for e in refused.value.errors()] == [(field,)]
-    built = Settings(remote="redis://cache:6379", dp_staging_mib=0.5).dataplane_settings()
+    built = Settings(remote="redis://cache:6379", remote_key="k" * 16,
+                     dp_staging_mib=0.5).dataplane_settings()
     assert built.staging_mib == 0.5 and built.remote is not None
-    assert str(built.remote.url) == "redis://cache:6379"
+    assert str(built.remote.url) == "redis://cache:6379" and built.remote.key == "k" * 16
+
+
+def test_a_remote_needs_a_key_from_the_environment_or_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote without a key is refused where the data plane's settings are made (the API
+    workers, which never get the key, still take their settings); the key comes from
+    KVBLEND_REMOTE_KEY or the file KVBLEND_REMOTE_KEY_FILE names, and reaches the data plane
+    only."""
+    with pytest.raises(MissingRemoteKey, match="KVBLEND_REMOTE_KEY"):
+        Settings(remote="redis://cache:6379").dataplane_settings()
+    with pytest.raises(ValidationError, match="at least 16"):
+        Settings(remote="redis://cache:6379", remote_key="short")
+    (tmp_path / "key").write_text("f" * 64 + "\n")
+    monkeypatch.setenv("KVBLEND_REMOTE_KEY_FILE", str(tmp_path / "key"))
+    settings = Settings(remote="redis://cache:6379")
+    remote = settings.dataplane_settings().remote
+    assert remote is not None and remote.key == "f" * 64
+    assert not any("f" * 64 in v for v in settings.to_env().values())
+    assert "f" * 64 not in repr(settings) + repr(remote)
 
 
 @pytest.mark.slow
@@ -108,6 +129,7 @@ def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside:
     (["--max-connections", "1"], "--max-connections"),
     (["--remote", "redis://cache:6379", "--remote-capacity", "100"], "--remote-capacity"),
     (["--dp-first-mib", "-1"], "--dp-first-mib"),
+    (["--remote", "redis://cache:6379"], "KVBLEND_REMOTE_KEY"),
 ])
 def test_a_setting_the_data_plane_refuses_ends_serve_before_anything_starts(
         shm_prefix: str, flags: list[str], named: str) -> None:

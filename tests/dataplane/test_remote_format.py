@@ -6,13 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvblend.dataplane.remote import HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, decode, encode
+from kvblend.dataplane.remote import (HEADER_BYTES, Breaker, ChunkId, Fetched, Miss, RemoteKey,
+                                      decode, encode)
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import DType
 
 C, L, D = 16, 3, 8
+KEY = RemoteKey("remote-format-test-key")
 
 
 def chunk(salt: str = "", rank: int = 0) -> tuple[ChunkId, np.ndarray, np.ndarray]:
@@ -25,9 +27,9 @@ def chunk(salt: str = "", rank: int = 0) -> tuple[ChunkId, np.ndarray, np.ndarra
 
 def test_round_trip_is_byte_exact() -> None:
     cid, tokens, kv = chunk()
-    value = encode(cid, tokens, kv, pos0=7, origin=ORIGIN_FINAL)
+    value = encode(cid, tokens, kv, pos0=7, origin=ORIGIN_FINAL, key=KEY)
     assert len(value) == cid.value_bytes and cid.kv_at % 64 == 0 and cid.kv_at >= HEADER_BYTES
-    got = decode(value, cid, tokens)
+    got = decode(value, cid, tokens, key=KEY)
     assert isinstance(got, Fetched) and (got.pos0, got.origin) == (7, ORIGIN_FINAL)
     assert bytes(got.kv) == kv.tobytes()
     assert cid.key == f"kvblend:1:{cid.chunk_hash.hex()}:0"
@@ -55,10 +57,10 @@ def test_tenants_and_ranks_get_other_keys() -> None:
 ])
 def test_a_wrong_value_is_a_miss(how: str, miss: Miss) -> None:
     cid, tokens, kv = chunk()
-    value = bytearray(encode(cid, tokens, kv, pos0=0, origin=ORIGIN_STANDALONE))
+    value = bytearray(encode(cid, tokens, kv, pos0=0, origin=ORIGIN_STANDALONE, key=KEY))
     expect, want = cid, tokens
     if how == "absent":
-        assert decode(None, cid, tokens) is miss
+        assert decode(None, cid, tokens, key=KEY) is miss
         return
     if how == "short header":
         value = value[:40]
@@ -69,7 +71,7 @@ def test_a_wrong_value_is_a_miss(how: str, miss: Miss) -> None:
     elif how == "magic":
         value[0] ^= 1
     elif how == "format":
-        value[8] = 2
+        value[8] = 1  # format 1: its digest was unkeyed
     elif how == "other root":
         expect = chunk("other salt")[0]
         expect = ChunkId(expect.root, cid.chunk_hash, 0, cid.dtype, L, C, D)
@@ -85,19 +87,26 @@ def test_a_wrong_value_is_a_miss(how: str, miss: Miss) -> None:
         value[32] ^= 1
     elif how == "token in value":
         value[HEADER_BYTES] ^= 1
-    assert decode(bytes(value), expect, want) is miss
+    assert decode(bytes(value), expect, want, key=KEY) is miss
+
+
+def test_a_value_under_another_key_is_corrupt() -> None:
+    cid, tokens, kv = chunk()
+    value = encode(cid, tokens, kv, pos0=0, origin=ORIGIN_STANDALONE, key=KEY)
+    assert isinstance(decode(value, cid, tokens, key=KEY), Fetched)
+    assert decode(value, cid, tokens, key=RemoteKey("another-key-0123456")) is Miss.CORRUPT
 
 
 def test_encode_refuses_what_does_not_fit() -> None:
     cid, tokens, kv = chunk()
     with pytest.raises(ValueError, match="token ids"):
-        encode(cid, tokens[:-1], kv, 0, ORIGIN_STANDALONE)
+        encode(cid, tokens[:-1], kv, 0, ORIGIN_STANDALONE, key=KEY)
     with pytest.raises(ValueError, match="KV bytes"):
-        encode(cid, tokens, np.ascontiguousarray(kv[:, :, :-1]), 0, ORIGIN_STANDALONE)
+        encode(cid, tokens, np.ascontiguousarray(kv[:, :, :-1]), 0, ORIGIN_STANDALONE, key=KEY)
     with pytest.raises(ValueError, match="contiguous"):
-        encode(cid, tokens, kv[:, :, ::-1], 0, ORIGIN_STANDALONE)
+        encode(cid, tokens, kv[:, :, ::-1], 0, ORIGIN_STANDALONE, key=KEY)
     with pytest.raises(ValueError, match="origin"):
-        encode(cid, tokens, kv, 0, 0)  # ORIGIN_UNKNOWN: the store recorded none
+        encode(cid, tokens, kv, 0, 0, key=KEY)  # ORIGIN_UNKNOWN: the store recorded none
 
 
 def test_the_breaker_opens_after_failures_and_probes_once_after_cooldown() -> None:

@@ -18,7 +18,8 @@ from kvblend.dataplane.settings import ENV, DataPlaneSettings, RemoteSettings
 
 
 def test_the_settings_round_trip_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    remote = {"url": RemoteURL.parse("redis+cluster://a:7000,[::1]:7001"), "password": "pw"}
+    remote = {"url": RemoteURL.parse("redis+cluster://a:7000,[::1]:7001"), "password": "pw",
+              "key": "k3y-" * 8}
     sent = DataPlaneSettings.build(shm_prefix="p", first_mib=2, group_mib=0.5, remote=remote)
     env = sent.to_env()
     assert list(env) == [ENV]
@@ -28,7 +29,8 @@ def test_the_settings_round_trip_through_the_environment(monkeypatch: pytest.Mon
     assert tuning(got) == Tuning(first_bytes=2 << 20, group_bytes=1 << 19)
     assert got.instance_lease_s == 30.0 and got.backend == "auto"
     assert isinstance(got.remote, RemoteSettings) and got.remote.password == "pw"
-    assert "pw" not in repr(got)  # a secret stays out of logs and tracebacks
+    assert got.remote.key == "k3y-" * 8
+    assert "pw" not in repr(got) and "k3y" not in repr(got)  # secrets stay out of logs
 
 
 @pytest.mark.parametrize("fields,why", [
@@ -38,8 +40,13 @@ def test_the_settings_round_trip_through_the_environment(monkeypatch: pytest.Mon
     ({"shm_prefix": "p", "max_connections": 1}, "max_connections"),
     ({"shm_prefix": "p", "chunk_size": 16}, "chunk_size"),  # the index's header says it
     ({"shm_prefix": "p", "remote": {"url": {"cluster": False, "tls": False,
-                                            "nodes": [["h", 1]]}, "capacity": 100}},
+                                            "nodes": [["h", 1]]}, "capacity": 100,
+                                   "key": "k" * 16}},
      "power of two"),
+    ({"shm_prefix": "p", "remote": {"url": {"cluster": False, "tls": False,
+                                            "nodes": [["h", 1]]}}}, "key"),  # never unkeyed
+    ({"shm_prefix": "p", "remote": {"url": {"cluster": False, "tls": False,
+                                            "nodes": [["h", 1]]}, "key": "k" * 15}}, "key"),
 ])
 def test_a_missing_or_bad_value_is_refused_naming_it(fields: dict, why: str) -> None:
     with pytest.raises(msgspec.ValidationError, match=why):

@@ -29,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import key_slot
 from redis.retry import Retry
 
+from kvblend.dataplane.remoteformat import RemoteKey
 from tests.harness import HOST, PollTimeout, free_port, poll
 
 SLOTS = 16384
@@ -40,6 +41,9 @@ CLUSTER_TIMEOUT_S = 60.0
 #: 2 node timeouts after it was set), long enough that a loaded machine does not flap
 NODE_TIMEOUT_MS = 2000
 INSTALL_HINT = "install it with `apt-get install redis-server` (Debian/Ubuntu)"
+#: the key the tests' hosts and tiers share (``KVBLEND_REMOTE_KEY`` of a served host)
+KEY_TEXT = "kvblend-tests-remote-key-0123456789"
+KEY = RemoteKey(KEY_TEXT)
 
 class RedisStartError(RuntimeError):
     """A redis-server exited or did not answer PING in time; the message ends with its log."""

@@ -16,7 +16,7 @@ from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.messages import ChunkFailure
 from kvblend.dataplane.remote import STREAM
 from tests.harness import Service, free_port, poll, remove_prefix, unique_prefix
-from tests.remote.conftest import ClusterProcs, RedisProc
+from tests.remote.conftest import KEY_TEXT, ClusterProcs, RedisProc
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,8 @@ class Host:
 
     def __init__(self, remote: str, *flags: str) -> None:
         self.prefix = unique_prefix("kvbh")
-        self.service = Service(self.prefix, "--remote", remote, *flags)
+        self.service = Service(self.prefix, "--remote", remote, *flags,
+                               env={"KVBLEND_REMOTE_KEY": KEY_TEXT})
         self.client = BlendClient(self.service.url)
         self.kv = self.client.cpu_kv_buffer(num_layers=L, num_tokens=16 * C, hidden_dim=D,
                                             dtype=torch.bfloat16)

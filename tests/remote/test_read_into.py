@@ -24,7 +24,7 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.layout import DType
 from tests.harness import HOST, poll
-from tests.remote.conftest import ClusterProcs, RedisProc
+from tests.remote.conftest import KEY, ClusterProcs, RedisProc
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def assert_fetched(got: Fetched | Miss, dest: np.ndarray, kv: np.ndarray, pos0: 
 
 def put_all(tier: RemoteTier, items: list[tuple[ChunkId, np.ndarray, np.ndarray]]) -> None:
     for i, (cid, tokens, kv) in enumerate(items):
-        assert tier.put(cid, encode(cid, tokens, kv, 10 * i, ORIGIN_STANDALONE))
+        assert tier.put(cid, encode(cid, tokens, kv, 10 * i, ORIGIN_STANDALONE, key=KEY))
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -74,7 +74,7 @@ def put_all(tier: RemoteTier, items: list[tuple[ChunkId, np.ndarray, np.ndarray]
 @pytest.mark.parametrize("streams", STREAMS)
 def test_a_server_round_trip(redis_url: str, streams: int, layout: tuple[int, int]) -> None:
     items = chunks(3, layout)
-    with RemoteTier(redis_url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(redis_url, key=KEY, timeout_s=DEADLINE) as tier:
         put_all(tier, items)
         for i, (cid, tokens, kv) in enumerate(items):
             dest = buffer_for(cid)
@@ -86,7 +86,7 @@ def test_a_server_round_trip(redis_url: str, streams: int, layout: tuple[int, in
 def test_a_cluster_round_trip(redis_cluster: ClusterProcs, streams: int,
                               layout: tuple[int, int]) -> None:
     items = chunks(12, layout)
-    with RemoteTier(redis_cluster.cluster_url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(redis_cluster.cluster_url, key=KEY, timeout_s=DEADLINE) as tier:
         put_all(tier, items)
         for i, (cid, tokens, kv) in enumerate(items):
             dest = buffer_for(cid)
@@ -97,7 +97,7 @@ def test_a_cluster_round_trip(redis_cluster: ClusterProcs, streams: int,
 def test_a_slab_slot_shaped_destination(redis_url: str) -> None:
     (cid, tokens, kv), = chunks(1)
     slot = np.zeros((2, cid.num_layers, C, cid.hidden_dim), np.uint16)  # a slot's KV, bf16 bits
-    with RemoteTier(redis_url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(redis_url, key=KEY, timeout_s=DEADLINE) as tier:
         put_all(tier, [(cid, tokens, kv)])
         got = tier.get_into(cid, tokens, slot.view(np.uint8), streams=4)
     assert isinstance(got, Fetched) and np.array_equal(slot, kv)
@@ -108,7 +108,7 @@ def test_what_get_into_refuses_to_fill(redis_url: str) -> None:
     ok = buffer_for(cid)
     read_only = buffer_for(cid)
     read_only.flags.writeable = False
-    with RemoteTier(redis_url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(redis_url, key=KEY, timeout_s=DEADLINE) as tier:
         for dest in (ok[:-1], np.zeros(cid.kv_bytes * 2, np.uint8)[::2], read_only,
                      ok.view(np.uint16), memoryview(ok)):
             with pytest.raises(ValueError, match="dest"):
@@ -124,7 +124,7 @@ def test_what_get_into_refuses_to_fill(redis_url: str) -> None:
 def stored_values(items: list[tuple[ChunkId, np.ndarray, np.ndarray]]) -> dict[str, bytes]:
     """Values other than the first chunk's own, by name, to be stored under its key."""
     (cid, tokens, kv), (other, other_tokens, other_kv) = items[:2]
-    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
+    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE, key=KEY))
     corrupt_kv, corrupt_head, bad_magic = bytearray(value), bytearray(value), bytearray(value)
     corrupt_kv[cid.kv_at + cid.kv_bytes // 2] ^= 1
     corrupt_head[40] ^= 1  # the root: a value of another namespace
@@ -132,7 +132,7 @@ def stored_values(items: list[tuple[ChunkId, np.ndarray, np.ndarray]]) -> dict[s
     return {"corrupt KV byte": bytes(corrupt_kv), "truncated": value[:-100],
             "longer": value + b"\0" * 64, "header only": value[:88], "empty": b"",
             "other root": bytes(corrupt_head), "not ours": bytes(bad_magic),
-            "other chunk": encode(other, other_tokens, other_kv, 0, ORIGIN_FINAL)}
+            "other chunk": encode(other, other_tokens, other_kv, 0, ORIGIN_FINAL, key=KEY)}
 
 
 @pytest.mark.parametrize("streams", [1, 5])
@@ -140,7 +140,7 @@ def test_misses_are_the_misses_of_get(redis_url: str, streams: int) -> None:
     items = chunks(2)
     (cid, tokens, kv), (_, other_tokens, _) = items
     raw = redis.Redis.from_url(redis_url)
-    with RemoteTier(redis_url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(redis_url, key=KEY, timeout_s=DEADLINE) as tier:
         dest = buffer_for(cid)
         assert tier.get_into(cid, tokens, dest, streams) is Miss.ABSENT
         put_all(tier, items[:1])
@@ -149,7 +149,7 @@ def test_misses_are_the_misses_of_get(redis_url: str, streams: int) -> None:
         for name, value in stored_values(items).items():
             raw.set(cid.key, value)
             seen[name] = tier.get_into(cid, tokens, buffer_for(cid), streams)
-            assert seen[name] is decode(value, cid, tokens) is tier.get(cid, tokens), name
+            assert seen[name] is decode(value, cid, tokens, key=KEY) is tier.get(cid, tokens), name
         assert tier.breaker.opened == 0 and not tier.breaker.is_open  # misses, not failures
     raw.close()
     assert seen["corrupt KV byte"] is Miss.CORRUPT and seen["other chunk"] is Miss.OTHER_CHUNK
@@ -284,7 +284,7 @@ def replacements(cid: ChunkId
     twin = (cid, shorter[1], np.zeros((2, cid.num_layers, C, cid.hidden_dim), np.uint16))
 
     def put(item: tuple[ChunkId, np.ndarray, np.ndarray]) -> Callable[[redis.Redis], object]:
-        return lambda raw: raw.set(cid.key, encode(*item, 0, ORIGIN_STANDALONE))
+        return lambda raw: raw.set(cid.key, encode(*item, 0, ORIGIN_STANDALONE, key=KEY))
 
     return {"shorter": (put(shorter), {Miss.TRUNCATED}), "longer": (put(longer), {Miss.CORRUPT}),
             "same length": (put(twin), {Miss.CORRUPT}),
@@ -302,9 +302,9 @@ def test_a_value_replaced_while_it_is_read_is_never_a_mix(
         relay: Relay, redis_url: str, background: Background,
         change: str, streams: int) -> None:
     (cid, tokens, kv), = chunks(1)
-    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
+    value = bytes(encode(cid, tokens, kv, 0, ORIGIN_STANDALONE, key=KEY))
     raw = redis.Redis.from_url(redis_url)
-    with RemoteTier(relay.url, timeout_s=DEADLINE, breaker=Breaker(failures=100)) as tier:
+    with RemoteTier(relay.url, key=KEY, timeout_s=DEADLINE, breaker=Breaker(failures=100)) as tier:
         assert tier.put(cid, value)
         assert isinstance(tier.get_into(cid, tokens, buffer_for(cid), streams), Fetched)  # warm
         relay.hold()  # the head's reply waits here: no piece is asked for before it is in
@@ -330,7 +330,7 @@ def test_a_piece_that_fails_mid_reply_leaves_no_stale_connection(
     (cid, tokens, kv), = chunks(1)
     now = [0.0]
     breaker = Breaker(failures=1, cooldown_s=1.0, clock=lambda: now[0])
-    with RemoteTier(relay.url, timeout_s=STALL_S, breaker=breaker) as tier:
+    with RemoteTier(relay.url, key=KEY, timeout_s=STALL_S, breaker=breaker) as tier:
         put_all(tier, [(cid, tokens, kv)])
         assert isinstance(tier.get(cid, tokens), Fetched)  # warm: one pooled connection
         relay.hold(after=cid.value_bytes // 2)  # past the head, half-way through the piece
@@ -360,7 +360,7 @@ def test_a_killed_server_is_unavailable_and_a_restarted_one_reads_again(
     items = chunks(2)
     now = [0.0]
     breaker = Breaker(failures=2, cooldown_s=5.0, clock=lambda: now[0])
-    with RemoteTier(redis_server.url, timeout_s=DEADLINE, breaker=breaker) as tier:
+    with RemoteTier(redis_server.url, key=KEY, timeout_s=DEADLINE, breaker=breaker) as tier:
         put_all(tier, items)
         for cid, tokens, _ in items:  # leaves several connections in the pool
             assert isinstance(tier.get_into(cid, tokens, buffer_for(cid), streams=8), Fetched)
@@ -384,7 +384,7 @@ def test_a_killed_master_is_unavailable_for_its_keys_only(redis_cluster: Cluster
     victim = redis_cluster.node_for_key(items[0][0].key)
     mine = [victim is redis_cluster.node_for_key(cid.key) for cid, _, _ in items]
     assert 0 < sum(mine) < len(items)
-    with RemoteTier(redis_cluster.cluster_url, timeout_s=DEADLINE,
+    with RemoteTier(redis_cluster.cluster_url, key=KEY, timeout_s=DEADLINE,
                     breaker=Breaker(failures=10_000)) as tier:
         put_all(tier, items)
         victim.kill()
@@ -410,7 +410,7 @@ def test_get_and_get_into_interleave(request: pytest.FixtureRequest, where: str)
     url = (request.getfixturevalue("redis_url") if where == "server"
            else request.getfixturevalue("redis_cluster").cluster_url)
     items = chunks(4) + chunks(2, SMALL, salt="small")
-    with RemoteTier(url, timeout_s=DEADLINE) as tier:
+    with RemoteTier(url, key=KEY, timeout_s=DEADLINE) as tier:
         put_all(tier, items)
         for i in range(50):
             cid, tokens, kv = items[i % len(items)]

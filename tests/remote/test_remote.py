@@ -22,7 +22,7 @@ from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 from tests.harness import remove_prefix
 from tests.harness import poll
-from tests.remote.conftest import ClusterProcs, RedisProc
+from tests.remote.conftest import KEY, ClusterProcs, RedisProc
 
 C, L, D = 16, 2, 32
 DEADLINE = 30.0
@@ -42,8 +42,8 @@ def chunks(n: int, salt: str = "") -> list[tuple[ChunkId, np.ndarray, np.ndarray
 @pytest.mark.slow
 def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), (other, other_tokens, _) = chunks(2)
-    with RemoteTier(redis_url, ttl_s=3600) as tier:
-        assert tier.put(cid, encode(cid, tokens, kv, 5, ORIGIN_STANDALONE))
+    with RemoteTier(redis_url, key=KEY, ttl_s=3600) as tier:
+        assert tier.put(cid, encode(cid, tokens, kv, 5, ORIGIN_STANDALONE, key=KEY))
         got = tier.get(cid, tokens)
         assert isinstance(got, Fetched) and bytes(got.kv) == kv.tobytes() and got.pos0 == 5
         assert tier.get(other, other_tokens) is Miss.ABSENT
@@ -64,8 +64,8 @@ def test_a_server_round_trip_and_what_is_a_miss(redis_url: str) -> None:
 @pytest.mark.slow
 def test_an_expired_chunk_is_a_miss(redis_url: str) -> None:
     (cid, tokens, kv), = chunks(1)
-    with RemoteTier(redis_url, ttl_s=0.05) as tier:
-        assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_FINAL))
+    with RemoteTier(redis_url, key=KEY, ttl_s=0.05) as tier:
+        assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_FINAL, key=KEY))
         poll(lambda: tier.get(cid, tokens) is Miss.ABSENT, DEADLINE, "the TTL to run out")
 
 
@@ -75,8 +75,8 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
     (cid, tokens, kv), = chunks(1)
     now = [0.0]
     breaker = Breaker(failures=2, cooldown_s=5.0, clock=lambda: now[0])
-    with RemoteTier(redis_server.url, timeout_s=0.5, breaker=breaker) as tier:
-        value = encode(cid, tokens, kv, 0, ORIGIN_STANDALONE)
+    with RemoteTier(redis_server.url, key=KEY, timeout_s=0.5, breaker=breaker) as tier:
+        value = encode(cid, tokens, kv, 0, ORIGIN_STANDALONE, key=KEY)
         assert tier.put(cid, value)
         redis_server.kill()
         assert tier.get(cid, tokens) is Miss.UNAVAILABLE
@@ -97,9 +97,9 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
 def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
         redis_cluster: ClusterProcs) -> None:
     items = chunks(60)
-    with RemoteTier(cluster_url(redis_cluster.seeds), timeout_s=0.5) as tier:
+    with RemoteTier(cluster_url(redis_cluster.seeds), key=KEY, timeout_s=0.5) as tier:
         for cid, tokens, kv in items:
-            assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_STANDALONE))
+            assert tier.put(cid, encode(cid, tokens, kv, 0, ORIGIN_STANDALONE, key=KEY))
         for cid, tokens, kv in items:
             got = tier.get(cid, tokens)
             assert isinstance(got, Fetched) and bytes(got.kv) == kv.tobytes()
@@ -109,7 +109,7 @@ def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
     victim.kill()
     try:
         alive = [(h, p) for h, p in redis_cluster.seeds if p != victim.port]
-        with RemoteTier(cluster_url(alive), timeout_s=0.5,
+        with RemoteTier(cluster_url(alive), key=KEY, timeout_s=0.5,
                         breaker=Breaker(failures=10_000)) as tier:
             outcomes = [tier.get(cid, tokens) for cid, tokens, _ in items]
     finally:
@@ -163,7 +163,7 @@ def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> N
     keys = commit(store, class_id, ns, tokens, pos0=100)
     ids = [ChunkId(ns.root, k.chunk_hash, 0, cc.dtype, cc.num_layers, C, cc.hidden_dim)
            for k in keys]
-    with RemoteTier(redis_url) as tier:
+    with RemoteTier(redis_url, key=KEY) as tier:
         wb = WriteBehind(store, tier)
         assert wb.offer(class_id, ns.root, keys[:3], rows[:3]) == 3
         assert wb.flush(timeout=DEADLINE) and wb.counts["written"] == 3
@@ -260,7 +260,7 @@ def test_a_chunk_written_behind_on_one_host_is_promoted_on_another(
                         wipe=True)
     try:
         class_b = host_b.register_class(cc)
-        with RemoteTier(redis_url) as tier:
+        with RemoteTier(redis_url, key=KEY) as tier:
             assert promote(host_b, tier, class_b, ns.id, ids[0], rows[0]) is Miss.ABSENT
             wb = WriteBehind(store, tier)
             assert wb.offer(class_a, ns.root, keys, rows) == 2 and wb.flush(timeout=DEADLINE)

@@ -17,7 +17,7 @@ from kvblend.dataplane.remote import ChunkId, Fetched, RemoteTier
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import DType
 from tests.harness import Service, Services, poll
-from tests.remote.conftest import RedisProc
+from tests.remote.conftest import KEY, KEY_TEXT, RedisProc
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,8 @@ def service(redis_server: RedisProc, redis_url: str, services: Services) -> Iter
     with redis_server.client() as admin:
         admin.config_set("requirepass", PASSWORD)
     svc = services.start("--remote", redis_url.removesuffix("/0"),
-                         env={"KVBLEND_REMOTE_PASSWORD": PASSWORD})
+                         env={"KVBLEND_REMOTE_PASSWORD": PASSWORD,
+                              "KVBLEND_REMOTE_KEY": KEY_TEXT})
     try:
         yield svc
     finally:
@@ -62,7 +63,7 @@ def test_stores_are_written_behind_and_survive_a_dead_remote(
         doc = np.random.default_rng(1).integers(0, 50_000, 3 * C, dtype=np.uint32)
         assert client.store_pre_computed(inst, doc, offset=C).wait(timeout=60).ok
         poll(lambda: len(remote_keys(redis_server)) == 3, DEADLINE, "3 chunks written")
-        with RemoteTier(redis_server.url.removesuffix("/0"), password=PASSWORD) as tier:
+        with RemoteTier(redis_server.url.removesuffix("/0"), key=KEY, password=PASSWORD) as tier:
             for i, h in enumerate(chunk_hashes(ns, doc, C)):
                 cid = ChunkId(ns.root, h, 0, DType.BFLOAT16, L, C, D)
                 got = tier.get(cid, doc[i * C:(i + 1) * C])
