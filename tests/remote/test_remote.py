@@ -187,6 +187,8 @@ def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> N
 class BlockedTier:
     """A remote whose writes wait for ``release``: the queue fills behind it."""
 
+    key = KEY
+
     def __init__(self) -> None:
         self.release, self.entered, self.puts = threading.Event(), threading.Event(), 0
         self.inside, self.most_inside = 0, 0
