@@ -127,8 +127,8 @@ def children_of(pid: int) -> list[int]:
 def test_each_child_gets_only_its_own_settings_and_secrets(services: Services) -> None:
     """The data plane's environment holds its whole settings in one variable (the remote tier's
     credential and key inside) and no other ``KVBLEND_*`` one: no API or admin token. The API
-    workers' holds the service's settings but no remote-tier credential or key. Neither command line holds a
-    setting or a secret."""
+    workers' holds the service's settings but no remote-tier credential or key. Neither command
+    line holds a setting or a secret."""
     token, admin, password, key = "t" * 32, "a" * 32, "remote-secret-1", "remote-key-" * 4
     remote = f"redis://127.0.0.1:{free_port()}"  # nobody answers: a remote that is down only misses
     svc = services.start("--remote", remote, token=token,
