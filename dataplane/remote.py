@@ -14,7 +14,7 @@ into memory the caller owns (a slab slot), without a Python bytes object of the 
                                                          but the digest, on the first KV_AT bytes
     2. GETRANGE key KV_AT+lo KV_AT+hi-1  per piece       ``streams`` contiguous pieces of the KV at
                                                          once, each on its own pooled connection
-    3. SHA-256 of header, tokens, padding, then the pieces in order: the first as it comes in
+    3. HMAC-SHA256 of header, tokens, padding, then the pieces in order: the first as it comes in
        (the calling thread receives it), each other one once it is in
 
 Each piece's reply goes straight into the caller's buffer (``dataplane.redis_wire``; on a redis-py
