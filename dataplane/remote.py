@@ -28,6 +28,15 @@ after ``failures`` errors in a row it stops calling for ``cooldown_s`` (every ca
 then lets one call through; a success closes it. A remote that is down costs each caller one
 timeout at most per cooldown, and serving goes on from the local tier. The timeout bounds each wait
 for the server (connect, every receive), as redis-py's own reads do, not a whole transfer.
+
+One breaker per node: a call goes through the breaker of the node that serves its key, so a dead
+master of a cluster stops calls to its own slots only, and keys on the live masters go on::
+
+    standalone server            every call            -> breakers[TIER]
+    cluster, slot map not read   every call            -> breakers[TIER]  (it reads the map)
+    cluster, slot map known      a call on key k       -> breakers["host:port" serving k's slot]
+
+The breakers of a tier share the settings of the one it was given (``Breaker.twin``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -46,6 +56,17 @@ from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MA
                                             check_head, decode, digest_matches, encode,
                                             hash_head, parse_record)
 from kvblend.dataplane.remoteurl import RemoteURL
+
+
+#: the breaker of calls whose node is not known: every call to a standalone server, and a
+#: cluster's calls until its slot map is read
+TIER = ""
+
+
+class BreakerState(Enum):
+    CLOSED = "closed"        # calls go
+    OPEN = "open"            # calls are misses at once, until the cooldown is over
+    HALF_OPEN = "half-open"  # open, the cooldown over: the next call probes
 
 
 class Breaker:
@@ -68,10 +89,23 @@ class Breaker:
         self._probing = False
         self.opened = 0  # times it opened, for metrics
 
+    def twin(self) -> "Breaker":
+        """A closed breaker with this one's settings (failures, cooldown, clock)."""
+        return Breaker(self._failures, self._cooldown, self._clock)
+
     @property
     def is_open(self) -> bool:
         with self._lock:
             return self._errors >= self._failures
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            if self._errors < self._failures:
+                return BreakerState.CLOSED
+            if self._probing or self._clock() < self._open_until:
+                return BreakerState.OPEN
+            return BreakerState.HALF_OPEN
 
     def allow(self) -> bool:
         """Whether a call may go now: closed, or open with its cooldown over and no other call
@@ -125,7 +159,9 @@ class RemoteTier:
         timeout_s: the bound of every call (connect and read).
         ttl_s: how long a written chunk lives (the server may evict it sooner under its own
             ``maxmemory-policy``).
-        breaker: the circuit breaker (a default one when None).
+        breaker: the circuit breaker of calls whose node is not known (``TIER``: a standalone
+            server's only one), a default one when None; each node of a cluster gets a twin of
+            it (module docstring).
         stream_len: about how many records the stream keeps (``XADD MAXLEN ~``).
         block_s: the longest a ``records`` call waits for a record (its connection's timeout is
             this plus ``timeout_s``).
@@ -140,6 +176,7 @@ class RemoteTier:
         import redis
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
+        from redis.exceptions import RedisClusterException
         from redis.retry import Retry
 
         where = RemoteURL.parse(url) if isinstance(url, str) else url
@@ -152,12 +189,15 @@ class RemoteTier:
         self.key = key
         self.stream_len, self.block_s = stream_len, block_s
         self.breaker = breaker or Breaker()
+        self._breakers = {TIER: self.breaker}
+        self._breakers_lock = threading.Lock()
         # no retries of our own: a call takes one timeout at most, and the breaker decides
         # when to try again (the cluster client keeps one retry, to follow a moved slot)
         common = dict(username=username, password=password, socket_timeout=timeout_s,
                       socket_connect_timeout=timeout_s, ssl=tls, protocol=2,
                       retry=Retry(NoBackoff(), 1 if cluster else 0))
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, BadReply)
+        self._slot_errors: tuple[type[BaseException], ...] = (RedisClusterException, KeyError)
         self._cluster = cluster
         # ranges off the socket where this redis-py is one dataplane.redis_wire knows (else it
         # logs that reads go through redis-py's public GETRANGE)
@@ -188,6 +228,33 @@ class RemoteTier:
                 self._clients[which] = self._make[which]()
             return self._clients[which]
 
+    def node_of(self, key: str) -> str:
+        """The node that serves ``key`` (``"host:port"``), or ``TIER`` where that is not known:
+        a standalone server, or a cluster whose slot map was not read yet (or leaves the slot
+        uncovered). Never calls the server."""
+        if not self._cluster:
+            return TIER
+        client = self._clients.get("main")  # no lock: _made is held while a client is made
+        if client is None:
+            return TIER
+        try:
+            return str(client.get_node_from_key(key).name)
+        except self._slot_errors:
+            return TIER
+
+    def breaker_of(self, node: str) -> Breaker:
+        """The breaker of ``node`` (``node_of``), made closed on first use."""
+        with self._breakers_lock:
+            if node not in self._breakers:
+                self._breakers[node] = self.breaker.twin()
+            return self._breakers[node]
+
+    @property
+    def breakers(self) -> dict[str, Breaker]:
+        """Every node's breaker so far, by node (``TIER`` among them)."""
+        with self._breakers_lock:
+            return dict(self._breakers)
+
     def put(self, chunk: ChunkId, value: bytes | memoryview, publish: bool = True) -> bool:
         """Write one encoded chunk with the tier's TTL and, with ``publish``, add its record to
         the stream (one round trip: both go in one pipeline); False when the remote failed or
@@ -203,7 +270,7 @@ class RemoteTier:
                           maxlen=self.stream_len, approximate=True)
             return pipe.execute()
 
-        done = self._call(write)
+        done = self._call(write, chunk.key)
         return done is not _FAILED and done[0] is True
 
     def records(self, after: str, count: int) -> list[tuple[str, Record | None]] | None:
@@ -211,7 +278,8 @@ class RemoteTier:
         ``count``, waiting up to the tier's ``block_s`` for the first; each with its id, None where it does
         not parse. None when the remote failed or the breaker is open."""
         got = self._call(lambda: self._client_of("tail").xread({STREAM: after}, count=count,
-                                                   block=max(1, int(self.block_s * 1000))))
+                                                   block=max(1, int(self.block_s * 1000))),
+                         STREAM)
         if got is _FAILED:
             return None
         out = []
@@ -224,7 +292,7 @@ class RemoteTier:
 
     def get(self, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:
         """Read one chunk and check it (``decode``)."""
-        value = self._call(lambda: self._client_of("main").get(chunk.key))
+        value = self._call(lambda: self._client_of("main").get(chunk.key), chunk.key)
         if value is _FAILED:
             return Miss.UNAVAILABLE
         return decode(value, chunk, tokens, key=self.key)
@@ -254,7 +322,7 @@ class RemoteTier:
         view = _byte_view(dest, chunk.kv_bytes)
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in [1, {MAX_STREAMS}], got {streams}")
-        got = self._call(lambda: self._read_into(chunk, tokens, view, streams))
+        got = self._call(lambda: self._read_into(chunk, tokens, view, streams), chunk.key)
         return Miss.UNAVAILABLE if got is _FAILED else got
 
     def _read_into(self, chunk: ChunkId, tokens: np.ndarray, dest: memoryview, streams: int
@@ -314,15 +382,18 @@ class RemoteTier:
             assert self._workers is not None
             return [self._workers.submit(call) for call in calls]
 
-    def _call(self, call: Callable[[], Any]) -> Any:
-        if not self.breaker.allow():
+    def _call(self, call: Callable[[], Any], key: str) -> Any:
+        """``call``'s result, or _FAILED where it raised or the breaker of ``key``'s node is
+        open."""
+        breaker = self.breaker_of(self.node_of(key))
+        if not breaker.allow():
             return _FAILED
         try:
             result = call()
         except self._errors:
-            self.breaker.record(False)
+            breaker.record(False)
             return _FAILED
-        self.breaker.record(True)
+        breaker.record(True)
         return result
 
     def close(self) -> None:
@@ -343,7 +414,6 @@ class RemoteTier:
 
 _FAILED = object()
 
-__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "RemoteTier", "Record", "RemoteKey", "encode",
-           "decode",
-           "parse_record", "MAGIC", "FORMAT", "HEADER_BYTES", "KEY_PREFIX", "STREAM",
-           "MAX_STREAMS", "MIN_PIECE_BYTES"]
+__all__ = ["ChunkId", "Fetched", "Miss", "Breaker", "BreakerState", "TIER", "RemoteTier", "Record",
+           "RemoteKey", "encode", "decode", "parse_record", "MAGIC", "FORMAT", "HEADER_BYTES",
+           "KEY_PREFIX", "STREAM", "MAX_STREAMS", "MIN_PIECE_BYTES"]

@@ -13,6 +13,20 @@ Life of an offered chunk::
 NOTE: a writer holds a chunk pinned only while it encodes it, so a remote that hangs for its
 whole timeout never holds slab memory; what it writes is exactly the committed bytes of the slot
 that holds the key and the expected tokens (``Store.check_pinned``).
+
+Replay. A failed write is held for its node (``RemoteTier.node_of``) and offered again once that
+node's breaker lets calls through (``dataplane.remote``)::
+
+    failed --hold--> held (one entry per chunk: a newer failure replaces it; past replay_chunks
+                     entries or replay_bytes of values the oldest is dropped, and counted)
+    held --node's breaker closed--> queued again, every entry of that node
+         --node's breaker half-open--> queued again, its oldest entry (the probe)
+    written --its node has held entries--> the replay thread wakes at once
+
+A held entry is the chunk's key and tokens, never its bytes: a replay is a write like any other,
+pinned, checked and copied from the slab at its turn, so a chunk evicted or replaced meanwhile is
+skipped (or written as the slab holds it now), never from a stale copy. The replay thread looks
+every ``retry_s``, and at once after a write to a node with held entries.
 """
 
 from __future__ import annotations
@@ -21,12 +35,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvblend.dataplane.remote import ChunkId, RemoteTier, encode
+from kvblend.dataplane.remote import BreakerState, ChunkId, RemoteTier, encode
 from kvblend.shm.events import EventLog
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.slots import VERIFIED
@@ -44,6 +59,58 @@ class _Item:
     tokens: np.ndarray
 
 
+class _Held:
+    """Failed writes waiting for their node (module docstring: replay), oldest first; the caller
+    holds the lock."""
+
+    def __init__(self, chunks: int, nbytes: int) -> None:
+        self._chunks, self._nbytes = chunks, nbytes
+        self._items: OrderedDict[ChunkKey, tuple[_Item, str]] = OrderedDict()
+        self._per_node: dict[str, int] = {}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def holds(self, node: str) -> bool:
+        return self._per_node.get(node, 0) > 0
+
+    def add(self, item: _Item, node: str) -> int:
+        """Hold ``item`` as the newest entry (replacing its chunk's older one); returns how many
+        entries were dropped to stay in bounds."""
+        self.discard(item.key)
+        self._items[item.key] = (item, node)
+        self._per_node[node] = self._per_node.get(node, 0) + 1
+        self.nbytes += item.chunk.value_bytes
+        dropped = 0
+        while len(self._items) > self._chunks or self.nbytes > self._nbytes:
+            self.discard(next(iter(self._items)))
+            dropped += 1
+        return dropped
+
+    def discard(self, key: ChunkKey) -> None:
+        held = self._items.pop(key, None)
+        if held is not None:
+            item, node = held
+            self._per_node[node] -= 1
+            self.nbytes -= item.chunk.value_bytes
+
+    def due(self, state: Callable[[str], BreakerState]) -> list[_Item]:
+        """Take out every entry of a node whose breaker is closed, and the oldest entry of each
+        node whose breaker is half-open."""
+        states = {node: state(node) for node, n in self._per_node.items() if n}
+        out = []
+        for item, node in list(self._items.values()):
+            if states.get(node) is BreakerState.CLOSED:
+                out.append(item)
+            elif states.get(node) is BreakerState.HALF_OPEN:
+                out.append(item)
+                states[node] = BreakerState.OPEN  # one probe per node
+        for item in out:
+            self.discard(item.key)
+        return out
+
+
 class WriteBehind:
     """A bounded queue of committed chunks and the threads that write them to ``tier``.
 
@@ -55,20 +122,38 @@ class WriteBehind:
         writers: threads writing at once, each on a connection of its own: one chunk's write is
             a copy, a SHA-256 and a round trip, and hashing and the socket release the GIL, so
             a few writers overlap them (the order of writes does not matter).
+        replay_chunks, replay_bytes: the bounds of the failed writes held for replay, in
+            entries and in bytes of the values they would write.
+        retry_s: how often the replay thread looks at the held writes' breakers.
     """
 
     def __init__(self, store: Store, tier: RemoteTier, capacity: int = 4096,
-                 events: EventLog | None = None, writers: int = 4) -> None:
-        if capacity < 1 or writers < 1:
-            raise ValueError("capacity and writers must be >= 1")
+                 events: EventLog | None = None, writers: int = 4, replay_chunks: int = 4096,
+                 replay_bytes: int = 1 << 30, retry_s: float = 1.0) -> None:
+        if capacity < 1 or writers < 1 or replay_chunks < 1 or replay_bytes < 1:
+            raise ValueError("capacity, writers and the replay bounds must be >= 1")
+        if retry_s <= 0:
+            raise ValueError("retry_s must be > 0")
         self._store, self._tier, self._events = store, tier, events
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._lock = threading.Lock()
-        self.counts = {"written": 0, "dropped": 0, "skipped": 0, "failed": 0}
+        self.counts = {"written": 0, "dropped": 0, "skipped": 0, "failed": 0, "replayed": 0,
+                       "replay_dropped": 0}
+        self._held = _Held(replay_chunks, replay_bytes)
+        self._retry_s = retry_s
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._threads = [threading.Thread(target=self._run, name=f"kvblend-writebehind-{i}",
                                           daemon=True) for i in range(writers)]
-        for t in self._threads:
+        self._replayer = threading.Thread(target=self._replay, name="kvblend-writebehind-replay",
+                                          daemon=True)
+        for t in [*self._threads, self._replayer]:
             t.start()
+
+    @property
+    def held(self) -> int:
+        """Failed writes held for replay now."""
+        with self._lock:
+            return len(self._held)
 
     def offer(self, class_id: int, root: bytes, keys: Sequence[ChunkKey],
               token_rows: np.ndarray) -> int:
@@ -101,6 +186,9 @@ class WriteBehind:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        self._stop.set()
+        self._wake.set()
+        self._replayer.join(left())
         try:
             for _ in self._threads:  # one stop mark per writer
                 self._queue.put(None, timeout=left())
@@ -115,7 +203,7 @@ class WriteBehind:
             try:
                 if item is None:
                     return
-                self._count(self._write(item))
+                self._settle(item, self._write(item))
             except Exception:  # never let one chunk stop the writer
                 log.exception("write-behind of one chunk failed")
                 self._count("failed")
@@ -138,10 +226,42 @@ class WriteBehind:
             self._store.unpin_slots(slots)
         return "written" if self._tier.put(item.chunk, value) else "failed"
 
+    def _settle(self, item: _Item, outcome: str) -> None:
+        """Count ``outcome``; hold a failed write for replay, and forget a held one that was
+        written or skipped."""
+        node = self._tier.node_of(item.chunk.key) if outcome == "failed" or self.held else None
+        with self._lock:
+            if outcome == "failed":
+                assert node is not None
+                self.counts["replay_dropped"] += self._held.add(item, node)
+            else:
+                self._held.discard(item.key)
+                if outcome == "written" and node is not None and self._held.holds(node):
+                    self._wake.set()  # the node is back: replay the rest without waiting
+        self._count(outcome)
+
+    def _replay(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._retry_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                due = self._held.due(lambda node: self._tier.breaker_of(node).state)
+            for i, item in enumerate(due):
+                try:
+                    self._queue.put_nowait(item)
+                except queue.Full:  # the rest wait for the next look
+                    with self._lock:
+                        for rest in due[i:]:
+                            self._held.add(rest, self._tier.node_of(rest.chunk.key))
+                    break
+                self._count("replayed")
+
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
-        if self._events is not None:
+        if self._events is not None and what in _COUNTERS:
             self._events.add(_COUNTERS[what])
 
 

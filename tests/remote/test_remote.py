@@ -181,7 +181,8 @@ def test_write_behind_copies_committed_chunks(store: Store, redis_url: str) -> N
         assert wb.flush(timeout=DEADLINE)
         wb.close(timeout=DEADLINE)
         assert tier.get(ids[3], rows[3]) is Miss.ABSENT
-        assert wb.counts == {"written": 3, "dropped": 0, "skipped": 2, "failed": 0}
+        assert wb.counts == {"written": 3, "dropped": 0, "skipped": 2, "failed": 0,
+                             "replayed": 0, "replay_dropped": 0}
 
 
 class BlockedTier:
