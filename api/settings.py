@@ -117,8 +117,9 @@ class Settings(BaseSettings):
         "remote chunks a retrieve or prefetch fetches at once, each on a connection of its own; "
         "half as many are written behind at once"))
     remote_stream_len: int = Field(**bounds(Remote, "stream_len"), description=(
-        "about how many records (one per chunk written, about 1.1 KiB for 256 tokens) the "
-        "remote tier's record stream keeps; a host that starts learns the chunks they name"))
+        "about how many records (one per chunk written, about 1.1 KiB for 256 tokens) each of "
+        "the remote tier's record streams keeps (one on a server, one per master of a "
+        "cluster); a host that starts learns the chunks they name"))
     remote_username: SecretStr | None = Field(None, description=(
         "the remote tier's user name; KVBLEND_REMOTE_USERNAME only, and only the data plane "
         "gets it"))

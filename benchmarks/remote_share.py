@@ -218,9 +218,10 @@ class Remote:
         return peak, evicted
 
     def drop_values(self) -> None:
-        """Remove every chunk value (the record stream ``kvblend:1:fp`` stays)."""
+        """Remove every chunk value (the record streams ``kvblend:1:fp*`` stay)."""
         for key in list(self.plain.scan_iter(match="kvblend:1:*:*", count=1000)):
-            self.plain.unlink(key)
+            if not key.startswith(b"kvblend:1:fp"):  # a cluster's streams: kvblend:1:fp:{N}
+                self.plain.unlink(key)
 
 
 class Docs:

@@ -1,27 +1,34 @@
 """Discovery: this host learns the chunks other hosts wrote to the remote tier, so that its lookups
 find them.
 
-This module owns the tail of the remote tier's record stream (``dataplane.remote``: one record per
-chunk written, with its token ids) and what a record becomes here: an entry in the table of
+This module owns the tail of the remote tier's record streams (``dataplane.remote``: one record
+per chunk written, with its token ids) and what a record becomes here: an entry in the table of
 remote-known chunks (``shm.remotes``: which shards exist remotely, until when, and where their KV
 was computed) and a fingerprint entry, so that a lookup finds the chunk by its tokens. It does
 not own fetching a chunk (``dataplane.promote``) nor deciding what counts as live (``shm.lookup``).
 
 Life of a record::
 
-    XREAD (blocks up to block_s) --remote down / breaker open--> wait, then read on from the
-                                                                 last id seen
+    XREAD of one stream (blocks up to block_s) --remote down / breaker open--> wait, then read on
+                                                     from the last id seen in that stream
     a record --does not parse, another chunk size, expired--> ignored (counted when malformed)
              --parsed--> remote-known entry (hash, rank) -> (expiry, pos0, origin)
                          --its content is findable here already--> no fingerprint entry
                          --not findable--> registered in the fingerprint index
 
-NOTE: one thread per data plane reads the stream from the oldest record it keeps, then follows
-it; a restart reads it again (the stream is capped, and re-reading an entry changes nothing). A
-store on host A becomes findable on host B after A's write-behind queue, one pipelined SET and
-XADD, and B's blocked XREAD returning: docs/remote.md has the measured delay. A fingerprint entry
-may outlive its chunk's value (expiry, server eviction, a flushed server): the lookup then offers
-a remote match whose fetch misses, and the engine recomputes it.
+The records are in one stream on a server and in one stream per master of a cluster
+(``dataplane.recordstreams``). One thread per stream tails it, from the oldest record it keeps,
+with its own position: a dead master stops only its own stream's thread, which reads on from its
+position when the master answers again, so the records of the live masters are found meanwhile.
+A watcher thread asks the tier for the streams every ``refresh_s`` and starts a thread for each
+new one (a new slot map); a stream once tailed is tailed until ``close``. Records are entered one
+batch at a time (a lock), whichever thread read them.
+
+NOTE: a restart reads every stream again (each is capped, and re-reading an entry changes
+nothing). A store on host A becomes findable on host B after A's write-behind queue, one
+pipelined SET and XADD, and B's blocked XREAD returning: docs/remote.md has the measured delay.
+A fingerprint entry may outlive its chunk's value (expiry, server eviction, a flushed server):
+the lookup then offers a remote match whose fetch misses, and the engine recomputes it.
 """
 
 from __future__ import annotations
@@ -42,11 +49,11 @@ from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.dataplane")
 
-BATCH = 512  # records per XREAD
+BATCH = 512  # records per XREAD (of one stream)
 
 
 class Discovery:
-    """The thread that tails the record stream into ``remotes`` and ``fingerprints``.
+    """The threads that tail the record streams into ``remotes`` and ``fingerprints``.
 
     Args:
         tier: the remote tier (its ``block_s`` bounds each wait).
@@ -55,45 +62,78 @@ class Discovery:
         remotes: this host's table of remote-known chunks.
         events: where the counts go, or None.
         retry_s: the wait after a failed read (the breaker adds its own cooldown).
+        refresh_s: how often the watcher asks the tier which streams there are.
     """
 
     def __init__(self, tier: RemoteTier, store: Store, fingerprints: FingerprintIndex,
                  remotes: RemoteChunks, events: EventLog | None = None,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, refresh_s: float = 10.0) -> None:
         self._tier, self._store, self._fps = tier, store, fingerprints
         self._remotes, self._events = remotes, events
-        self._retry_s = retry_s
+        self._retry_s, self._refresh_s = retry_s, refresh_s
         self._stop = threading.Event()
-        self.last_id = "0"
-        self._thread = threading.Thread(target=self._run, name="kvblend-discovery", daemon=True)
+        self._applying = threading.Lock()
+        #: stream -> the id of the last record entered from it (absent: none yet)
+        self.positions: dict[str, str] = {}
+        self._tails: dict[str, threading.Thread] = {}
+        self._thread = threading.Thread(target=self._watch, name="kvblend-discovery",
+                                        daemon=True)
+
+    @property
+    def streams(self) -> list[str]:
+        """The streams tailed so far."""
+        return sorted(self._tails)
 
     def start(self) -> "Discovery":
         self._thread.start()
         return self
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop after the read in progress (``block_s`` at most)."""
+        """Stop after the reads in progress (``block_s`` at most); ``timeout`` bounds each
+        thread's join."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        for tail in list(self._tails.values()):  # the watcher starts no more
+            if tail.is_alive():
+                tail.join(timeout)
 
-    def _run(self) -> None:
+    def _watch(self) -> None:
         while not self._stop.is_set():
             try:
-                got = self._tier.records(self.last_id, BATCH)
+                streams = self._tier.record_streams()
+            except Exception:  # never let the watcher die
+                log.exception("discovery: listing the record streams failed")
+                streams = None
+            for stream in streams or []:
+                if stream not in self._tails and not self._stop.is_set():
+                    tail = threading.Thread(target=self._tail, args=(stream,), daemon=True,
+                                            name=f"kvblend-discovery-{len(self._tails)}")
+                    self._tails[stream] = tail
+                    tail.start()
+            self._stop.wait(self._retry_s if streams is None else self._refresh_s)
+
+    def _tail(self, stream: str) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self._tier.records(self.positions.get(stream, "0"), BATCH, stream)
                 if got is None:
                     self._stop.wait(self._retry_s)
                     continue
                 if got:
                     self.apply([r for _, r in got])
-                    self.last_id = got[-1][0]
+                    self.positions[stream] = got[-1][0]
             except Exception:  # never let one bad batch stop discovery
-                log.exception("discovery: a batch of records failed")
+                log.exception("discovery: a batch of records from %s failed", stream)
                 self._stop.wait(self._retry_s)
 
     def apply(self, records: list[Record | None]) -> int:
         """Enter ``records`` (None: one that did not parse) here; returns the fingerprint
-        entries added."""
+        entries added. One batch at a time, from any thread."""
+        with self._applying:
+            return self._apply(records)
+
+    def _apply(self, records: list[Record | None]) -> int:
         now = wall_ms()  # records carry Unix-time expiries
         size = self._fps.chunk_size
         good = [r for r in records if r is not None and r.chunk.chunk_size == size

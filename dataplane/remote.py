@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvblend.dataplane.recordstreams import MasterStreams, OneStream, streams_of
 from kvblend.dataplane.redis_wire import BadReply, ReadAt, direct_reads, range_reader
 from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MAGIC, ORIGINS,
                                             STREAM, ChunkId, Fetched, Miss, Record, RemoteKey,
@@ -162,7 +163,7 @@ class RemoteTier:
         breaker: the circuit breaker of calls whose node is not known (``TIER``: a standalone
             server's only one), a default one when None; each node of a cluster gets a twin of
             it (module docstring).
-        stream_len: about how many records the stream keeps (``XADD MAXLEN ~``).
+        stream_len: about how many records each record stream keeps (``XADD MAXLEN ~``).
         block_s: the longest a ``records`` call waits for a record (its connection's timeout is
             this plus ``timeout_s``).
         key: the shared key of the value digest (``remoteformat.RemoteKey``): values are
@@ -216,6 +217,7 @@ class RemoteTier:
         # A blocked XREAD holds its connection for up to block_s: the tail has a client of its own
         self._make = {"main": lambda: client(timeout_s), "tail": lambda: client(timeout_s + block_s)}
         self._clients: dict[str, Any] = {}
+        self._streams: dict[str, OneStream | MasterStreams] = {}  # each client's record streams
         self._made = threading.Lock()
         # get_into's pieces beyond the first (the caller reads that one): made on first use,
         # remade larger when more streams are asked for, shut down by close()
@@ -226,6 +228,7 @@ class RemoteTier:
         with self._made:
             if which not in self._clients:
                 self._clients[which] = self._make[which]()
+                self._streams[which] = streams_of(self._clients[which], self._cluster)
             return self._clients[which]
 
     def node_of(self, key: str) -> str:
@@ -257,7 +260,8 @@ class RemoteTier:
 
     def put(self, chunk: ChunkId, value: bytes | memoryview, publish: bool = True) -> bool:
         """Write one encoded chunk with the tier's TTL and, with ``publish``, add its record to
-        the stream (one round trip: both go in one pipeline); False when the remote failed or
+        the stream of the master that serves its key (one round trip: both go in one pipeline,
+        to one server; ``dataplane.recordstreams``); False when the remote failed or
         the breaker is open (nothing raised: the remote tier only adds hits)."""
         expires_ms = int(time.time() * 1000) + self.ttl_ms
 
@@ -265,21 +269,33 @@ class RemoteTier:
             pipe = self._client_of("main").pipeline(transaction=False)
             pipe.set(chunk.key, value, px=self.ttl_ms)
             if publish:
-                pipe.xadd(STREAM, {"v": value[:HEADER_BYTES + 4 * chunk.chunk_size],
-                                   "x": str(expires_ms)},
+                pipe.xadd(self._streams["main"].of(chunk.key),
+                          {"v": value[:HEADER_BYTES + 4 * chunk.chunk_size], "x": str(expires_ms)},
                           maxlen=self.stream_len, approximate=True)
             return pipe.execute()
 
         done = self._call(write, chunk.key)
         return done is not _FAILED and done[0] is True
 
-    def records(self, after: str, count: int) -> list[tuple[str, Record | None]] | None:
-        """The stream's records after id ``after`` (``"0"``: from the oldest it keeps), at most
-        ``count``, waiting up to the tier's ``block_s`` for the first; each with its id, None where it does
-        not parse. None when the remote failed or the breaker is open."""
-        got = self._call(lambda: self._client_of("tail").xread({STREAM: after}, count=count,
+    def record_streams(self) -> list[str] | None:
+        """The record streams to tail now: one on a server, one per master of a cluster
+        (``dataplane.recordstreams``), from the slot map the tail's client holds; None when
+        that client could not be made (no seed answered). Not a call the breaker counts."""
+        try:
+            self._client_of("tail")  # made on first use, with its streams
+            return self._streams["tail"].all()
+        except self._errors:
+            return None
+
+    def records(self, after: str, count: int, stream: str = STREAM
+                ) -> list[tuple[str, Record | None]] | None:
+        """The records of ``stream`` after id ``after`` (``"0"``: from the oldest it keeps), at
+        most ``count``, waiting up to the tier's ``block_s`` for the first; each with its id, None
+        where it does not parse. None when the remote failed or the breaker of the stream's node
+        is open (a dead master's stream stops only its own reader)."""
+        got = self._call(lambda: self._client_of("tail").xread({stream: after}, count=count,
                                                    block=max(1, int(self.block_s * 1000))),
-                         STREAM)
+                         stream)
         if got is _FAILED:
             return None
         out = []

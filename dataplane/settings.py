@@ -61,7 +61,7 @@ class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         capacity: entries of the table of remote-known chunks (``shm.remotes``), a power of two.
         streams: remote chunks fetched at once, each on a connection of its own; half as many are
             written behind at once.
-        stream_len: about how many records the remote tier's record stream keeps.
+        stream_len: about how many records each of the remote tier's record streams keeps.
         username, password: the remote's credentials (the service reads them from
             ``KVBLEND_REMOTE_USERNAME`` and ``KVBLEND_REMOTE_PASSWORD`` only); not in the repr.
         key: the shared key of the values' digest (``dataplane.remoteformat.RemoteKey``), from
