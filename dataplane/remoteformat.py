@@ -40,10 +40,11 @@ fails it (CORRUPT) and is never served: write access to the remote store is not 
 bytes into an engine. A value written under another key is the same miss.
 
 Record of a chunk, for discovery: the first ``88 + 4 C`` bytes of its value (header and token ids,
-no KV), added to the stream ``kvblend:1:fp`` (field ``v``) beside its expiry in Unix milliseconds
-(field ``x``) right after the value is written. The stream is capped (``XADD MAXLEN ~``), so it
-holds the newest records; a host that tails it learns which chunks exist and where their KV was
-computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
+no KV), added to a record stream (field ``v``) beside its expiry in Unix milliseconds (field
+``x``) right after the value is written: ``kvblend:1:fp`` on a server, on a cluster the stream of
+the master that holds the value (``dataplane.recordstreams``). A stream is capped (``XADD MAXLEN
+~``), so it holds the newest records; a host that tails them learns which chunks exist and where
+their KV was computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
 been evicted since, and the read that follows checks the value as above. A record carries no
 digest of its own (the value's digest covers KV it does not hold): a forged one costs a reader a
 miss, never wrong bytes.
@@ -72,7 +73,7 @@ HEADER_BYTES = _HEAD.size  # 88
 _DIGEST_AT = 72
 assert HEADER_BYTES == 88 and _DIGEST_AT + DIGEST_BYTES == HEADER_BYTES
 KEY_PREFIX = "kvblend:1:"
-STREAM = "kvblend:1:fp"  # the records of every chunk written (module docstring)
+STREAM = "kvblend:1:fp"  # a server's record stream; a cluster's are named after it
 MAX_LAYERS, MAX_CHUNK, MAX_HIDDEN, MAX_RANK = 1 << 12, 1 << 16, 1 << 20, 1 << 10
 ORIGINS = (ORIGIN_STANDALONE, ORIGIN_FINAL)
 
