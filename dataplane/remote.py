@@ -197,7 +197,10 @@ class RemoteTier:
         common = dict(username=username, password=password, socket_timeout=timeout_s,
                       socket_connect_timeout=timeout_s, ssl=tls, protocol=2,
                       retry=Retry(NoBackoff(), 1 if cluster else 0))
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, BadReply)
+        # redis-py's cluster errors (a slot no node covers, a cluster it cannot map) are not
+        # RedisErrors: the tier only adds hits, so they are failures like any other
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException,
+                                                         OSError, BadReply)
         self._slot_errors: tuple[type[BaseException], ...] = (RedisClusterException, KeyError)
         self._cluster = cluster
         # ranges off the socket where this redis-py is one dataplane.redis_wire knows (else it

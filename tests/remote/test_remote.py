@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 
+from kvblend.dataplane import remote
 from kvblend.dataplane.remote import Breaker, ChunkId, Fetched, Miss, RemoteTier, encode
 from kvblend.dataplane.promote import Promoted, promote
 from kvblend.dataplane.writebehind import WriteBehind
@@ -94,6 +95,21 @@ def test_a_dead_server_opens_the_breaker_and_a_restarted_one_closes_it(
 
 
 @pytest.mark.slow
+def test_a_cluster_error_of_redis_py_is_a_failure_not_a_raise(redis_url: str) -> None:
+    """redis-py's cluster errors (a slot no node covers) are no RedisError: a call that raises
+    one fails like any other remote failure, counted by the breaker, never raised."""
+    from redis.exceptions import SlotNotCoveredError
+
+    def uncovered() -> None:
+        raise SlotNotCoveredError("no node covers the slot")
+
+    breaker = Breaker(failures=1, cooldown_s=3600.0)
+    with RemoteTier(redis_url, key=KEY, breaker=breaker) as tier:
+        assert tier._call(uncovered, "k") is remote._FAILED  # not raised
+        assert breaker.opened == 1
+        assert tier._call(lambda: 1, "k") is remote._FAILED  # the breaker open: not called
+
+
 def test_a_cluster_spreads_chunks_and_a_killed_master_gives_misses(
         redis_cluster: ClusterProcs) -> None:
     items = chunks(60)
