@@ -7,7 +7,9 @@ worker threads of different instances copy in parallel.
 A buffer is opened only when the client proves it is its own (docs/security.md): its name is
 ``<prefix>_kvbuf_<32 lowercase hex>`` (a form no segment of kvblend's has), it is opened with
 ``O_NOFOLLOW``, and ``fstat`` on that descriptor shows a regular file owned by the registering
-peer's uid, large enough for the layout. The engine unlinks it; the data plane removes it only
+peer's uid, with one link, large enough for the layout, whose (st_dev, st_ino) is none of the
+service's own objects (``shm.kvbufs.service_identities``, taken at start and at each check: a hard
+link of the store's metadata under a buffer name is the metadata). The engine unlinks it; the data plane removes it only
 once it proved its owner gone (``shm.kvbufs``), from the file it opened here (``segments``).
 """
 
@@ -25,7 +27,7 @@ from kvblend.dataplane.backend import CopyEngine, Direction, InstanceBuffer
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.dataplane.registration import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
-from kvblend.shm.kvbufs import Identity
+from kvblend.shm.kvbufs import Identity, service_identities
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.names import Names
 from kvblend.shm.private import shm_path
@@ -180,6 +182,7 @@ class CpuEngine(CopyEngine):
     def __init__(self, store: Store) -> None:
         self._slab = store.slab
         self._names = Names(store.name)
+        self._own = service_identities(store.name)  # the service's objects, as they were at start
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
         if isinstance(spec, PagedBuffer):
@@ -215,7 +218,8 @@ class CpuEngine(CopyEngine):
             raise BadRequest(f"shm buffer {spec.name!r} is not an engine buffer of this service: "
                              f"name it '{self._names.prefix}_kvbuf_<32 lowercase hex>' "
                              "(BlendClient.cpu_kv_buffer does)")
-        fd = _open_owned(spec.name, owner_uid, nbytes)
+        own = self._own | service_identities(self._names.prefix)
+        fd = _open_owned(spec.name, owner_uid, nbytes, own)
         try:
             mapping = mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             opened.append((spec.name, Identity.of(os.fstat(fd))))
@@ -237,8 +241,9 @@ def _kernel_turn(layers: list[np.ndarray], i0: np.ndarray, i1: np.ndarray, cos: 
         cpu_rotary.turn(k, i0, i1, c, s, cfg.dim, cfg.style == "gptj", dtype_name)
 
 
-def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
-    """A descriptor of ``/dev/shm/<name>``: a regular file of ``owner_uid`` of >= ``nbytes``."""
+def _open_owned(name: str, owner_uid: int, nbytes: int, own: frozenset[Identity]) -> int:
+    """A descriptor of ``/dev/shm/<name>``: a regular file of ``owner_uid`` with one link, of >=
+    ``nbytes``, none of the files ``own``."""
     try:
         fd = os.open(shm_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -247,6 +252,11 @@ def _open_owned(name: str, owner_uid: int, nbytes: int) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadRequest(f"shm buffer {name!r} is not a regular shared-memory object")
+        if st.st_nlink != 1:
+            raise BadRequest(f"shm buffer {name!r} has {st.st_nlink} links: an engine buffer "
+                             "has its one name only")
+        if Identity.of(st) in own:
+            raise BadRequest(f"shm buffer {name!r} is one of the service's own objects")
         if st.st_uid != owner_uid:
             raise BadRequest(f"shm buffer {name!r} belongs to uid {st.st_uid}, not to the "
                              f"registering client's uid {owner_uid}")

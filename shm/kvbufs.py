@@ -79,6 +79,18 @@ class EngineBuffer:
         return self.uid == os.geteuid() and not self.locked and not self.mapped_by
 
 
+def service_identities(prefix: str) -> frozenset[Identity]:
+    """The files behind every name the service gives under ``prefix`` (``Names.service_paths``)
+    that exist now: what an engine buffer must never be, whatever it is called."""
+    found = set()
+    for path in Names(prefix).service_paths():
+        try:
+            found.add(Identity.of(os.stat(path, follow_symlinks=False)))
+        except OSError:
+            continue  # not made (yet): nothing to guard
+    return frozenset(found)
+
+
 def hold(name: str) -> int:
     """A descriptor of segment ``name`` holding a shared lock: what says "its owner lives" until
     the descriptor is closed (or the process ends). The caller just created the segment."""
@@ -187,4 +199,4 @@ def _locked(name: str) -> bool:
         os.close(fd)
 
 
-__all__ = ["Identity", "EngineBuffer", "hold", "mapped_by", "remove_orphan", "engine_buffers"]
+__all__ = ["Identity", "EngineBuffer", "service_identities", "hold", "mapped_by", "remove_orphan", "engine_buffers"]

@@ -97,6 +97,68 @@ def test_only_the_clients_own_buffers_can_be_registered(dataplane: DataPlaneProc
     assert num_classes(prefix) == 0  # a refused registration created no layout class
 
 
+def _refused_and_untouched(dataplane: DataPlaneProc, name: str) -> None:
+    """Registering ``name`` is refused, and the store's own segments are neither written nor
+    replaced: the store still opens and serves."""
+    prefix = dataplane.prefix
+    own = [f"/dev/shm/{prefix}_{n}" for n in ("meta", "slab", "fp", "events")]
+    before = {p: os.stat(p) for p in own if os.path.exists(p)}
+    with Channel(dataplane.address) as ch:
+        with pytest.raises(BadRequest, match="link|service's own"):
+            ch.call(register_msg(name), timeout=30)
+        assert ch.call(ListInstances(), timeout=30).instances == []
+    for path, st in before.items():
+        now = os.stat(path)
+        assert (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns,
+                                                               st.st_size)
+    assert num_classes(prefix) == 0
+
+
+@pytest.mark.parametrize("target", ["meta", "slab", "fp", "events"])
+def test_a_hard_link_to_the_services_own_segment_is_refused(dataplane: DataPlaneProc,
+                                                            target: str) -> None:
+    prefix = dataplane.prefix
+    name = f"{prefix}_kvbuf_{os.urandom(16).hex()}"
+    os.link(f"/dev/shm/{prefix}_{target}", f"/dev/shm/{name}")  # the engine name rule, met
+    try:
+        _refused_and_untouched(dataplane, name)
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+    with BlendClient(dataplane_address=dataplane.address) as client:  # the store is intact
+        inst = client.register_kv_cache(client.cpu_kv_buffer(L, T, D, torch.float16), "m")
+        assert client.store_pre_computed(inst, np.arange(2 * CHUNK)).wait().ok
+
+
+def test_the_services_segment_under_a_buffer_name_alone_is_refused(
+        dataplane: DataPlaneProc) -> None:
+    """One link, but the inode is the store's metadata (its own name moved away): refused by
+    identity, as the data plane saw its segments at start."""
+    prefix = dataplane.prefix
+    meta, name = f"/dev/shm/{prefix}_meta", f"{prefix}_kvbuf_{os.urandom(16).hex()}"
+    os.rename(meta, f"/dev/shm/{name}")
+    try:
+        with Channel(dataplane.address) as ch:
+            with pytest.raises(BadRequest, match="service's own"):
+                ch.call(register_msg(name), timeout=30)
+    finally:
+        os.rename(f"/dev/shm/{name}", meta)
+    assert num_classes(prefix) == 0
+
+
+def test_a_buffer_with_two_links_is_refused_and_one_with_one_is_accepted(
+        dataplane: DataPlaneProc) -> None:
+    prefix = dataplane.prefix
+    name, twin = kvbuf(prefix), f"{prefix}_kvbuf_{os.urandom(16).hex()}"
+    os.link(f"/dev/shm/{name}", f"/dev/shm/{twin}")
+    try:
+        _refused_and_untouched(dataplane, name)
+    finally:
+        os.unlink(f"/dev/shm/{twin}")
+    with Channel(dataplane.address) as ch:  # its one link back: the engine's own buffer
+        assert ch.call(register_msg(name), timeout=30).instance_id >= 0
+    os.unlink(f"/dev/shm/{name}")
+
+
 # -- 3: one failed request bricked registrations and layout classes ---------------------------
 
 
