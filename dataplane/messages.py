@@ -31,6 +31,7 @@ import msgspec
 
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.registration import (MAX_HEAD_DIM, MAX_PAGED_BUFFERS, MAX_PAGED_LAYERS,
+                                            MAX_POSITION,
                                             BufferKind, BufferSpec, CudaIpcBuffer, KVPlacement,
                                             PagedBuffer, PagedLayer, Registration, RotaryConfig,
                                             ShmBuffer, WireDType)
@@ -45,8 +46,6 @@ MAX_LAYER_GROUP_MATCHES = 512       # matches (chunks) of a layer-wise retrieve 
                                     # pinned (reserved) at once
 MAX_LAYER_WAIT_S = 300.0            # a layer-wise store's wait for each group's announcement
 TOKEN_HEX = 32                      # an instance token: 128 random bits, lowercase hex
-MAX_POSITION = 1 << 24              # positions a rotation takes (float32 holds every integer
-                                    # below 2^24)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Label = Annotated[str, msgspec.Meta(max_length=max(MODEL_NAME_BYTES, CACHE_SALT_BYTES))]

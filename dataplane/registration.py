@@ -39,6 +39,8 @@ MAX_PAGED_LAYERS = 1024             # layers of a paged registration
 MAX_PAGED_BUFFERS = 1024            # buffers a paged registration names
 MAX_HEAD_DIM = 1024
 MAX_WORKER_ID = MAX_WORLD_SIZE - 1
+MAX_POSITION = 1 << 24              # positions a rotation takes (float32 holds every integer
+                                    # below 2^24); also the most a rotary config's context may be
 
 Exact = Annotated[int, msgspec.Meta(ge=0, le=2**53)]  # exact as a JSON number
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -158,7 +160,7 @@ class RotaryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     factor: Positive = 1.0
     low_freq_factor: Positive = 1.0
     high_freq_factor: Positive = 4.0
-    original_max_position_embeddings: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    original_max_position_embeddings: Annotated[int, msgspec.Meta(ge=1, le=MAX_POSITION)] = 8192
     beta_fast: Positive = 32.0
     beta_slow: Positive = 1.0
     truncate: bool = True
@@ -203,4 +205,4 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 __all__ = ["Registration", "BufferSpec", "ShmBuffer", "CudaIpcBuffer", "PagedBuffer",
            "KVPlacement", "PagedLayer", "RotaryConfig", "WireDType", "BufferKind",
-           "MAX_PAGED_LAYERS", "MAX_PAGED_BUFFERS", "MAX_HEAD_DIM"]
+           "MAX_PAGED_LAYERS", "MAX_PAGED_BUFFERS", "MAX_HEAD_DIM", "MAX_POSITION"]
