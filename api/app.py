@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 
 from kvblend.api import errors
 from kvblend.api.auth import Tokens, require_admin, require_token
+from kvblend.api.drain import Drain
 from kvblend.api.limits import BodyLimit
 from kvblend.api.lookup import LookupFastPath
 from kvblend.api.metrics import build_registry
@@ -71,9 +72,11 @@ def create_app(settings: Settings) -> FastAPI:
         services = Services.open(settings)
         app.state.services = services
         app.state.registry = build_registry(services)
+        app.state.drain = Drain.watch()  # the server's signal handlers are in place by now
         try:
             yield
         finally:
+            app.state.drain.begin()
             services.close()
 
     app = FastAPI(title="kvblend", version=kvblend_version(),

@@ -44,14 +44,21 @@ def recv_frame(sock: socket.socket) -> tuple[int, bytes] | None:
     return call_id, payload
 
 
+FIRST_PIECE = 64 << 10  # a frame's buffer before any of its bytes came; it doubles as they come
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, into a buffer that grows with the bytes received (doubling, never past
+    ``n``): a header that announces ``MAX_FRAME`` and sends a few bytes holds a few pages, not
+    the length it announced (docs/security.md)."""
     if n == 0:
         return b""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    buf = bytearray(min(n, FIRST_PIECE))
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        if got == len(buf):
+            buf.extend(bytes(min(len(buf), n - got)))
+        k = sock.recv_into(memoryview(buf)[got:])
         if k == 0:
             if got == 0:
                 return None

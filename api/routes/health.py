@@ -1,8 +1,11 @@
-"""Liveness and readiness probes; open even when the service runs with an API token."""
+"""Liveness and readiness probes; open even when the service runs with an API token.
+
+Readiness is 503 from the moment the process begins to drain (``api.drain``), whatever the data
+plane answers, and while the data plane does not answer."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from kvblend.api.deps import DataPlaneDep
 from kvblend.api.errors import responses
@@ -20,7 +23,9 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Ready, operation_id="readyz",
             summary="Readiness: the data plane answers", responses=responses(503))
-async def readyz(dataplane: DataPlaneDep) -> Ready:
+async def readyz(request: Request, dataplane: DataPlaneDep) -> Ready:
+    if request.app.state.drain.draining:
+        raise DataPlaneUnavailable("this API process is shutting down")
     if dataplane.ping() is None:  # the monitor's last answer: never waits (``api.link``)
         raise DataPlaneUnavailable(f"the data plane at {dataplane.address} does not answer")
     return Ready()

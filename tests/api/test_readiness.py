@@ -1,5 +1,6 @@
 """Readiness against a real data plane that hangs (SIGSTOP): the API notices within its monitor's
-staleness bound and never holds a request for a whole call timeout."""
+staleness bound and never holds a request for a whole call timeout. And against a real service
+whose supervisor is killed: its API is never ready again from that moment (``api.drain``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from kvblend.api.app import create_app
 from tests.api.conftest import make_settings, problem
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
-from tests.harness import poll
+from tests.faults import CHILD_EXIT_DEADLINE, processes_of
+from tests.harness import Services, poll
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +57,31 @@ def test_a_hung_data_plane_is_not_ready_and_holds_no_request(
     os.kill(dp.proc.pid, signal.SIGCONT)
     poll(lambda: client.get("/readyz").status_code == 200, 30.0, "/readyz 200 again")
     assert client.get("/v1/instances").json() == {"instances": []}
+
+
+def readiness_until_refused(url: str, deadline_s: float) -> list[int]:
+    """Every ``/readyz`` status the API answers, each on a new connection, until it refuses
+    connections (bounded by ``deadline_s``); a connection it drops unanswered adds nothing."""
+    seen: list[int] = []
+
+    def refused() -> bool:
+        try:
+            seen.append(httpx.get(f"{url}/readyz", timeout=GENEROUS).status_code)
+        except httpx.ConnectError:
+            return True
+        except httpx.TransportError:  # closed without an answer while it drains
+            pass
+        return False
+
+    poll(refused, deadline_s, "the API to stop listening", every_s=0.0)
+    return seen
+
+
+def test_a_killed_supervisors_api_is_never_ready_again(services: Services) -> None:
+    svc = services.start()
+    svc.wait_ready()
+    os.kill(svc.proc.pid, signal.SIGKILL)  # its children get SIGTERM (PR_SET_PDEATHSIG)
+    seen = readiness_until_refused(svc.url, CHILD_EXIT_DEADLINE)
+    assert set(seen) <= {503}, f"/readyz answered {seen} after the supervisor was killed"
+    svc.proc.wait(CHILD_EXIT_DEADLINE)
+    poll(lambda: not processes_of(services.prefix), CHILD_EXIT_DEADLINE, "its children to exit")

@@ -9,21 +9,25 @@ socket. Real data-plane processes throughout.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Callable, Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.channel import Channel, recv_frame
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest, DataPlaneUnavailable, TooMany
-from kvblend.dataplane.messages import HEADER, MAX_FRAME, ListInstances, Ping
+from kvblend.dataplane.messages import HEADER, MAX_FRAME, ListInstances, Ping, reply_decoder
 from kvblend.shm.events import EventLog
 from kvblend.shm.segment import Segment
 from kvblend.shm.segment import exists as segment_exists
@@ -277,6 +281,45 @@ def test_an_oversized_frame_closes_the_connection_before_any_allocation(
     assert rss_kib(dataplane.proc.pid) - before < MAX_FRAME // 1024
     with Channel(dataplane.address) as ch:
         assert ch.call(Ping(), timeout=30).chunk_size == CHUNK
+
+
+def unread(sock: socket.socket) -> int:
+    """Bytes this side sent that the peer has not read yet (SIOCOUTQ of a Unix stream socket)."""
+    return struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def padded_ping(size: int) -> bytes:
+    """A ``Ping`` payload of exactly ``size`` bytes: the decoder skips the unknown ``pad``."""
+    pad = size
+    while True:
+        payload = msgspec.msgpack.encode({"type": "Ping", "pad": b"x" * pad})
+        if len(payload) == size:
+            return payload
+        pad += size - len(payload)
+
+
+def test_a_frame_holds_the_bytes_received_not_the_length_announced(
+        dataplane: DataPlaneProc) -> None:
+    n, payload = 20, padded_ping(MAX_FRAME)
+    head, start = HEADER.pack(len(payload), 1), 1024
+    before = rss_kib(dataplane.proc.pid)
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.connect(dataplane.address)
+            sock.sendall(head + payload[:start])  # announces 8 MiB, sends 1 kB
+        poll(lambda: all(unread(s) == 0 for s in socks), 60, "the data plane to read every start")
+        grown = rss_kib(dataplane.proc.pid) - before
+        assert grown < n * MAX_FRAME // 4 // 1024, f"{grown} KiB for {n} frames of {start} bytes"
+        for sock in socks:  # completed, each frame is served as any other
+            sock.sendall(payload[start:])
+        for sock in socks:
+            sock.settimeout(30)
+            call_id, reply = recv_frame(sock)
+            assert call_id == 1 and reply_decoder.decode(reply).chunk_size == CHUNK
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.fixture
