@@ -30,6 +30,7 @@ from redis.cluster import key_slot
 from redis.retry import Retry
 
 from kvblend.dataplane.remoteformat import RemoteKey
+from kvblend.shm.store import Store, StoreConfig
 from tests.harness import HOST, PollTimeout, free_port, poll
 
 SLOTS = 16384
@@ -343,3 +344,12 @@ def redis_cluster() -> Iterator[ClusterProcs]:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def store(shm_prefix: str) -> Iterator[Store]:
+    """A small real store under the test's own prefix (1 MiB, 256 KiB pages)."""
+    s = Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
+                                           min_slot_bytes=4096), wipe=True)
+    yield s
+    s.close()

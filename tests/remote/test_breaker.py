@@ -20,7 +20,7 @@ from kvblend.dataplane.writebehind import WriteBehind
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
-from kvblend.shm.store import ChunkKey, Store, StoreConfig
+from kvblend.shm.store import ChunkKey, Store
 from tests.harness import poll
 from tests.remote.conftest import KEY, ClusterProcs, RedisProc
 
@@ -40,14 +40,6 @@ def paused(node: RedisProc) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-@pytest.fixture
-def store(shm_prefix: str) -> Iterator[Store]:
-    s = Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
-                                           min_slot_bytes=4096), wipe=True)
-    yield s
-    s.close()
 
 
 class Doc:

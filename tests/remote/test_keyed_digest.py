@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from kvblend.dataplane.remote import ChunkId, Fetched, Miss, RemoteKey, RemoteTi
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
-from kvblend.shm.store import ChunkKey, Store, StoreConfig
+from kvblend.shm.store import ChunkKey, Store
 from tests.remote.conftest import KEY
 
 C, L, D = 16, 2, 32
@@ -55,14 +54,6 @@ def forgeries(cid: ChunkId, tokens: np.ndarray, kv: np.ndarray) -> dict[str, tup
             "another key": (bytes(encode(cid, tokens, forged, 0, ORIGIN_STANDALONE,
                                          key=OTHER_KEY)), Miss.CORRUPT),
             "format 1": (unkeyed(value, fmt=1), Miss.FORMAT)}
-
-
-@pytest.fixture
-def store(shm_prefix: str) -> Iterator[Store]:
-    s = Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
-                                           min_slot_bytes=4096), wipe=True)
-    yield s
-    s.close()
 
 
 def test_a_value_written_without_the_key_is_a_miss_the_keyed_one_a_hit(

@@ -7,7 +7,6 @@ store without ever blocking it."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -145,14 +144,6 @@ def cluster_url(seeds: list[tuple[str, int]]) -> str:
 
 
 # ------------------------------------------------------------------------------- write-behind
-
-
-@pytest.fixture
-def store(shm_prefix: str) -> Iterator[Store]:
-    s = Store.open(shm_prefix, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
-                                           min_slot_bytes=4096), wipe=True)
-    yield s
-    s.close()
 
 
 def commit(store: Store, class_id: int, ns: Namespace, tokens: np.ndarray, pos0: int
