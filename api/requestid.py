@@ -1,4 +1,4 @@
-"""``X-Request-ID`` on every request and every response: the caller's when it is fit, else a fresh one.
+"""``X-Request-ID`` on every request and response: the caller's when it is fit, else a fresh one.
 
 An id is kept when the request carries exactly one ``X-Request-ID`` of 1 to ``MAX_LENGTH``
 printable ASCII characters (no leading or trailing space); anything else (none, two, too long,

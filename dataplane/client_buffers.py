@@ -3,8 +3,9 @@ IPC handle.
 
 This module owns the shared-memory segments a ``BlendClient`` created or adopted for an engine's
 CPU buffers (named under the service's prefix, mode 0600, unlinked when their instance is
-unregistered, when the client closes, when it is garbage-collected and at interpreter exit), and the description of a buffer sent with a registration
-(``ShmBuffer``, ``CudaIpcBuffer``, ``PagedBuffer``). It does not register anything (the client's
+unregistered, when the client closes, when it is garbage-collected and at interpreter exit), and
+the description of a buffer sent with a registration (``ShmBuffer``, ``CudaIpcBuffer``,
+``PagedBuffer``). It does not register anything (the client's
 control does) nor copy anything (the data plane does).
 
 Each segment is held by a descriptor with a shared ``flock`` for as long as this process holds it:

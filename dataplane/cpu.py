@@ -9,8 +9,9 @@ A buffer is opened only when the client proves it is its own (docs/security.md):
 ``O_NOFOLLOW``, and ``fstat`` on that descriptor shows a regular file owned by the registering
 peer's uid, with one link, large enough for the layout, whose (st_dev, st_ino) is none of the
 service's own objects (``shm.kvbufs.service_identities``, taken at start and at each check: a hard
-link of the store's metadata under a buffer name is the metadata). The engine unlinks it; the data plane removes it only
-once it proved its owner gone (``shm.kvbufs``), from the file it opened here (``segments``).
+link of the store's metadata under a buffer name is the metadata). The engine unlinks it; the
+data plane removes it only once it proved its owner gone (``shm.kvbufs``), from the file it
+opened here (``segments``).
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ no KV), added to a record stream (field ``v``) beside its expiry in Unix millise
 ``x``) right after the value is written: ``kvblend:1:fp`` on a server, on a cluster the stream of
 the master that holds the value (``dataplane.recordstreams``). A stream is capped (``XADD MAXLEN
 ~``), so it holds the newest records; a host that tails them learns which chunks exist and where
-their KV was computed, without fetching any KV. A record is a claim, not a chunk: its value may have expired or
-been evicted since, and the read that follows checks the value as above. A record carries no
+their KV was computed, without fetching any KV. A record is a claim, not a chunk: its value may
+have expired or been evicted since, and the read that follows checks the value as above. A record carries no
 digest of its own (the value's digest covers KV it does not hold): a forged one costs a reader a
 miss, never wrong bytes.
 """

@@ -199,4 +199,5 @@ def _locked(name: str) -> bool:
         os.close(fd)
 
 
-__all__ = ["Identity", "EngineBuffer", "service_identities", "hold", "mapped_by", "remove_orphan", "engine_buffers"]
+__all__ = ["Identity", "EngineBuffer", "service_identities", "hold", "mapped_by", "remove_orphan",
+           "engine_buffers"]
