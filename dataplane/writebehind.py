@@ -230,15 +230,17 @@ class WriteBehind:
         """Count ``outcome``; hold a failed write for replay, and forget a held one that was
         written or skipped."""
         node = self._tier.node_of(item.chunk.key) if outcome == "failed" or self.held else None
+        dropped = 0
         with self._lock:
             if outcome == "failed":
                 assert node is not None
-                self.counts["replay_dropped"] += self._held.add(item, node)
+                dropped = self._held.add(item, node)
             else:
                 self._held.discard(item.key)
                 if outcome == "written" and node is not None and self._held.holds(node):
                     self._wake.set()  # the node is back: replay the rest without waiting
         self._count(outcome)
+        self._count("replay_dropped", dropped)
 
     def _replay(self) -> None:
         while not self._stop.is_set():
@@ -258,15 +260,19 @@ class WriteBehind:
                     break
                 self._count("replayed")
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str, n: int = 1) -> None:
+        if n == 0:
+            return
         with self._lock:
-            self.counts[what] += 1
+            self.counts[what] += n
         if self._events is not None and what in _COUNTERS:
-            self._events.add(_COUNTERS[what])
+            self._events.add(_COUNTERS[what], n)
 
 
 _COUNTERS = {"written": Counter.REMOTE_WRITTEN_CHUNKS, "dropped": Counter.REMOTE_DROPPED_CHUNKS,
-             "skipped": Counter.REMOTE_SKIPPED_CHUNKS, "failed": Counter.REMOTE_FAILED_WRITES}
+             "skipped": Counter.REMOTE_SKIPPED_CHUNKS, "failed": Counter.REMOTE_FAILED_WRITES,
+             "replayed": Counter.REMOTE_REPLAYED_WRITES,
+             "replay_dropped": Counter.REMOTE_REPLAY_DROPPED_WRITES}
 
 
 __all__ = ["WriteBehind"]

@@ -65,6 +65,11 @@ class Counter(StrEnum):
                              "Chunks not written behind: gone from the store before their turn.")
     REMOTE_FAILED_WRITES = ("remote_failed_writes",
                             "Remote writes that failed (remote down, slow, or its breaker open).")
+    REMOTE_REPLAYED_WRITES = ("remote_replayed_writes",
+                              "Failed remote writes offered again once their node was back.")
+    REMOTE_REPLAY_DROPPED_WRITES = ("remote_replay_dropped_writes",
+                                    "Failed remote writes given up: past the bounds of those "
+                                    "held for replay (oldest first).")
     REMOTE_RECORDS = "remote_records", "Records of remote chunks read from the remote tier's stream."
     REMOTE_MALFORMED_RECORDS = ("remote_malformed_records",
                                 "Records of the remote tier's stream that did not parse.")

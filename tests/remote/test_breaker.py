@@ -17,6 +17,7 @@ import pytest
 from kvblend.dataplane.remote import (TIER, Breaker, BreakerState, ChunkId, Fetched, Miss,
                                       RemoteTier, encode)
 from kvblend.dataplane.writebehind import WriteBehind
+from kvblend.shm.events import EventLog
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
@@ -151,7 +152,7 @@ def test_writes_that_failed_on_a_paused_master_are_replayed_from_the_slab(
 
 
 def test_held_writes_are_one_per_chunk_and_bounded_oldest_dropped(
-        redis_server: RedisProc, store: Store) -> None:
+        redis_server: RedisProc, store: Store, shm_prefix: str) -> None:
     doc = Doc(store, "breaker-bound", 10)
     doc.commit(list(range(10)), fill=0)
     now = [0.0]  # the breaker's clock: it probes only when the test says so
@@ -160,7 +161,8 @@ def test_held_writes_are_one_per_chunk_and_bounded_oldest_dropped(
         redis_server.start()
     with RemoteTier(redis_server.url, key=KEY, timeout_s=0.5, breaker=breaker) as tier:
         assert doc.fill_of(tier, 0) is Miss.ABSENT
-        wb = WriteBehind(store, tier, writers=1, replay_chunks=5, retry_s=0.05)
+        events = EventLog.create(shm_prefix)
+        wb = WriteBehind(store, tier, events=events, writers=1, replay_chunks=5, retry_s=0.05)
         redis_server.kill()
         try:
             doc.offer(wb, list(range(8)))
@@ -182,6 +184,10 @@ def test_held_writes_are_one_per_chunk_and_bounded_oldest_dropped(
         assert {i for i in range(10) if doc.fill_of(tier, i) == i} == {3, 4, 6, 7, 8}
         assert wb.counts["replayed"] == 5 and wb.counts["written"] == 5
         wb.close(timeout=DEADLINE)
+        counters = events.counters()  # what /metrics exports
+        assert counters["remote_replayed_writes"] == 5
+        assert counters["remote_replay_dropped_writes"] == 4
+        events.close()
 
 
 def test_held_writes_are_bounded_in_bytes(redis_server: RedisProc, store: Store) -> None:
