@@ -59,8 +59,6 @@ def _kind(name: str, field: FieldInfo) -> dict[str, Any]:
         return {"choices": list(get_args(field.annotation))}
     kind = next((t for t in get_args(field.annotation) if t is not type(None)), field.annotation)
     if kind is bool:  # --wipe, and --no-wipe to override KVBLEND_WIPE
-        if field.default is not False:
-            raise TypeError(f"Settings.{name}: a switch must default to False")
         return {"action": argparse.BooleanOptionalAction}
     if isinstance(kind, type) and issubclass(kind, Enum):
         return {"choices": [member.value for member in kind]}
@@ -77,6 +75,8 @@ def _help(field: FieldInfo) -> str:
     doc = (field.description or "").replace("%", "%%")
     if default is None or default is False or default == "":
         return doc
+    if default is True:
+        return f"{doc} (on by default)"
     if isinstance(default, Enum):
         default = default.value
     elif isinstance(default, float):

@@ -146,6 +146,10 @@ class Settings(BaseSettings):
     log_format: LogFormat = Field(LogFormat.TEXT, description=(
         "form of the service's log records on stderr: text, or json (one object per line)"))
     access_log: bool = Field(False, description="log one line per HTTP request")
+    standby: bool = Field(True, description=(
+        "keep a warm spare of the data plane and of the API (imported, kernels loaded, idle) "
+        "that takes over at once when either exits, and that a new kvblend serve on the prefix "
+        "adopts after this one was killed"))
 
     @field_validator("remote", mode="before")
     @classmethod

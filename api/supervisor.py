@@ -266,12 +266,16 @@ class Supervisor:
                                dataplane_env(os.environ, resolved.dataplane_settings()),
                                settings.stop_grace_s, Counter.DATAPLANE_RESTARTS,
                                ready_line=b"dataplane ready", wake=self._wake,
-                               log_format=settings.log_format)
+                               log_format=settings.log_format,
+                               spare_path=self._spare_path("dataplane"))
         where = (probe_host(settings.host), settings.port)
         self.api = Child("api", [sys.executable, "-m", "kvblend.api.uvicorn_workers"],
                          api_env(os.environ, resolved), settings.api_grace_s,
                          Counter.API_RESTARTS, probe=lambda: healthz(*where), wake=self._wake,
-                         log_format=settings.log_format)
+                         log_format=settings.log_format, spare_path=self._spare_path("api"))
+
+    def _spare_path(self, child: str) -> str | None:
+        return Names(self.settings.shm_prefix).standby(child) if self.settings.standby else None
 
     # -- running ----------------------------------------------------------------------------
 
@@ -334,14 +338,17 @@ class Supervisor:
             for child in children:
                 rc = child.reap(now)
                 if rc is not None and not self._stopping:
-                    log.warning("%s exited with code %s: restarting in %.1f s", child.name, rc,
-                                child.next_start - now)
+                    log.warning("%s exited with %s: restarting in %.1f s", child.name,
+                                child.exit_text(rc), child.next_start - now)
                 if child.proc is None and now >= child.next_start and not self._stopping:
                     if child.starts:
                         assert self._events is not None, "the event log opens before children"
                         self._events.add(child.counter)
                     child.start()
                 child.poll_ready()
+            if all(c.ready.is_set() for c in children):  # spares only once nothing starts
+                for child in children:
+                    child.start_spare()
             starting = any(c.proc is not None and not c.ready.is_set() for c in children)
             pending = [c.next_start - now for c in children if c.proc is None]
             self._wake.wait(max(0.0, min([STARTING_POLL if starting else 1.0, *pending])))

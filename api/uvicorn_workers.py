@@ -10,12 +10,15 @@ the app.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import uvicorn
 
 from kvblend.api.settings import Settings
+from kvblend.dataplane import standby
 from kvblend.dataplane.logs import configure, uvicorn_config
+from kvblend.shm.warm import warm
 
 PROG = "python -m kvblend.api.uvicorn_workers"
 
@@ -27,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = Settings()
     configure(settings.log_level, settings.log_format, "api")
+    if standby.is_spare():  # a spare: load what the app loads, then wait for its turn
+        importlib.import_module("kvblend.api.app")
+        warm(settings.shm_prefix)  # what the app's start does: it then finds them loaded
+        standby.wait_for_turn(settings.shm_prefix, "api")
     uvicorn.run("kvblend.api.app:app_from_env", factory=True, host=settings.host,
                 port=settings.port, workers=settings.workers, log_level=settings.log_level,
                 access_log=settings.access_log, lifespan="on",

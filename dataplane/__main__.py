@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvblend.dataplane import default_address, kernels, logs
+from kvblend.dataplane import default_address, kernels, logs, standby
 from kvblend.dataplane.calls import Tuning
 from kvblend.dataplane.engines import make_engine
 from kvblend.dataplane.instances import Limits
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = settings.shm_prefix
     logs.configure(settings.log_level, settings.log_format, "dataplane")
     kernels.warm(prefix)  # before the first real call; it logs before and after
+    standby.wait_for_turn(prefix, "dataplane")  # a spare waits here for its supervisor
     store = Store.open(prefix)
     fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size
     events = EventLog.open(prefix)

@@ -18,6 +18,7 @@ the other entries are paths in ``/dev/shm``::
     /dev/shm/P_serve.lock         file      api.supervisor: one ``kvblend serve`` per prefix
     /dev/shm/P_dataplane.sock     socket    dataplane: the channel's default address
     /dev/shm/P_dataplane.json     file      dataplane.statefile: registered instances, for restarts
+    /dev/shm/P_<child>_standby.sock socket  dataplane.standby: a warm spare of the data plane or API
     P_kvbuf_<32 hex>              segment   an engine's CPU KV buffer (dataplane.client_buffers); not ours
     P_warm<pid>_*                 scratch   shm.warm, under a prefix of its own, removed by it
 """
@@ -75,6 +76,12 @@ class Names:
     def state(self) -> str:
         return shm_path(f"{self.prefix}_dataplane.json")
 
+    def standby(self, child: str) -> str:
+        """Where the warm spare of ``child`` (``dataplane`` or ``api``) waits."""
+        if child not in STANDBY_CHILDREN:
+            raise ValueError(f"no spare named {child!r}: one of {', '.join(STANDBY_CHILDREN)}")
+        return shm_path(f"{self.prefix}_{child}_standby.sock")
+
     def kvbuf(self, hex_id: str) -> str:
         """An engine buffer's segment name; ``hex_id`` is 32 lowercase hex digits."""
         name = f"{self.prefix}_kvbuf_{hex_id}"
@@ -95,10 +102,11 @@ class Names:
         """Every path of the service's own names (engine buffers and scratch excluded)."""
         segments = (self.meta, self.slab, self.fp, self.events, self.remote)
         return [shm_path(n) for n in segments] + [self.lock(w) for w in _LOCKS] + \
-            [self.socket, self.state]
+            [self.socket, self.state] + [self.standby(c) for c in STANDBY_CHILDREN]
 
 
 _LOCKS = ("store", "fp", "events", "remote", "serve")
+STANDBY_CHILDREN = ("dataplane", "api")
 
 
 def destroy(prefix: str) -> int:

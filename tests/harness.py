@@ -39,6 +39,9 @@ from typing import Any, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvblend.dataplane.standby import peer_uid
+from kvblend.shm.names import Names
+
 T = TypeVar("T")
 S = TypeVar("S", bound="Service")
 
@@ -136,9 +139,11 @@ def kvblend_argv() -> list[str]:
 def serve_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child ``kvblend``: none of its ``KVBLEND_*`` settings
     (the child's are the caller's to give); numba's cache is this process's (``NUMBA_CACHE_DIR``
-    when set, else the user's, as for any ``kvblend serve``: ``kvblend.shm._jit``)."""
+    when set, else the user's, as for any ``kvblend serve``: ``kvblend.shm._jit``). Warm spares
+    are off (``KVBLEND_STANDBY=false``) unless ``extra`` turns them on: two more processes warming
+    after each start would double the suite's CPU (tests/test_standby.py tests them)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
-    return {**env, **(extra or {})}
+    return {**env, "KVBLEND_STANDBY": "false", **(extra or {})}
 
 
 class ServiceExited(AssertionError):
@@ -262,6 +267,38 @@ class Service:
         if self.proc.poll() is None:
             self.proc.kill()
         return self.proc.wait()
+
+
+def listener_pid(port: int) -> int | None:
+    """The process that holds the socket listening on TCP ``port`` (this uid's), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        inodes |= {f"socket:[{r[9]}]" for r in rows
+                   if r[1].endswith(f":{port:04X}") and r[3] == "0A"}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def spare_pid(prefix: str, child: str) -> int | None:
+    """The pid of the warm spare of ``child`` waiting under ``prefix``, or None. It asks the spare
+    (its hello) and hangs up, which leaves the spare waiting."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10.0)
+        try:
+            conn.connect(Names(prefix).standby(child))
+            pid, _uid = peer_uid(conn)
+            conn.recv(256)  # its hello: it is past accept
+        except OSError:
+            return None
+    return pid
 
 
 class Services:

@@ -24,6 +24,10 @@ EXCEPTIONS = {
                    "import, before any of our settings exist",
     "api/supervisor.py": "builds its children's environment: the parent's, plus the KVBLEND_* "
                          "variables of its settings (Settings.to_env)",
+    "dataplane/standby.py": "reads and removes the two variables that make a process a warm spare "
+                            "(its socket and configuration digest): the supervisor sets them "
+                            "beside the settings, so that a spare's settings are exactly those "
+                            "of the child it replaces",
     "engine/vllm_connector.py": "vLLM builds the connector from kv_connector_extra_config, which "
                                 "names the variable holding the API token (api_token_env) so that "
                                 "the token stays off vLLM's command line",
