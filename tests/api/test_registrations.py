@@ -54,11 +54,14 @@ class Live:
         return name
 
 
+LIMITS = {"max_instances": MAX_INSTANCES, "max_instances_per_client": PER_CALLER,
+          "instance_lease_s": 600.0}  # no lease runs out within a test
+
+
 @pytest.fixture
 def live(shm_prefix: str) -> Iterator[Live]:
     create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, max_instances=MAX_INSTANCES,
-                         max_instances_per_client=PER_CALLER, instance_lease_s=600.0)
+    dp = start_dataplane(shm_prefix, **LIMITS)
     yield Live(dp)  # the prefix's fixture removes the buffers made here
     if dp.proc.poll() is None:
         assert dp.stop() == 0
@@ -142,3 +145,19 @@ def test_a_buffer_another_caller_holds_cannot_be_registered_over_http(live: Live
         got = client.post("/v1/instances", json=body(callers_buffer), headers=bearer(TOKEN))
         assert got.status_code == 201, got.text
         assert len(client.get("/v1/instances", headers=bearer(TOKEN)).json()["instances"]) == 3
+
+
+def test_a_restarted_data_plane_still_knows_whose_instances_it_holds(live: Live) -> None:
+    name = live.buffer()
+    with live.app() as client:
+        ready(client)
+        for _ in range(PER_CALLER):
+            assert client.post("/v1/instances", json=body(name)).status_code == 201
+        assert live.dp.stop() == 0
+        live.dp.proc = start_dataplane(live.dp.prefix, **LIMITS).proc  # re-opens them
+        poll(lambda: len(client.get("/v1/instances").json().get("instances", ())) == PER_CALLER,
+             30.0, "the saved instances re-opened")
+        assert problem(client.post("/v1/instances", json=body(name)), 429)["code"] == "too_many"
+        other = from_peer(client, "192.0.2.7")
+        assert problem(other.post("/v1/instances", json=body(name)), 409)["code"] == \
+            "buffer_in_use"
