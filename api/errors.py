@@ -115,6 +115,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"
     OUT_OF_RANGE = "out_of_range"
     LAYOUT_MISMATCH = "layout_mismatch"
+    BUFFER_IN_USE = "buffer_in_use"
     STORE_FULL = "store_full"
     CAPACITY_EXCEEDED = "capacity_exceeded"
     BUSY = "busy"
@@ -149,6 +150,8 @@ CODES: dict[ErrorCode, tuple[str, str]] = {
                                    "tokens)"),
     ErrorCode.OUT_OF_RANGE: ("422", "offset plus tokens (or a match) beyond the buffer"),
     ErrorCode.LAYOUT_MISMATCH: ("409", "the buffer's layout disagrees with the namespace's"),
+    ErrorCode.BUFFER_IN_USE: ("409", "a registration over HTTP names a buffer that a live "
+                                     "instance registered by another caller holds"),
     ErrorCode.STORE_FULL: ("507", "nothing free and nothing evictable in the store"),
     ErrorCode.CAPACITY_EXCEEDED: ("507", "a fixed-size table is full (layout classes, pins)"),
     ErrorCode.BUSY: ("503", "the store's lock stayed taken past its wait; try again"),

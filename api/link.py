@@ -73,18 +73,20 @@ class DataPlaneLink:
             self._last = None  # not ready until the monitor hears from it again
             raise
 
-    def register(self, body: Registration, request_id: str | None = None) -> InstanceCreated:
-        """Register an engine buffer (the body goes to the data plane as it is); returns its id,
-        token and lease.
+    def register(self, body: Registration, request_id: str | None = None,
+                 caller: str | None = None) -> InstanceCreated:
+        """Register an engine buffer (the body goes to the data plane as it is) for ``caller``
+        (``api.callers``); returns its id, token and lease.
 
         Raises:
             BadRequest: the buffer cannot be opened, is not the client's, or its description is
                 wrong.
             LayoutMismatch: the layout disagrees with what the namespace already stores.
-            TooMany: the data plane's instance limits are reached.
+            TooMany: the data plane's instance limits, or this caller's share, are reached.
+            BufferInUse: a live instance of another caller holds the buffer.
         """
-        reply = self._call(dp.RegisterInstance(registration=body, request_id=request_id),
-                           self._timeout)
+        reply = self._call(dp.RegisterInstance(registration=body, request_id=request_id,
+                                               caller=caller), self._timeout)
         assert isinstance(reply, dp.Registered), "the channel raises on error replies"
         return InstanceCreated(instance_id=reply.instance_id, instance_token=reply.token,
                                lease_s=reply.lease_s)

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     max_instances: int = Field(**bounds(DP, "max_instances"), description=(
         "registered instances per service"))
     max_instances_per_client: int = Field(**bounds(DP, "max_instances_per_client"), description=(
-        "instances one data-plane connection may hold"))
+        "instances one data-plane connection, or one HTTP caller, may hold"))
     max_connections: int = Field(**bounds(DP, "max_connections"), description=(
         "data-plane connections at once"))
     insecure_no_token: bool = Field(False, description=(

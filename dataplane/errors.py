@@ -12,6 +12,7 @@ errors across boundaries.
     │   ├── BadRequest           a malformed call: bad tokens, matches, dtype, buffer spec    422
     │   │   ├── OutOfRange       offset + tokens (or a match) beyond the buffer               422
     │   │   └── LayoutMismatch   the buffer's layout disagrees with the namespace's           409
+    │   ├── BufferInUse          another caller's live instance holds that buffer             409
     │   ├── StoreFull            nothing free and nothing evictable in the store              507
     │   ├── CapacityExceeded     a fixed-size table is full (layout classes in use, pins)     507
     │   ├── Busy                 the store's lock stayed taken past its wait; try again       503
@@ -71,6 +72,12 @@ class LayoutMismatch(BadRequest):
     kind = ErrorKind.LAYOUT_MISMATCH
 
 
+class BufferInUse(RemoteError):
+    """A registration over HTTP names a buffer that a live instance of another caller holds."""
+
+    kind = ErrorKind.BUFFER_IN_USE
+
+
 class StoreFull(RemoteError):
     kind = ErrorKind.STORE_FULL
 
@@ -103,8 +110,9 @@ class Timeout(DataPlaneError, TimeoutError):
 
 HTTP_STATUS: dict[type[DataPlaneError], int] = {
     RemoteError: 500, UnknownInstance: 404, Forbidden: 403, TooMany: 429, BadRequest: 422,
-    OutOfRange: 422, LayoutMismatch: 409, StoreFull: 507, CapacityExceeded: 507, Busy: 503,
-    BackendError: 500, LayersNotWritten: 504, DataPlaneUnavailable: 503, Timeout: 504,
+    OutOfRange: 422, LayoutMismatch: 409, BufferInUse: 409, StoreFull: 507,
+    CapacityExceeded: 507, Busy: 503, BackendError: 500, LayersNotWritten: 504,
+    DataPlaneUnavailable: 503, Timeout: 504,
 }
 
 FROM_SHM: dict[type[shm.ShmError], type[RemoteError]] = {
@@ -118,7 +126,7 @@ FROM_SHM: dict[type[shm.ShmError], type[RemoteError]] = {
 PROBLEM_CODE: dict[type[DataPlaneError], str] = {
     RemoteError: "dataplane_error", UnknownInstance: "unknown_instance", Forbidden: "forbidden",
     TooMany: "too_many", BadRequest: "bad_request", OutOfRange: "out_of_range",
-    LayoutMismatch: "layout_mismatch", StoreFull: "store_full",
+    LayoutMismatch: "layout_mismatch", BufferInUse: "buffer_in_use", StoreFull: "store_full",
     CapacityExceeded: "capacity_exceeded", Busy: "busy", BackendError: "backend_error",
     LayersNotWritten: "layers_not_written", DataPlaneUnavailable: "dataplane_unavailable",
     Timeout: "timeout",
@@ -171,6 +179,7 @@ def http_error(status: int, code: str, detail: str) -> DataPlaneError:
 
 
 __all__ = ["DataPlaneError", "RemoteError", "UnknownInstance", "Forbidden", "TooMany",
-           "BadRequest", "OutOfRange", "LayoutMismatch", "StoreFull", "CapacityExceeded", "Busy",
-           "BackendError", "LayersNotWritten", "DataPlaneUnavailable", "Timeout", "HTTP_STATUS",
-           "FROM_SHM", "PROBLEM_CODE", "remote_error", "error_for", "reply_for", "http_error"]
+           "BadRequest", "OutOfRange", "LayoutMismatch", "BufferInUse", "StoreFull",
+           "CapacityExceeded", "Busy", "BackendError", "LayersNotWritten", "DataPlaneUnavailable",
+           "Timeout", "HTTP_STATUS", "FROM_SHM", "PROBLEM_CODE", "remote_error", "error_for",
+           "reply_for", "http_error"]

@@ -56,6 +56,7 @@ class Instance:
     owner_uid: int
     client: int | None          # the connection that registered it; None once restored
     expires: float              # time.monotonic() deadline of the lease
+    caller: str | None = None   # the HTTP caller the API registered it for; None: the socket
     jobs: "queue.SimpleQueue[Job]" = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None
     dropping: bool = False

@@ -22,6 +22,20 @@ opened and measured) before it creates anything: a refused registration leaves n
 layout class and no saved state. The fields' own bounds were checked by the decoder that made the
 ``Registration`` (``dataplane.registration``).
 
+Registrations over HTTP (``RegisterInstance.caller`` set: the API registers for that caller)
+are bounded apart from the socket's, so that no HTTP caller can keep engines out::
+
+    max_instances    every instance; an engine on the socket may take the last free slot
+    http_instances   instances registered over HTTP, all callers together: all but a quarter
+                     of max_instances (rounded down), the reserve that only the socket takes
+    max_per_client   instances of one connection (an engine on the socket), or of one HTTP
+                     caller (one token, else one peer: ``api.callers``), whatever connection
+                     of which API worker carried its registrations
+
+and an HTTP registration that names a buffer (shm name, CUDA IPC handle) a live instance of
+another caller holds is refused (``BufferInUse``): a caller registers only what it holds or what
+nobody has registered. An engine on the socket is trusted with its uid's buffers, as before.
+
 The table is saved on every change (``dataplane.statefile``), tokens included: a restarted data
 plane re-opens every instance under the same id and token with a fresh lease, so engines keep
 working across a data-plane restart. The data plane unlinks an engine's buffer only after the
@@ -39,10 +53,12 @@ from dataclasses import dataclass
 
 from kvblend.dataplane import statefile
 from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
-from kvblend.dataplane.errors import BadRequest, Forbidden, LayoutMismatch, TooMany, UnknownInstance
+from kvblend.dataplane.errors import (BadRequest, BufferInUse, Forbidden, LayoutMismatch, TooMany,
+                                      UnknownInstance)
 from kvblend.dataplane.instance import Instance
 from kvblend.dataplane.messages import TOKEN_HEX
-from kvblend.dataplane.registration import PagedBuffer, Registration
+from kvblend.dataplane.registration import (BufferKind, BufferSpec, PagedBuffer, Registration,
+                                            ShmBuffer)
 from kvblend.shm import errors as shm_errors
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.names import Names
@@ -58,12 +74,18 @@ class Limits:
     Attributes:
         lease_s: seconds an instance lives without a renewal.
         max_instances: instances of the whole data plane.
-        max_per_client: instances one connection may register.
+        max_per_client: instances one connection, or one HTTP caller, may register.
     """
 
     lease_s: float = 30.0
     max_instances: int = 256
     max_per_client: int = 64
+
+    @property
+    def http_instances(self) -> int:
+        """Instances registrations over HTTP may hold together: all but the engines' reserve, a
+        quarter of ``max_instances``, rounded down."""
+        return self.max_instances - self.max_instances // 4
 
 
 class Registry:
@@ -90,8 +112,8 @@ class Registry:
     # -- registration -----------------------------------------------------------------------
 
     def register(self, req: Registration, owner_uid: int, client: int | None,
-                 saved: tuple[int, str] | None = None, request_id: str | None = None
-                 ) -> Instance:
+                 saved: tuple[int, str] | None = None, request_id: str | None = None,
+                 caller: str | None = None) -> Instance:
         """Check everything, then open the buffer and start the instance's worker.
 
         Args:
@@ -100,19 +122,23 @@ class Registry:
             client: the registering connection (per-client limit); None for a restored one.
             saved: (id, token) of an instance a previous data plane saved.
             request_id: the call's, for the log.
+            caller: the HTTP caller the API registers for; None for the connection itself.
 
         Raises:
             BadRequest: bad names, layout fields or dtype, or a buffer that is not the client's.
             LayoutMismatch: the namespace's chunks were stored with another layout (or
                 ``shm.errors.LayoutMismatch`` from the store).
             TooMany: the instance limits are reached.
+            BufferInUse: an HTTP caller names a buffer another caller's live instance holds.
             shm.errors.CapacityError: every layout class holds chunks or instances.
             BackendError: the buffer cannot be mapped.
         """
         layout, cc = _layout_of(req, self._chunk)
         self._check_rotary(req)
         with self._reg_lock:
-            self._check_limits(client)
+            self._check_limits(client, caller)
+            if saved is None:
+                self._check_free(req.buffer, caller)
             self._check_namespace_layout(cc)
             buffer = self._engine.open(req.buffer, layout, owner_uid)
             try:
@@ -120,7 +146,8 @@ class Registry:
             except BaseException:
                 buffer.close()
                 raise  # the server answers by dataplane.errors.FROM_SHM
-            inst = self._insert(req, layout, class_id, buffer, owner_uid, client, saved)
+            inst = self._insert(req, layout, class_id, buffer, owner_uid, (client, caller),
+                                saved)
         inst.start()
         log.info("registered instance %d (%s, ws=%d, worker=%s, layout=%s, uid=%d) request_id=%s",
                  inst.id, req.model_name, req.world_size, req.worker_id, layout.shape, owner_uid,
@@ -164,14 +191,14 @@ class Registry:
             return self._store.register_class(cc)
 
     def _insert(self, req: Registration, layout: KVLayout, class_id: int,
-                buffer: InstanceBuffer, owner_uid: int, client: int | None,
+                buffer: InstanceBuffer, owner_uid: int, by: tuple[int | None, str | None],
                 saved: tuple[int, str] | None) -> Instance:
         with self._lock:
             iid, token = saved if saved is not None else (self._next_id, secrets.token_hex(16))
             assert len(token) == TOKEN_HEX, "tokens are 128 bits in hex"
             self._next_id = max(self._next_id, iid + 1)
-            inst = Instance(iid, token, req, layout, class_id, buffer, owner_uid, client,
-                            time.monotonic() + self.limits.lease_s)
+            inst = Instance(iid, token, req, layout, class_id, buffer, owner_uid, by[0],
+                            time.monotonic() + self.limits.lease_s, caller=by[1])
             self._by_id[iid] = inst
             try:
                 self._save()
@@ -181,16 +208,46 @@ class Registry:
                 raise
         return inst
 
-    def _check_limits(self, client: int | None) -> None:
+    def _check_limits(self, client: int | None, caller: str | None) -> None:
+        """Refuse a registration past ``max_instances``; then one of a connection past its
+        share, or one over HTTP past the HTTP path's or its caller's share (``Limits``)."""
         with self._lock:
             live = list(self._by_id.values())
-        if len(live) >= self.limits.max_instances:
+        limits = self.limits
+        if len(live) >= limits.max_instances:
             raise TooMany(f"this data plane holds {len(live)} instances, its limit "
                           "(--max-instances): unregister some first")
-        mine = sum(1 for i in live if client is not None and i.client == client)
-        if mine >= self.limits.max_per_client:
-            raise TooMany(f"this connection holds {mine} instances, the per-client limit "
-                          "(--max-instances-per-client)")
+        if caller is None:
+            mine = sum(1 for i in live if client is not None and i.client == client)
+            if mine >= limits.max_per_client:
+                raise TooMany(f"this connection holds {mine} instances, the per-client limit "
+                              "(--max-instances-per-client)")
+            return
+        http = [i for i in live if i.caller is not None]
+        if len(http) >= limits.http_instances:
+            raise TooMany(f"registrations over HTTP hold {len(http)} instances, all but the "
+                          f"{limits.max_instances - limits.http_instances} this data plane "
+                          "keeps for engines on its socket (--max-instances)")
+        mine = sum(1 for i in http if i.caller == caller)
+        if mine >= limits.max_per_client:
+            raise TooMany(f"this caller holds {mine} instances registered over HTTP, the "
+                          "per-client limit (--max-instances-per-client)")
+
+    def _check_free(self, spec: BufferSpec, caller: str | None) -> None:
+        """Refuse an HTTP caller a buffer that a live instance of another caller (or an engine
+        on the socket) holds: it would read and write another engine's KV.
+
+        Raises:
+            BufferInUse: naming the instance that holds it.
+        """
+        if caller is None:
+            return  # an engine on the socket: its uid's buffers are its own
+        names = buffer_names(spec)
+        for inst in self.all():
+            if inst.caller != caller and not inst.dropping and \
+                    names & buffer_names(inst.request.buffer):
+                raise BufferInUse(f"instance {inst.id}, registered by another caller, holds "
+                                  "this buffer: a caller registers only buffers it holds")
 
     def _classes_in_use(self) -> set[int]:
         with self._lock:
@@ -288,13 +345,24 @@ class Registry:
         back = []
         for item in table.instances:
             try:
-                self.register(item.request, item.owner_uid, None, (item.instance_id, item.token))
+                self.register(item.request, item.owner_uid, None, (item.instance_id, item.token),
+                              caller=item.caller)
                 back.append(item.instance_id)
             except Exception as exc:
                 log.warning("could not re-open instance %d: %s", item.instance_id, exc)
         with self._lock:
             self._save()
         return back
+
+
+def buffer_names(spec: BufferSpec) -> set[tuple[str, str | bytes]]:
+    """What names the memory of ``spec``: each shm object's name, each CUDA allocation's IPC
+    handle (the same allocation has the same handle whatever the offset into it)."""
+    if isinstance(spec, PagedBuffer):
+        return set().union(*(buffer_names(b) for b in spec.buffers))
+    if isinstance(spec, ShmBuffer):
+        return {(BufferKind.SHM.value, spec.name)}
+    return {(BufferKind.CUDA_IPC.value, spec.handle)}
 
 
 def _layout_of(req: Registration, chunk_size: int) -> tuple[KVLayout, ChunkClass]:
@@ -307,4 +375,4 @@ def _layout_of(req: Registration, chunk_size: int) -> tuple[KVLayout, ChunkClass
         raise BadRequest(str(exc)) from exc
 
 
-__all__ = ["Limits", "Registry"]
+__all__ = ["Limits", "Registry", "buffer_names"]

@@ -54,6 +54,9 @@ InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=64)]
 EventHandle = IpcHandle | None
+# who an HTTP registration is for (``api.callers``): a key, never a secret
+Caller = Annotated[str, msgspec.Meta(min_length=1, max_length=80,
+                                     pattern=r"^(token|uid|addr):[0-9A-Za-z._:%\[\]-]+$")] | None
 
 
 class StoreKind(str, enum.Enum):
@@ -82,6 +85,7 @@ class ErrorKind(str, enum.Enum):
     BAD_REQUEST = "bad_request"
     OUT_OF_RANGE = "out_of_range"
     LAYOUT_MISMATCH = "layout_mismatch"
+    BUFFER_IN_USE = "buffer_in_use"
     STORE_FULL = "store_full"
     CAPACITY = "capacity"
     BUSY = "busy"
@@ -116,10 +120,16 @@ class Ping(_Msg):
 class RegisterInstance(_Msg):
     """Register an engine worker's KV cache: ``registration`` is the body of ``POST
     /v1/instances`` as it is (``dataplane.registration``, the one contract of both); the instance
-    lives while its lease is renewed (``RenewLease`` or any call with its token)."""
+    lives while its lease is renewed (``RenewLease`` or any call with its token).
+
+    ``caller`` is set by the API alone: the HTTP caller it registers for (``api.callers``). Such
+    a registration counts against its caller's share and the HTTP path's, never the slots kept
+    for engines on the socket, and cannot name a buffer another caller's live instance holds
+    (``dataplane.instances``). None: the connection registers for itself."""
 
     registration: Registration
     request_id: RequestId = None
+    caller: Caller = None
 
 
 class UnregisterInstance(_Msg):

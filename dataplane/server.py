@@ -288,7 +288,7 @@ class DataPlane:
             return InstanceList(instances=[i.info() for i in self.registry.all()])
         if isinstance(msg, RegisterInstance):
             inst = self.registry.register(msg.registration, conn.uid, conn.id,
-                                          request_id=msg.request_id)
+                                          request_id=msg.request_id, caller=msg.caller)
             return Registered(instance_id=inst.id, token=inst.token,
                               lease_s=self.registry.limits.lease_s)
         if isinstance(msg, PrefetchChunks):  # answered at once: the fetches run on their own

@@ -100,7 +100,7 @@ class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             and over expired leases.
         instance_lease_s: seconds an instance lives without a renewal by its owner.
         max_instances: instances of the whole data plane.
-        max_instances_per_client: instances one connection may register.
+        max_instances_per_client: instances one connection, or one HTTP caller, may register.
         max_connections: channel connections at once.
         first_mib: MiB of a call's first batch, whose copies start while the rest is reserved
             or pinned.

@@ -10,6 +10,7 @@ read only when it is the service's own file (``shm.private.read_private``)::
      "instances": [{"instance_id": 3,
                     "token": "<32 hex>",            the instance's capability: secret
                     "owner_uid": 1000,              the engine's uid (its shm buffers' owner)
+                    "caller": "uid:1000" | null,    who registered it over HTTP (api.callers)
                     "request": {Registration}}]}    as registered (dataplane.registration)
 
 NOTE: a write is a rename of a complete temp file, so a reader sees the table before or after it,
@@ -41,6 +42,7 @@ class Saved(msgspec.Struct):
     token: str
     owner_uid: int
     request: Registration
+    caller: str | None = None
 
 
 class SavedTable(msgspec.Struct):
@@ -56,7 +58,7 @@ def save(path: str, next_id: int, instances: Iterable[Instance]) -> None:
     Raises:
         shm.errors.ForeignObject: a name planted at the temp path.
     """
-    saved = [Saved(i.id, i.token, i.owner_uid, i.request) for i in instances]
+    saved = [Saved(i.id, i.token, i.owner_uid, i.request, i.caller) for i in instances]
     write_private(path, msgspec.json.encode(SavedTable(next_id, saved)))
 
 

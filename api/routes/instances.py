@@ -3,7 +3,9 @@
 The registration body is the data plane's own type (``dataplane.registration.Registration``, the
 payload of its ``RegisterInstance`` frame): this route decodes it with msgspec, which checks every
 bound before the data plane is asked, and passes it on as it is. Its OpenAPI schema is the type's
-JSON Schema (``SCHEMAS``, merged into the document by ``api.app``).
+JSON Schema (``SCHEMAS``, merged into the document by ``api.app``). Each registration goes with
+its caller's key (``api.callers``), by which the data plane bounds what one caller, and the HTTP
+path as a whole, may register (``dataplane.instances``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
 
 from kvblend.api.auth import require_token
+from kvblend.api.callers import caller_of
 from kvblend.api.deps import DataPlaneDep
 from kvblend.api.errors import InvalidInput, responses
 from kvblend.api.lookup import request_id_of
@@ -61,11 +64,15 @@ RegistrationBody = Annotated[Registration, Depends(read_registration)]
              description="The data plane opens the buffer (a POSIX shm object the engine "
                          "created under `<shm_prefix>_kvbuf_<32 hex>`, or a CUDA IPC handle) "
                          "and serves store and retrieve calls for it from then on. The answer "
-                         "holds the instance token every later call on it needs.",
+                         "holds the instance token every later call on it needs. One caller "
+                         "(one token, else one peer) may hold `--max-instances-per-client` "
+                         "instances, the HTTP path as a whole all but a quarter of "
+                         "`--max-instances` (429); a buffer that a live instance of another "
+                         "caller holds is refused (409 `buffer_in_use`).",
              responses=responses(401, 409, 413, 422, 429, 503), openapi_extra=BODY)
 def register_instance(body: RegistrationBody, request: Request, dataplane: DataPlaneDep
                       ) -> InstanceCreated:
-    return dataplane.register(body, request_id_of(request))
+    return dataplane.register(body, request_id_of(request), caller_of(request.scope))
 
 
 @router.get("", response_model=InstanceList, operation_id="listInstances",
