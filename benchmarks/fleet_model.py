@@ -247,7 +247,8 @@ class Fleet:
             return 0.0
         c = self.costs
         done = max(self.links[h].serve(t, nbytes), self.tier.serve(t, nbytes)) + c.latency_s
-        self.res.queue.append(max(0.0, done - t - c.latency_s - nbytes / min(c.link, c.tier)))
+        queued = done - t - c.latency_s - nbytes / min(c.link, c.tier)
+        self.res.queue.append(queued if queued > 1e-9 else 0.0)  # not rounding noise
         return done - t
 
     def request(self, t: float, h: int, docs: tuple[int, ...]) -> None:
