@@ -137,11 +137,6 @@ class Fifo:
 Request = tuple[float, int, tuple[int, ...]]  # arrival time, host, documents
 
 
-def zipf_cdf(n: int, s: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
-    return np.cumsum(w) / w.sum()
-
-
 def draw_docs(cdf: np.ndarray, k: int, rng: np.random.Generator) -> tuple[int, ...]:
     """``k`` distinct documents, each Zipf-distributed (drawn until ``k`` differ)."""
     got: dict[int, None] = {}
@@ -154,7 +149,8 @@ def draw_docs(cdf: np.ndarray, k: int, rng: np.random.Generator) -> tuple[int, .
 def make_trace(hosts: int, w: Workload, seed: int) -> list[Request]:
     """Every host's Poisson arrivals, merged in time order; seeded by (seed, hosts)."""
     rng = np.random.default_rng([seed, hosts])
-    cdf = zipf_cdf(w.docs, w.zipf)
+    weights = 1.0 / np.arange(1, w.docs + 1, dtype=np.float64) ** w.zipf
+    cdf = np.cumsum(weights) / weights.sum()
     out: list[Request] = []
     for h in range(hosts):
         times = np.cumsum(rng.exponential(1.0 / w.rate, w.requests))
@@ -209,7 +205,7 @@ class Fleet:
         self.seq += 1
 
     def settle(self, now: float) -> None:
-        """Runs every request end up to ``now``: documents enter stores, misses are written behind."""
+        """Every request end up to ``now``: its documents enter the store, misses are written."""
         while self.pending and self.pending[0][0] <= now:
             t, _, h, d, write = heapq.heappop(self.pending)
             store = self.stores[h]
@@ -294,7 +290,7 @@ def ms(xs: list[float], q: float | None = None) -> str:
     if not xs:
         return "-"
     v = float(np.mean(xs)) if q is None else float(np.percentile(xs, q))
-    return f"{v * 1000:.1f}"
+    return f"{v * 1000:.1f}" if v < 10 else f"{v:.0f} s"  # seconds: an overloaded queue
 
 
 def row(n: int, tiered: Result, alone: Result) -> str:
@@ -308,10 +304,8 @@ def row(n: int, tiered: Result, alone: Result) -> str:
     return " ".join(cells)
 
 
-#: local/remote/own: local hits, tier hits of other hosts' writes, tier hits of the host's own
-#: evicted writes; alone: local hits without the tier. queue: the fetch jobs' queueing delay (ms).
-#: TTFT (ms) with the tier and alone (no tier). util: the tier's busy share. pays below: the
-#: prefill rate (tokens/s) below which the remote hits' fetches beat recomputing them.
+#: local/remote/own %: local hits, tier hits of others' writes, of the host's own evicted ones;
+#: alone: local hits, no tier. queue, TTFT: ms. util: the tier's offered load. pays below: tokens/s
 HEADER = ("  N local% remote%  own% alone%  queue    p50    p99  tier TTFT   p99  alone TTFT   p99"
           " util pays below")
 
@@ -327,7 +321,7 @@ def grid(args: argparse.Namespace, w: Workload) -> None:
                   f"{shape.chunk_bytes / 2**20:.0f} MiB a chunk; {gpu.upper()} prefill "
                   f"{costs.prefill:,.0f} tokens/s; recompute-only TTFT "
                   f"{recompute_ttft(w, costs) * 1000:.1f} ms; no-queue break-even "
-                  f"{costs.link * (1 - costs.blend_ratio) / shape.kv_bytes_per_token:,.0f} tokens/s")
+                  f"{costs.link * (1 - costs.blend_ratio) / shape.kv_bytes_per_token:,.0f}/s")
             print(HEADER)
             for n in hosts:
                 grown = costs.tier + n * args.tier_per_host_gbps * GB
@@ -346,37 +340,51 @@ def costs_from(args: argparse.Namespace, prefill: float) -> Costs:
 
 # -- validation: benchmarks/remote_share.py's trace at N=2 --------------------------------------
 
-def visibility(costs: Costs, chunk: float, n: int, load_cps: float, lookup_s: float) -> list[float]:
-    """remote_share's visibility part on host A's writer queue: ``n`` one-chunk documents, each
-    stored once B found the one before; meanwhile a load of 2-chunk stores at ``load_cps``
-    chunks/s (0: idle). Seconds from each store to B's lookup finding it."""
-    writer, out, t = Fifo(costs.write), [], 0.0
+def replay(costs: Costs, shape: Shape, n: int, load_cps: float, lookup_s: float
+           ) -> tuple[list[float], Fleet]:
+    """remote_share's visibility part through the fleet: host A stores ``n`` one-chunk
+    documents, each once B found the one before; B looks each up when it becomes fetchable.
+    Meanwhile A stores fresh 2-chunk documents at ``load_cps`` chunks/s (0: idle). Returns the
+    seconds from each store to B's lookup finding it, and the fleet (B's hits in ``res``)."""
+    w = Workload(docs=n, k=1, doc_chunks=1, question=0, store_bytes=math.inf)
+    fleet = Fleet(2, shape, replace(costs, prefill=math.inf), w, tier=True)  # nothing computed
+    out, t, fresh = [], 0.0, n
     next_load = 0.0 if load_cps else math.inf
-    for _ in range(n):
-        while next_load <= t:
-            writer.serve(next_load, 2 * chunk)
-            next_load += 2 / load_cps
-        seen = writer.serve(t, chunk) + costs.discovery_s + lookup_s / 2
+
+    def load_until(now: float) -> None:
+        nonlocal next_load, fresh
+        while next_load <= now:
+            fleet.request(next_load, 0, (fresh, fresh + 1))
+            next_load, fresh = next_load + 2 / load_cps, fresh + 2
+
+    for doc in range(n):
+        load_until(t)
+        fleet.request(t, 0, (doc,))  # A's store: a miss on A, then written behind
+        fleet.settle(t)
+        seen = fleet.visible[doc][0] + lookup_s / 2
+        load_until(seen)
+        fleet.request(seen, 1, (doc,))  # B's lookup that finds it
         out.append(seen - t)
         t = seen + lookup_s / 2
-    return out
+    return out, fleet
 
 
 def validate(args: argparse.Namespace) -> None:
     costs = costs_from(args, args.prefill_tps or PREFILL_8B_H200)
     chunk = args.chunk_mib * 2**20
-    lookup_s = args.lookup_ms / 1000
+    shape = Shape("remote_share.py", 1, 1, round(chunk / (4 * C)), 0.0)  # one chunk's bytes
     print(f"remote_share.py at N=2: {args.chunk_mib:g} MiB chunks; write-behind "
           f"{args.write_gbps} GB/s, fetch path {args.link_gbps} GB/s, local copy "
-          f"{args.local_gbps} GB/s, discovery {args.discovery_ms} ms, B's lookup {args.lookup_ms} ms")
+          f"{args.local_gbps} GB/s, discovery {args.discovery_ms} ms, lookup {args.lookup_ms} ms")
     for name, load in (("idle", 0.0), (f"A storing {args.load_cps:g} chunks/s", args.load_cps)):
-        v = visibility(costs, chunk, args.val_docs, load, lookup_s)
-        print(f"visible on B, {name}: p50 {ms(v, 50)} ms, p99 {ms(v, 99)} ms")
+        v, fleet = replay(costs, shape, args.val_docs, load, args.lookup_ms / 1000)
+        b = fleet.res.remote / args.val_docs  # B requested only A's documents
+        print(f"visible on B, {name}: p50 {ms(v, 50)} ms, p99 {ms(v, 99)} ms; B's lookups "
+              f"found {100 * b:.1f} % of A's documents remote")
     k = args.retrieve_chunks
-    two = Fleet(2, MODELS["8b"], costs, replace(Workload(), store_bytes=math.inf), tier=True)
+    two = Fleet(2, shape, costs, replace(Workload(), store_bytes=math.inf), tier=True)
     wait = two.fetch(0.0, 1, k * chunk)
     copy = k * chunk / costs.local
-    print(f"B's hit rate on A's documents: 100.0 % remote (each looked up after it is visible)")
     print(f"retrieve of {k} remote chunks on B: fetch {wait * 1000:.1f} ms + copy "
           f"{copy * 1000:.1f} ms = {(wait + copy) * 1000:.1f} ms; once local {copy * 1000:.1f} ms")
 
@@ -430,7 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"seed {args.seed}; {w.docs} documents of {w.doc_chunks} chunks, Zipf s={w.zipf}, "
               f"{w.k} a request + {w.question} question tokens; {w.rate:g} requests/s per host, "
               f"{w.requests} each; stores of {args.store_gib:g} GiB; fetch path "
-              f"{args.link_gbps} GB/s per host, tier {args.tier_gbps} GB/s in all, "
+              f"{args.link_gbps:g} GB/s per host, tier {args.tier_gbps:g} GB/s "
+              f"+ {args.tier_per_host_gbps:g} a host, "
               f"{args.latency_ms} ms a fetch; write-behind {args.write_gbps} GB/s per host")
         grid(args, w)
     print(f"\n({time.perf_counter() - t0:.1f} s)")
