@@ -44,7 +44,7 @@ C = 256  #: tokens per chunk, kvblend's default chunk_size
 
 # -- costs: measured (with the line of docs/ that holds the number) or assumed (then a flag) -----
 #: local hit, shm slab -> GPU: paged retrieve of 1 GiB on the H200, GPU span 51.6-51.9 GB/s, the
-#: client seeing about 1.5 ms more per call (docs/benchmarks.md:573-575)
+#: call's CPU work 1.0-1.3 ms more (docs/benchmarks.md:573-577); rounded down to 50
 LOCAL_GBPS = 50.0
 #: a host's fetch path end to end (read, every check, copy into the slab): retrieve of 32 remote
 #: chunks on B, 3 masters, 16-core host (docs/benchmarks.md:1003; 0.81 GB/s from one server)
@@ -55,13 +55,13 @@ MASTER_GBPS = 2.1
 MASTERS = 3
 #: write-behind, 4 writers, 3 masters, 16-core host: 1.00 GB/s (docs/benchmarks.md:999)
 WRITE_GBPS = 1.00
-#: the record reaching another host's XREAD and its index: "about 1-5 ms" (docs/benchmarks.md:987)
+#: the record reaching another host's XREAD and index: "about 1-5 ms" (docs/benchmarks.md:984-986)
 DISCOVERY_S = 0.003
 #: ASSUMED: one fetch request's round trip and server turn across a network (only loopback was
-#: measured here: B's whole HTTP lookup is 1.0-1.7 ms, docs/benchmarks.md:964)
+#: measured here: B's whole HTTP lookup is 1.3-1.7 ms, docs/benchmarks.md:966)
 LATENCY_S = 0.0005
 #: prefill tokens/s. Measured: Llama-3.1-8B shape on one H200, 8,192 tokens in 270.2 ms
-#: (docs/blend.md:24; 26,700/s at 16k, 22,500/s at 32k). ASSUMED: an H100 at 0.9 of that (same
+#: (docs/blend.md:27; 26,700/s at 16k, 22,500/s at 32k). ASSUMED: an H100 at 0.9 of that (same
 #: compute, slower memory); 70B scaled by parameters (8.0 / 70.6) at the same compute per GPU,
 #: one GPU's worth (a TP group of t GPUs: pass --prefill-tps t times it)
 PREFILL_8B_H200 = 30_300.0
