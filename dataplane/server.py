@@ -12,7 +12,9 @@ This module owns the process's threads::
                          started in arrival order (``dataplane.instance``)
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
                          unpin, reply) while its worker starts the next
-    maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
+    maintenance          periodic ``store.renew_pins()`` (its own pins are a lease), ``reclaim()``,
+                         a sweep for orphaned chunks (``shm.orphans``), and dropping instances
+                         whose lease ran out
                          (then removing their engine's shm segments once ``shm.kvbufs`` proves
                          the owner gone)
 
@@ -217,10 +219,11 @@ class DataPlane:
     def _maintain(self) -> None:
         while not self._stop.wait(self._interval):
             try:
+                self.shared.store.renew_pins()
                 freed, dropped = self.shared.store.reclaim()
                 if freed or dropped:
-                    log.info("reclaimed %d reservations and %d pins of dead processes",
-                             freed, dropped)
+                    log.info("reclaimed %d reservations and %d pins (dead processes, pin leases "
+                             "run out)", freed, dropped)
                 for inst in self.registry.expired():
                     if self.registry.claim_drop(inst):
                         log.info("the lease of instance %d ran out: dropping it", inst.id)

@@ -14,13 +14,15 @@ Two ways to read::
                 two whole critical sections (``Guarded.read_stable``); the answer may be stale
                 by the time it returns (an object can be evicted right after), never torn.
 
-NOTE: pins are counted per process in the pin table, so the pins of a process that dies are
-dropped by the next ``reclaim`` (``shm.recovery``).
+NOTE: pins are counted per holder (this attached ``Store``) in the pin table and held as a
+lease (``shm.pins``): the next ``reclaim`` (``shm.recovery``) drops the pins of a holder whose pid
+is dead, or whose lease ran out whatever its pid (one in another pid namespace cannot be proven
+dead from here). A holder keeps its pins past ``pin_lease_s`` by calling ``renew_pins``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -48,6 +50,9 @@ class StoreReader:
     _guard: Guarded
     _slots: SlotMap
     _pid: int
+    _holder: int
+    clock: Callable[[], float]
+    pin_lease_s: float
 
     def pin(self, keys: Sequence[ChunkKey], timeout: float | None = None
             ) -> list[PinnedChunk | None]:
@@ -69,7 +74,8 @@ class StoreReader:
             return np.zeros(0, np.int64)
         words = key_words(keys)
         with self._guard(timeout):
-            slots = pintable.pin(self._h, self._obj, self._table, self._pins, words, self._pid)
+            slots = pintable.pin(self._h, self._obj, self._table, self._pins, words, self._holder,
+                                 self._pid, self._lease_end())
         if slots[0] == FULL:
             raise CapacityError(f"pin table full ({self.config.max_pins // 2} pins)")
         return slots
@@ -80,7 +86,20 @@ class StoreReader:
     def unpin_slots(self, slots: np.ndarray) -> None:
         """Drop one pin of this process on each slot (entries < 0 are skipped)."""
         with self._guard:
-            pintable.unpin(self._h, self._obj, self._pins, np.asarray(slots, np.int64), self._pid)
+            pintable.unpin(self._h, self._obj, self._pins, np.asarray(slots, np.int64),
+                           self._holder)
+
+    def renew_pins(self) -> int:
+        """Hold every pin of this ``Store`` for another ``pin_lease_s`` seconds; returns the pin
+        rows renewed. A holder that keeps pins longer than the lease calls it at least once per
+        lease (the data plane does on every maintenance pass); pins not renewed in time are
+        dropped by the next ``reclaim`` of any process, whatever the holder's pid."""
+        with self._guard:
+            return int(pintable.renew(self._pins, self._holder, self._lease_end()))
+
+    def _lease_end(self) -> int:
+        """The pin lease's end if it started now, in ``clock`` milliseconds."""
+        return int((self.clock() + self.pin_lease_s) * 1000)
 
     @contextmanager
     def pinned(self, keys: Sequence[ChunkKey]) -> Iterator[list[PinnedChunk | None]]:

@@ -93,6 +93,7 @@ def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:
         single.commit()
     pinned = store.pin_slots(keys)
     store.check_pinned(cid, pinned, keys, rows)
+    store.renew_pins()
     store.unpin_slots(pinned)
     store.contains_key(keys[0])
     fps.register_prepared(fps.prepare(ns, tokens, hashes))
@@ -109,7 +110,7 @@ def _exercise_repairs(store: Store, fps: FingerprintIndex) -> None:
     with store._guard():
         store._rebuild()
         recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table,
-                         store._pins, np.array([-1], np.int64))  # no such pid: nothing to free
+                         store._pins, np.array([-1], np.int64), 0)  # no such pid, no lease over
     with fps._guard(None):
         fps.repair()
 

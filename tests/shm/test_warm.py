@@ -74,7 +74,7 @@ from kvblend.shm import recovery
 with store._guard():  # what a restart after a crash runs
     store._rebuild()
     recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,
-                     np.array([2**22 + 7], np.int64))
+                     np.array([2**22 + 7], np.int64), 0)
 with fps._guard(None):
     fps.repair()
 store.clear()
