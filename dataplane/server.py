@@ -34,6 +34,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from kvblend.dataplane.messages import (ErrorKind, ErrorReply, InstanceList, Lay
 from kvblend.dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
 from kvblend.shm.events import EventLog
 from kvblend.shm.kvbufs import remove_orphan
+from kvblend.shm.orphans import OrphanSweeper
 from kvblend.shm.private import check_socket
 from kvblend.shm.telemetry import Counter, RetrieveError, StoreError
 from kvblend.shm.version import kvblend_version
@@ -110,6 +112,7 @@ class DataPlane:
         self.prefix, self.shared, self.engine = prefix, shared, engine
         self.registry = Registry(prefix, shared.store, engine, shared.chunk_size, limits)
         self._interval = reclaim_interval
+        self._orphans = OrphanSweeper(shared.store, shared.fingerprints)
         self._max_connections = max_connections
         self._uid = os.geteuid()
         self._stop = threading.Event()
@@ -229,6 +232,10 @@ class DataPlane:
                         log.info("the lease of instance %d ran out: dropping it", inst.id)
                         self.shared.events.add(Counter.INSTANCES_EXPIRED)
                         inst.submit(_drop_job(self.registry), bounded=False)
+                if self._orphans.due(time.monotonic()):
+                    swept = self._orphans.run(time.monotonic())
+                    if swept.orphans:
+                        log.info("%s", swept)
             except Exception:
                 log.exception("maintenance pass failed")
 

@@ -40,8 +40,9 @@ from kvblend.shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H
                                NEXT, NIL, NS, PID, PINS, PREV, RANK, RESERVED, STATE, TICK, find,
                                insert, lru_push)
 from kvblend.shm.pins import P_COUNT, P_LEASE, P_PID, P_SLOT
-from kvblend.shm.slab import (C_COMMITTED, C_FREE_HEAD, C_NSLOTS, C_PAGES, G_CLASS, G_USED,
-                              H_COMMITTED, H_RESERVED, H_SPP, abort, free_push, release_page)
+from kvblend.shm.slab import (C_COMMITTED, C_EVICTIONS, C_FREE_HEAD, C_NSLOTS, C_PAGES, EV_N,
+                              G_CLASS, G_USED, H_COMMITTED, H_EVICTIONS, H_RESERVED, H_SPP,
+                              abort, evict, free_push, release_page)
 
 
 @numba.njit(cache=True)
@@ -66,6 +67,27 @@ def reclaim(h, classes, pages, obj, table, pins, dead, now):
                 abort(h, classes, pages, obj, table, s)
                 freed += 1
     return freed, pins_dropped
+
+
+@numba.njit(cache=True)
+def free_committed(h, classes, pages, obj, table, slots, words, start, ev, evn):
+    """Drop each COMMITTED, unpinned object of ``slots`` that still holds the key ``words[k]``
+    (the orphan sweep's chunks it cannot index: ``shm.orphans``), from row ``start`` on, logging
+    their keys; a reclaim, not memory pressure, so not counted as evictions. Stops while the log
+    is full; returns (the first row not done, objects dropped)."""
+    k, n = start, 0
+    while k < len(slots) and evn[EV_N] < len(ev):
+        s = slots[k]
+        if (obj[s, STATE] == COMMITTED and obj[s, PINS] == 0 and obj[s, K0] == words[k, 0]
+                and obj[s, K1] == words[k, 1] and obj[s, NS] == words[k, 2]
+                and obj[s, RANK] == words[k, 3]):
+            c = obj[s, CLASS]
+            evict(h, classes, pages, obj, table, s, ev, evn)
+            classes[c, C_EVICTIONS] -= 1
+            h[H_EVICTIONS] -= 1
+            n += 1
+        k += 1
+    return k, n
 
 
 @numba.njit(cache=True)

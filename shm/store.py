@@ -51,7 +51,7 @@ from kvblend.shm.classes import ClassTable
 from kvblend.shm.evicted import LIMIT as EVICTED_LIMIT
 from kvblend.shm.evicted import EvictedKeys
 from kvblend.shm.header import HEADER_WORDS, Hdr
-from kvblend.shm.keys import ChunkKey, key_words
+from kvblend.shm.keys import ChunkKey, Keys, key_words
 from kvblend.shm.layout import ChunkClass
 from kvblend.shm.lock import FileLock, Guarded, pid_alive
 from kvblend.shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
@@ -281,6 +281,21 @@ class Store(StoreWriter, StoreReader):
                 if not full:
                     break
             self._h[Hdr.EVICTIONS], self._classes[:, slab.C_EVICTIONS] = evictions
+        return n
+
+    def free_committed(self, slots: np.ndarray, keys: Keys) -> int:
+        """Drop the committed, unpinned objects of ``slots`` that still hold ``keys`` (what the
+        orphan sweep, ``shm.orphans``, cannot index); returns how many. Their keys wait for
+        ``take_evicted``; the eviction counters do not count them (as ``clear``)."""
+        slots, words = np.asarray(slots, np.int64), key_words(keys)
+        ev, k, n = self._evicted, 0, 0
+        with self._guard():
+            while k < len(slots):
+                k, freed = recovery.free_committed(self._h, self._classes, self._pages, self._obj,
+                                                   self._table, slots, words, k, ev.log,
+                                                   ev.counts)
+                n += int(freed)
+                ev.drain()
         return n
 
     def take_evicted(self) -> np.ndarray:

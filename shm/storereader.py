@@ -30,11 +30,12 @@ import numpy as np
 from kvblend.shm import index
 from kvblend.shm import pins as pintable
 from kvblend.shm.errors import CapacityError
+from kvblend.shm.header import Hdr
 from kvblend.shm.keys import ChunkKey, Keys, hashes_among, key_words, shard_words
 from kvblend.shm.lock import Guarded
 from kvblend.shm.records import PinnedChunk
 from kvblend.shm.slab import FULL
-from kvblend.shm.slots import VERIFIED, SlotMap
+from kvblend.shm.slots import SLOT_HDR_WORDS, VERIFIED, SlotMap
 from kvblend.shm.storefile import StoreConfig
 
 
@@ -138,6 +139,48 @@ class StoreReader:
             live = (obj[:, index.STATE] == index.COMMITTED) & (obj[:, index.RANK] == 0)
             held = obj[live][:, [index.K0, index.K1]]
         return hashes_among(held, words)
+
+    def committed_since(self, tick: int) -> tuple[np.ndarray, int]:
+        """The committed objects used (committed, pinned or stored again) after logical time
+        ``tick`` (0: all), and the store's logical time now, read in one critical section (a
+        pass over the objects: for the orphan sweep, not for hot paths).
+
+        Returns:
+            (int64 ``[n, 5]``: each object's slot and key words K0, K1, NS, RANK; the tick).
+        """
+        with self._guard():
+            obj = self._obj
+            used = (obj[:, index.STATE] == index.COMMITTED) & (obj[:, index.TICK] > tick)
+            slots = np.flatnonzero(used)
+            rows = np.empty((len(slots), 5), np.int64)
+            rows[:, 0] = slots
+            rows[:, 1:] = obj[slots, index.K0:index.RANK + 1]
+            return rows, int(self._h[Hdr.TICK])
+
+    def slot_records(self, slots: np.ndarray, keys: Keys, chunk_size: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What committed slots hold, read in one critical section (for the orphan sweep).
+
+        Args:
+            slots: slot ids.
+            keys: the committed key each slot is expected to hold.
+            chunk_size: the token ids read per slot.
+
+        Returns:
+            (bool per slot: it still holds its key committed; the slot header's words, int64
+            ``[n, SLOT_HDR_WORDS]``; its token ids, uint32 ``[n, chunk_size]``). Header and tokens
+            are zero where the slot holds another key, or chunks of another size.
+        """
+        slots, words = np.asarray(slots, np.int64), key_words(keys)
+        heads = np.zeros((len(slots), SLOT_HDR_WORDS), np.int64)
+        tokens = np.zeros((len(slots), chunk_size), np.uint32)
+        with self._guard():
+            held = index.find_committed(self._table, self._obj, words) == slots
+            for i in np.flatnonzero(held).tolist():
+                ids = self._slots.tokens(int(slots[i]))
+                if len(ids) == chunk_size:
+                    heads[i], tokens[i] = self._slots.header(int(slots[i])), ids
+        return held, heads, tokens
 
     def contains_key(self, key: ChunkKey) -> bool:
         """True when ``key`` is committed now (lock-free; the single-key fast path)."""

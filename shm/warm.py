@@ -30,6 +30,7 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.lookup import lookup
 from kvblend.shm.names import Names, destroy
+from kvblend.shm.orphans import sweep_orphans
 from kvblend.shm import _jit, recovery
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
@@ -100,6 +101,8 @@ def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:
     query = np.concatenate([tokens[5:], tokens])
     query.setflags(write=tokens.flags.writeable)
     lookup(store, fps, ns, query)
+    sweep_orphans(store, fps)  # the data plane's start-up sweep (nothing is orphaned here)
+    store.free_committed(slots[:1], keys[:1])
     fps.remove(hashes[:1])
     store.clear()
     fps.clear()

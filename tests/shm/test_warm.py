@@ -69,6 +69,9 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
     store.unpin_slots(pinned)
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
+from kvblend.shm.orphans import sweep_orphans
+sweep_orphans(store, fps)
+store.renew_pins()
 store.reclaim()
 from kvblend.shm import recovery
 with store._guard():  # what a restart after a crash runs
