@@ -137,7 +137,7 @@ class Store(StoreWriter, StoreReader):
     @classmethod
     def attach(cls, prefix: str) -> "Store":
         """The existing store of ``prefix``, its geometry read from its header; reservations and
-        pins of dead processes are reclaimed.
+        pins of dead processes, and pins whose lease ran out, are reclaimed.
 
         Raises:
             FileNotFoundError: no store exists, or its creator died before finishing it.
