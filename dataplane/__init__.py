@@ -19,7 +19,9 @@ Process::
     a Unix stream socket (default ``default_address(P)`` = ``/dev/shm/P_dataplane.sock``, mode
     0600, only peers of its own uid), prints
     ``dataplane ready pid=<pid> backend=<cpu|cuda> address=<path>`` on stdout once it accepts
-    calls, reclaims dead pids' reservations and pins every ``reclaim_interval_s`` seconds, and on
+    calls, indexes again (or frees) the chunks a store cut before its fingerprint registration
+    left (``shm.orphans``; again every minute), reclaims dead pids' reservations and pins and the
+    pins whose lease ran out every ``reclaim_interval_s`` seconds, and on
     SIGTERM/SIGINT finishes every queued call and exits 0 (2 when a name it would use is not
     the service's own: docs/security.md). Registered instances are saved in
     ``/dev/shm/P_dataplane.json``: a restarted data plane re-opens them under the same ids and

@@ -35,6 +35,7 @@ from kvblend.dataplane.transfer import Shared
 from kvblend.shm.errors import ForeignObject
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
+from kvblend.shm.orphans import sweep_orphans
 from kvblend.shm.remotes import wall_ms
 from kvblend.shm.store import Store
 from kvblend.shm.telemetry import Counter
@@ -94,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if swept:
         log.info("dropped %d fingerprint entries of chunks no longer stored", swept)
         events.add(Counter.FINGERPRINT_EVICTED_ENTRIES, swept)
+    # a data plane killed between a store's commit and its registration left chunks no lookup
+    # finds: indexed again, or freed when they cannot be
+    orphans = sweep_orphans(store, fingerprints)
+    if orphans.orphans:
+        log.info("%s", orphans)
     engine = make_engine(settings.backend, store, tuning(settings).staging_bytes)
     shared = Shared(store, fingerprints, events, fingerprints.chunk_size, tuning(settings),
                     *(remote.parts() if remote is not None else ()))

@@ -68,7 +68,8 @@ def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, ch
     try:
         got = tier.get_into(chunk, tokens, res.kv.reshape(-1).view(np.uint8), streams)
         if isinstance(got, Fetched):
-            store.set_positions(np.array([res.slot]), np.array([got.pos0]), got.origin)
+            store.set_positions(np.array([res.slot]), np.array([got.pos0]), got.origin,
+                                chunk.root)
     except BaseException:
         res.abort()
         raise

@@ -12,7 +12,9 @@ This module owns the process's threads::
                          started in arrival order (``dataplane.instance``)
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
                          unpin, reply) while its worker starts the next
-    maintenance          periodic ``store.reclaim()`` and dropping instances whose lease ran out
+    maintenance          periodic ``store.renew_pins()`` (its own pins are a lease), ``reclaim()``,
+                         a sweep for orphaned chunks (``shm.orphans``), and dropping instances
+                         whose lease ran out
                          (then removing their engine's shm segments once ``shm.kvbufs`` proves
                          the owner gone)
 
@@ -32,6 +34,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +51,7 @@ from kvblend.dataplane.messages import (ErrorKind, ErrorReply, InstanceList, Lay
 from kvblend.dataplane.transfer import Call, Gate, Shared, prefetch, retrieve_call, store_call
 from kvblend.shm.events import EventLog
 from kvblend.shm.kvbufs import remove_orphan
+from kvblend.shm.orphans import OrphanSweeper
 from kvblend.shm.private import check_socket
 from kvblend.shm.telemetry import Counter, RetrieveError, StoreError
 from kvblend.shm.version import kvblend_version
@@ -108,6 +112,7 @@ class DataPlane:
         self.prefix, self.shared, self.engine = prefix, shared, engine
         self.registry = Registry(prefix, shared.store, engine, shared.chunk_size, limits)
         self._interval = reclaim_interval
+        self._orphans = OrphanSweeper(shared.store, shared.fingerprints)
         self._max_connections = max_connections
         self._uid = os.geteuid()
         self._stop = threading.Event()
@@ -217,15 +222,20 @@ class DataPlane:
     def _maintain(self) -> None:
         while not self._stop.wait(self._interval):
             try:
+                self.shared.store.renew_pins()
                 freed, dropped = self.shared.store.reclaim()
                 if freed or dropped:
-                    log.info("reclaimed %d reservations and %d pins of dead processes",
-                             freed, dropped)
+                    log.info("reclaimed %d reservations and %d pins (dead processes, pin leases "
+                             "run out)", freed, dropped)
                 for inst in self.registry.expired():
                     if self.registry.claim_drop(inst):
                         log.info("the lease of instance %d ran out: dropping it", inst.id)
                         self.shared.events.add(Counter.INSTANCES_EXPIRED)
                         inst.submit(_drop_job(self.registry), bounded=False)
+                if self._orphans.due(time.monotonic()):
+                    swept = self._orphans.run(time.monotonic())
+                    if swept.orphans:
+                        log.info("%s", swept)
             except Exception:
                 log.exception("maintenance pass failed")
 

@@ -129,7 +129,8 @@ class _StoreCall:
                                                 self.rows[lo:hi])
         self.reserved = hi
         ours = lo + np.flatnonzero(self.slots[lo:hi] >= 0)  # others exist or found no room
-        store.set_positions(self.slots[ours], self.msg.first_position + C * ours, self.origin)
+        store.set_positions(self.slots[ours], self.msg.first_position + C * ours, self.origin,
+                            self.ns.root)
         return ours
 
     def _queue(self, lo: int, hi: int) -> None:

@@ -13,8 +13,9 @@ Depends on nothing else of kvblend. Its modules, by the structure they serve::
       evicted      the evicted keys, for the index      layout    KV geometry and dtypes
       index        kernels: key -> slot, states, recency
       slab         kernels: pages, slots, allocation, eviction, reserve, commit
-      pins         kernels: read pins per process, pin and unpin
-      recovery     kernels: reclaim of dead processes, rebuild after a crash
+      pins         kernels: read pins per holder, a lease: pin, unpin, renew
+      recovery     kernels: reclaim of dead processes and run-out pin leases, rebuild after
+                   a crash, freeing what the orphan sweep cannot index
     the fingerprint index ({prefix}_fp)
       fingerprint  the public object: register, remove, sweep, clear, repair
       matcher      its lookup: probe, verify, drop stale, cover (match)
@@ -27,6 +28,7 @@ Depends on nothing else of kvblend. Its modules, by the structure they serve::
       table        the open-addressing hash table (kernels), written once
       hashing      namespaces and chunk hashes          matches   Match, LookupResult
       lookup       the fingerprint index joined with the store
+      orphans      the sweep of committed chunks no fingerprint entry points at
     the event log ({prefix}_events)
       events       the ring of recent events and the counters
       eventformat  its segment: drawing, header words, create and attach, an event's bytes

@@ -37,7 +37,7 @@ from kvblend.shm.fpformat import (E_HASH0, E_HASH1, E_STAMP, E_STATE, ENTRY_WORD
                                   H_SLOTS, H_STALE, HEADER_BYTES, LIVE_WORD, LO32,
                                   MIN_FILTER_WORDS, FpLayout, attach_segment, create_segment,
                                   geometry_of)
-from kvblend.shm.fpkernels import (bloom_rebuild, find_hash, rebuild, register, remove,
+from kvblend.shm.fpkernels import (bloom_rebuild, find_hash, indexed, rebuild, register, remove,
                                    remove_unchanged)
 from kvblend.shm.hashing import Namespace
 from kvblend.shm.lock import FileLock, Guarded, held
@@ -208,9 +208,17 @@ class FingerprintIndex(Matcher):
         """
         return prepare(namespace, token_ids, chunk_hashes, self.chunk_size)
 
-    def register_prepared(self, reg: Registration, final: bool = False) -> RegisterResult:
+    def register_prepared(self, reg: Registration, final: bool = False, *,
+                          repoint: bool = True) -> RegisterResult:
         """The locked half of ``register``: insert what ``prepare`` computed (one critical
         section). Never fails for want of space: see ``register``.
+
+        Args:
+            reg: what ``prepare`` computed.
+            final: as ``register``'s.
+            repoint: False leaves an existing entry of a content as it is, pointing at its
+                chunk (the orphan sweep's way: a chunk indexed again never displaces a newer
+                copy); only new content is added.
 
         Returns:
             The new entries and the chunks left out because every entry is live.
@@ -223,7 +231,8 @@ class FingerprintIndex(Matcher):
             seq = int(self._hdr[H_SEQ])
             self._hdr[H_SEQ] = seq + 1
             new = register(self._hdr, self._E, self._fpt, self._idt, self._free, self._filter(),
-                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq, missed, final)
+                            reg.keys, reg.digests, reg.hashes, reg.old_st, seq, missed, final,
+                            repoint)
         if not missed.any():
             return RegisterResult(int(new), [])
         left_out = np.flatnonzero(np.isin(reg.rows, np.flatnonzero(missed)))
@@ -330,6 +339,19 @@ class FingerprintIndex(Matcher):
         out = np.empty(1, np.int64)
         with self._guard(self._timeout):
             return bool(find_hash(self._E, self._idt, h[0, 0], h[0, 1], out))
+
+    def indexed(self, chunk_hashes: ChunkHashes) -> np.ndarray:
+        """Boolean per chunk hash: an entry points at it (one critical section).
+
+        Args:
+            chunk_hashes: as ``remove`` takes them.
+        """
+        hashes = hash_words(chunk_hashes)
+        out = np.zeros(len(hashes), bool)
+        if len(hashes):
+            with self._guard(self._timeout):
+                indexed(self._E, self._idt, hashes, out)
+        return out
 
     def stats(self) -> dict[str, int]:
         """Counters: ``num_entries``, ``capacity``, ``chunk_size``, ``table_slots``."""

@@ -115,6 +115,15 @@ def find_hash(E, idt, h0, h1, out):
 
 
 @njit(cache=True)
+def indexed(E, idt, hashes, out):
+    """``out[c]`` = True where an entry points at chunk hash row ``c`` of ``hashes`` (uint64
+    ``[n, 2]``)."""
+    one = np.empty(1, np.int64)
+    for c in range(hashes.shape[0]):
+        out[c] = find_hash(E, idt, hashes[c, 0], hashes[c, 1], one) > 0
+
+
+@njit(cache=True)
 def _is_content(E, word, query):
     tag, key, d0, d1, final = query
     if (word >> U32) != tag:  # most other keys differ here, without reading their entry
@@ -150,10 +159,12 @@ def _maybe_rebuild_filter(hdr, E, bloom):
 
 
 @njit(cache=True)
-def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, missed, final):
+def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, missed, final,
+             repoint):
     """Insert or re-point one entry per row, in row order; returns the number of new entries.
     ``final``: the registration stores chunks computed inside a longer prompt; it re-points only
-    entries of final registrations (a content keeps one entry of each kind).
+    entries of final registrations (a content keeps one entry of each kind). ``repoint`` False:
+    an entry of the content that points at another chunk keeps it (only new content is added).
 
     A row whose content is new when no entry is free (the free stack is empty and every id below
     capacity is in use, so every entry is LIVE) is left out and gets ``missed[row] = 1``.
@@ -168,6 +179,8 @@ def register(hdr, E, fpt, idt, free, bloom, keys, digs, hashes, olds, seq, misse
         state = LIVE_WORD | (np.uint64(olds[c]) << U32)
         if e >= 0:
             if E[e, E_HASH0] != hashes[c, 0] or E[e, E_HASH1] != hashes[c, 1]:
+                if not repoint:
+                    continue
                 _id_delete(E, idt, e)
                 E[e, E_STATE] = 0
                 E[e, E_SEQ] = useq

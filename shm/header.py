@@ -44,6 +44,9 @@ follow as uint32 from byte ``SLOT_HDR_BYTES``, then the KV bytes at the class's 
                       (0 until the store sets it, before the commit)
     10    ORIGIN      how its KV was computed: 1 standalone (store_pre_computed), 2 inside a
                       longer prompt (store_final), 0 not recorded (set with POS0)
+    11    ROOT1       bytes 8-15 of the namespace root (bytes 0-7 are NS), set with POS0 when
+                      the writer gives it; 0 none. A chunk whose fingerprint registration was
+                      cut off is indexed again from it (``shm.orphans``)
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class SlotHdr(IntEnum):
     NUM_TOKENS = 8
     POS0 = 9
     ORIGIN = 10
+    ROOT1 = 11
 
 
 ORIGIN_UNKNOWN, ORIGIN_STANDALONE, ORIGIN_FINAL = 0, 1, 2  # values of SlotHdr.ORIGIN

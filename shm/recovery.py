@@ -8,8 +8,12 @@ recency; ``shm.slab``: pages, classes, free lists; ``shm.pins``: the pin table) 
 Two ways a process dies, and what each leaves::
 
     died                       leaves                               mended by
-    between critical sections  RESERVED slots and pin rows of its   reclaim(dead pids): abort
-                               pid (a reader or writer mid-copy)    the slots, drop the rows
+    between critical sections  RESERVED slots and pin rows of its   reclaim(dead pids, now):
+                               pid (a reader or writer mid-copy)    abort the slots, drop the
+                                                                    rows (and every pin row
+                                                                    whose lease ran out, a
+                                                                    holder whose death no pid
+                                                                    can prove: shm.pins)
     inside a critical section  derived state half updated (hash     rebuild(): recomputed from
                                table, recency list, free lists,     the obj STATE words, pages,
                                counters, pin counts); DIRTY set     classes and the pin table
@@ -35,21 +39,23 @@ from kvblend.shm import pins as pintable
 from kvblend.shm.index import (CLASS, COMMITTED, FREE, H_LRU_HEAD, H_LRU_TAIL, H_TICK, K0, K1,
                                NEXT, NIL, NS, PID, PINS, PREV, RANK, RESERVED, STATE, TICK, find,
                                insert, lru_push)
-from kvblend.shm.pins import P_COUNT, P_PID, P_SLOT
-from kvblend.shm.slab import (C_COMMITTED, C_FREE_HEAD, C_NSLOTS, C_PAGES, G_CLASS, G_USED,
-                              H_COMMITTED, H_RESERVED, H_SPP, abort, free_push, release_page)
+from kvblend.shm.pins import P_COUNT, P_LEASE, P_PID, P_SLOT
+from kvblend.shm.slab import (C_COMMITTED, C_EVICTIONS, C_FREE_HEAD, C_NSLOTS, C_PAGES, EV_N,
+                              G_CLASS, G_USED, H_COMMITTED, H_EVICTIONS, H_RESERVED, H_SPP,
+                              abort, evict, free_push, release_page)
 
 
 @numba.njit(cache=True)
-def reclaim(h, classes, pages, obj, table, pins, dead):
-    """Release pins and reservations held by the pids in the sorted array ``dead``.
+def reclaim(h, classes, pages, obj, table, pins, dead, now):
+    """Release pins and reservations held by the pids in the sorted array ``dead``, and pins whose
+    lease ended before ``now`` (CLOCK_MONOTONIC milliseconds) whatever their pid.
     Returns (reservations freed, pins dropped)."""
     pins_dropped = 0
     for r in range(len(pins)):
         s = pins[r, P_SLOT]
         if s >= 0:
             i = np.searchsorted(dead, pins[r, P_PID])
-            if i < len(dead) and dead[i] == pins[r, P_PID]:
+            if (i < len(dead) and dead[i] == pins[r, P_PID]) or pins[r, P_LEASE] < now:
                 obj[s, PINS] -= pins[r, P_COUNT]
                 pins_dropped += pins[r, P_COUNT]
                 pintable.drop_row(h, pins, r)
@@ -61,6 +67,27 @@ def reclaim(h, classes, pages, obj, table, pins, dead):
                 abort(h, classes, pages, obj, table, s)
                 freed += 1
     return freed, pins_dropped
+
+
+@numba.njit(cache=True)
+def free_committed(h, classes, pages, obj, table, slots, words, start, ev, evn):
+    """Drop each COMMITTED, unpinned object of ``slots`` that still holds the key ``words[k]``
+    (the orphan sweep's chunks it cannot index: ``shm.orphans``), from row ``start`` on, logging
+    their keys; a reclaim, not memory pressure, so not counted as evictions. Stops while the log
+    is full; returns (the first row not done, objects dropped)."""
+    k, n = start, 0
+    while k < len(slots) and evn[EV_N] < len(ev):
+        s = slots[k]
+        if (obj[s, STATE] == COMMITTED and obj[s, PINS] == 0 and obj[s, K0] == words[k, 0]
+                and obj[s, K1] == words[k, 1] and obj[s, NS] == words[k, 2]
+                and obj[s, RANK] == words[k, 3]):
+            c = obj[s, CLASS]
+            evict(h, classes, pages, obj, table, s, ev, evn)
+            classes[c, C_EVICTIONS] -= 1
+            h[H_EVICTIONS] -= 1
+            n += 1
+        k += 1
+    return k, n
 
 
 @numba.njit(cache=True)

@@ -82,6 +82,11 @@ class SlotMap:
         start = off + SLOT_HDR_WORDS * 8
         return self._slab[start:start + 4 * g.chunk_size].view(np.uint32)
 
+    def header(self, slot: int) -> np.ndarray:
+        """A copy of a slot's header words, int64 ``[SLOT_HDR_WORDS]`` (``shm.header.SlotHdr``)."""
+        _, off = self._locate(slot)
+        return self._slab[off:off + SLOT_HDR_BYTES].view(np.int64).copy()
+
     def region(self, slot: int) -> tuple[int, int]:
         """(byte offset in the slab, bytes) of a slot's KV data."""
         g, off = self._locate(slot)
@@ -102,13 +107,16 @@ class SlotMap:
         page, i = np.divmod(slots, self._spp)
         return (page * self._page_bytes + i * self._classes[cls, slab.C_SLOT_BYTES]) // 8 + word
 
-    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int) -> None:
-        """Record each reserved slot's first-token position (``SlotHdr.POS0``) and origin
-        (``SlotHdr.ORIGIN``) before its commit; the slots are the caller's until then."""
+    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int,
+                      root_word: int = 0) -> None:
+        """Record each reserved slot's first-token position (``SlotHdr.POS0``), origin
+        (``SlotHdr.ORIGIN``) and ``SlotHdr.ROOT1`` before its commit; the slots are the caller's
+        until then."""
         words = self._slab.view(np.int64)
         at = self._words(slots, SlotHdr.POS0)
         words[at] = first
         words[at + (SlotHdr.ORIGIN - SlotHdr.POS0)] = origin
+        words[at + (SlotHdr.ROOT1 - SlotHdr.POS0)] = root_word
 
     def provenance(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each committed slot's ``(POS0, ORIGIN)`` words (ids >= 0)."""

@@ -16,7 +16,7 @@ Object states, and who may move them (full table in ``shm.index``)::
     FREE -> RESERVED (writer pid)   reserve(): invisible to readers; the writer fills the slot
     RESERVED -> COMMITTED           commit(): only after the copy completed
     RESERVED -> FREE                abort(), or reclaim() when the writer pid is dead
-    COMMITTED -> pinned             pin(): readers (count per pid in the pin table)
+    COMMITTED -> pinned             pin(): readers (count per holder in the pin table, a lease)
     COMMITTED, unpinned -> FREE     eviction (least recently used first) or clear()
     COMMITTED -> most recent        pin(), and reserve() of a key already committed (stored again)
 
@@ -31,12 +31,16 @@ Eviction report: each ``Store`` keeps the keys of the committed objects that its
 NOTE: every mutation runs under the lock, inside a numba kernel. A holder killed inside a
 critical section leaves DIRTY set; the next holder rebuilds all derived state from the obj STATE
 words (written last on insert, first on removal), so committed chunks survive byte for byte.
-Reservations and pins of dead pids are reclaimed on attach and whenever ``reclaim()`` runs.
+Reservations and pins of dead pids, and pins whose lease ran out (``shm.pins``: a holder renews
+them, whatever its pid), are reclaimed on attach and whenever ``reclaim()`` runs.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,7 +51,7 @@ from kvblend.shm.classes import ClassTable
 from kvblend.shm.evicted import LIMIT as EVICTED_LIMIT
 from kvblend.shm.evicted import EvictedKeys
 from kvblend.shm.header import HEADER_WORDS, Hdr
-from kvblend.shm.keys import ChunkKey, key_words
+from kvblend.shm.keys import ChunkKey, Keys, key_words
 from kvblend.shm.layout import ChunkClass
 from kvblend.shm.lock import FileLock, Guarded, pid_alive
 from kvblend.shm.records import ClassStats, PinnedChunk, Reservation, StoreStats
@@ -57,6 +61,8 @@ from kvblend.shm.storefile import (StoreConfig, attach_segments, create_segments
                                    destroy_segments, locked, tables)
 from kvblend.shm.storereader import StoreReader
 from kvblend.shm.storewriter import StoreWriter
+
+PIN_LEASE_S = 30.0  # as an instance's lease (dataplane.settings: instance_lease_s)
 
 
 class Store(StoreWriter, StoreReader):
@@ -70,6 +76,9 @@ class Store(StoreWriter, StoreReader):
         config: the geometry, read from the header.
         evicted_limit: most evicted keys kept for ``take_evicted`` (the newest are kept).
         evicted_dropped: evicted keys dropped so far because more than ``evicted_limit`` waited.
+        pin_lease_s: seconds this ``Store``'s pins are held without ``renew_pins`` (or a new pin).
+        clock: seconds of CLOCK_MONOTONIC (one clock for every process of the host), which pin
+            leases are written and judged in; a test may give another.
     """
 
     def __init__(self, prefix: str, meta: Segment, slab_seg: Segment, lock: FileLock) -> None:
@@ -88,6 +97,9 @@ class Store(StoreWriter, StoreReader):
         self._slots = SlotMap(self.slab, self._classes, self._obj, self.config.page_bytes,
                               self.config.slots_per_page, self.chunk_class)
         self._pid = os.getpid()
+        self._holder = secrets.randbits(62) + 1  # the pin table's holder: this attachment
+        self.pin_lease_s = PIN_LEASE_S
+        self.clock: Callable[[], float] = time.monotonic
         self._evicted = EvictedKeys(int(self._h[Hdr.SPP]))
 
     @property
@@ -125,7 +137,7 @@ class Store(StoreWriter, StoreReader):
     @classmethod
     def attach(cls, prefix: str) -> "Store":
         """The existing store of ``prefix``, its geometry read from its header; reservations and
-        pins of dead processes are reclaimed.
+        pins of dead processes, and pins whose lease ran out, are reclaimed.
 
         Raises:
             FileNotFoundError: no store exists, or its creator died before finishing it.
@@ -234,20 +246,23 @@ class Store(StoreWriter, StoreReader):
     # -- maintenance ------------------------------------------------------------------------
 
     def reclaim(self) -> tuple[int, int]:
-        """Free reservations and drop pins held by dead processes.
+        """Free reservations and drop pins held by dead processes, and drop pins whose lease
+        ran out (by ``clock``), whatever their holder's pid.
 
         Returns:
             (reservations freed, pins dropped).
         """
+        now = int(self.clock() * 1000)
         with self._guard():
+            held = self._pins[self._pins[:, pintable.P_SLOT] >= 0]
             pids = np.unique(np.concatenate([
-                self._pins[self._pins[:, pintable.P_SLOT] >= 0, pintable.P_PID],
+                held[:, pintable.P_PID],
                 self._obj[self._obj[:, index.STATE] == index.RESERVED, index.PID]]))
             dead = np.array([p for p in pids.tolist() if not pid_alive(p)], np.int64)
-            if len(dead) == 0:
+            if len(dead) == 0 and not (held[:, pintable.P_LEASE] < now).any():
                 return (0, 0)
             freed, dropped = recovery.reclaim(self._h, self._classes, self._pages, self._obj,
-                                          self._table, self._pins, dead)
+                                              self._table, self._pins, dead, now)
         return (int(freed), int(dropped))
 
     def clear(self) -> int:
@@ -266,6 +281,21 @@ class Store(StoreWriter, StoreReader):
                 if not full:
                     break
             self._h[Hdr.EVICTIONS], self._classes[:, slab.C_EVICTIONS] = evictions
+        return n
+
+    def free_committed(self, slots: np.ndarray, keys: Keys) -> int:
+        """Drop the committed, unpinned objects of ``slots`` that still hold ``keys`` (what the
+        orphan sweep, ``shm.orphans``, cannot index); returns how many. Their keys wait for
+        ``take_evicted``; the eviction counters do not count them (as ``clear``)."""
+        slots, words = np.asarray(slots, np.int64), key_words(keys)
+        ev, k, n = self._evicted, 0, 0
+        with self._guard():
+            while k < len(slots):
+                k, freed = recovery.free_committed(self._h, self._classes, self._pages, self._obj,
+                                                   self._table, slots, words, k, ev.log,
+                                                   ev.counts)
+                n += int(freed)
+                ev.drain()
         return n
 
     def take_evicted(self) -> np.ndarray:
@@ -292,5 +322,5 @@ class Store(StoreWriter, StoreReader):
 
 
 __all__ = ["Store", "StoreConfig", "StoreStats", "ClassStats", "ChunkKey", "Reservation",
-           "PinnedChunk", "destroy", "destroy_segments", "key_words", "EVICTED_LIMIT",
-           "SLOT_HDR_WORDS"]
+           "PinnedChunk", "PIN_LEASE_S", "destroy", "destroy_segments", "key_words",
+           "EVICTED_LIMIT", "SLOT_HDR_WORDS"]

@@ -22,7 +22,8 @@ is never attached, recreated or removed: ``ForeignObject``.
     512     classes               int64[max_classes, 16]    shm.slab C_* columns
     ...     class names           uint8[max_classes, 128]   model name, UTF-8, NUL padded
     ...     pages                 int64[num_pages, 2]       CLASS, USED
-    ...     pins                  int64[max_pins, 3]        shm.pins: SLOT, PID, COUNT
+    ...     pins                  int64[max_pins, 5]        shm.pins: SLOT, HOLDER, COUNT,
+                                                              PID, LEASE
     ...     obj                   int64[num_pages*spp, 12]  one row per slot id (shm.index)
     ...     hash table            int64[hash_slots]         slot id or -1, power of two
 
@@ -59,7 +60,7 @@ from kvblend.shm.segment import Progress, Segment, attach_checked
 from kvblend.shm.segment import unlink as segment_unlink
 
 MAGIC = STORE_MAGIC
-VERSION = 1
+VERSION = 2  # 2: pin rows hold a holder and a lease (shm.pins)
 NAME_BYTES = 128
 
 DEFAULT_PAGE_BYTES = 256 << 20

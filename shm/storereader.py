@@ -14,13 +14,15 @@ Two ways to read::
                 two whole critical sections (``Guarded.read_stable``); the answer may be stale
                 by the time it returns (an object can be evicted right after), never torn.
 
-NOTE: pins are counted per process in the pin table, so the pins of a process that dies are
-dropped by the next ``reclaim`` (``shm.recovery``).
+NOTE: pins are counted per holder (this attached ``Store``) in the pin table and held as a
+lease (``shm.pins``): the next ``reclaim`` (``shm.recovery``) drops the pins of a holder whose pid
+is dead, or whose lease ran out whatever its pid (one in another pid namespace cannot be proven
+dead from here). A holder keeps its pins past ``pin_lease_s`` by calling ``renew_pins``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -28,11 +30,12 @@ import numpy as np
 from kvblend.shm import index
 from kvblend.shm import pins as pintable
 from kvblend.shm.errors import CapacityError
+from kvblend.shm.header import Hdr
 from kvblend.shm.keys import ChunkKey, Keys, hashes_among, key_words, shard_words
 from kvblend.shm.lock import Guarded
 from kvblend.shm.records import PinnedChunk
 from kvblend.shm.slab import FULL
-from kvblend.shm.slots import VERIFIED, SlotMap
+from kvblend.shm.slots import SLOT_HDR_WORDS, VERIFIED, SlotMap
 from kvblend.shm.storefile import StoreConfig
 
 
@@ -48,6 +51,9 @@ class StoreReader:
     _guard: Guarded
     _slots: SlotMap
     _pid: int
+    _holder: int
+    clock: Callable[[], float]
+    pin_lease_s: float
 
     def pin(self, keys: Sequence[ChunkKey], timeout: float | None = None
             ) -> list[PinnedChunk | None]:
@@ -69,7 +75,8 @@ class StoreReader:
             return np.zeros(0, np.int64)
         words = key_words(keys)
         with self._guard(timeout):
-            slots = pintable.pin(self._h, self._obj, self._table, self._pins, words, self._pid)
+            slots = pintable.pin(self._h, self._obj, self._table, self._pins, words, self._holder,
+                                 self._pid, self._lease_end())
         if slots[0] == FULL:
             raise CapacityError(f"pin table full ({self.config.max_pins // 2} pins)")
         return slots
@@ -80,7 +87,20 @@ class StoreReader:
     def unpin_slots(self, slots: np.ndarray) -> None:
         """Drop one pin of this process on each slot (entries < 0 are skipped)."""
         with self._guard:
-            pintable.unpin(self._h, self._obj, self._pins, np.asarray(slots, np.int64), self._pid)
+            pintable.unpin(self._h, self._obj, self._pins, np.asarray(slots, np.int64),
+                           self._holder)
+
+    def renew_pins(self) -> int:
+        """Hold every pin of this ``Store`` for another ``pin_lease_s`` seconds; returns the pin
+        rows renewed. A holder that keeps pins longer than the lease calls it at least once per
+        lease (the data plane does on every maintenance pass); pins not renewed in time are
+        dropped by the next ``reclaim`` of any process, whatever the holder's pid."""
+        with self._guard:
+            return int(pintable.renew(self._pins, self._holder, self._lease_end()))
+
+    def _lease_end(self) -> int:
+        """The pin lease's end if it started now, in ``clock`` milliseconds."""
+        return int((self.clock() + self.pin_lease_s) * 1000)
 
     @contextmanager
     def pinned(self, keys: Sequence[ChunkKey]) -> Iterator[list[PinnedChunk | None]]:
@@ -119,6 +139,48 @@ class StoreReader:
             live = (obj[:, index.STATE] == index.COMMITTED) & (obj[:, index.RANK] == 0)
             held = obj[live][:, [index.K0, index.K1]]
         return hashes_among(held, words)
+
+    def committed_since(self, tick: int) -> tuple[np.ndarray, int]:
+        """The committed objects used (committed, pinned or stored again) after logical time
+        ``tick`` (0: all), and the store's logical time now, read in one critical section (a
+        pass over the objects: for the orphan sweep, not for hot paths).
+
+        Returns:
+            (int64 ``[n, 5]``: each object's slot and key words K0, K1, NS, RANK; the tick).
+        """
+        with self._guard():
+            obj = self._obj
+            used = (obj[:, index.STATE] == index.COMMITTED) & (obj[:, index.TICK] > tick)
+            slots = np.flatnonzero(used)
+            rows = np.empty((len(slots), 5), np.int64)
+            rows[:, 0] = slots
+            rows[:, 1:] = obj[slots, index.K0:index.RANK + 1]
+            return rows, int(self._h[Hdr.TICK])
+
+    def slot_records(self, slots: np.ndarray, keys: Keys, chunk_size: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What committed slots hold, read in one critical section (for the orphan sweep).
+
+        Args:
+            slots: slot ids.
+            keys: the committed key each slot is expected to hold.
+            chunk_size: the token ids read per slot.
+
+        Returns:
+            (bool per slot: it still holds its key committed; the slot header's words, int64
+            ``[n, SLOT_HDR_WORDS]``; its token ids, uint32 ``[n, chunk_size]``). Header and tokens
+            are zero where the slot holds another key, or chunks of another size.
+        """
+        slots, words = np.asarray(slots, np.int64), key_words(keys)
+        heads = np.zeros((len(slots), SLOT_HDR_WORDS), np.int64)
+        tokens = np.zeros((len(slots), chunk_size), np.uint32)
+        with self._guard():
+            held = index.find_committed(self._table, self._obj, words) == slots
+            for i in np.flatnonzero(held).tolist():
+                ids = self._slots.tokens(int(slots[i]))
+                if len(ids) == chunk_size:
+                    heads[i], tokens[i] = self._slots.header(int(slots[i])), ids
+        return held, heads, tokens
 
     def contains_key(self, key: ChunkKey) -> bool:
         """True when ``key`` is committed now (lock-free; the single-key fast path)."""

@@ -29,13 +29,25 @@ import numpy as np
 from kvblend.shm import slab
 from kvblend.shm.errors import ShmError, StoreFull
 from kvblend.shm.evicted import EvictedKeys
-from kvblend.shm.hashing import as_tokens
+from kvblend.shm.hashing import DIGEST_BYTES, as_tokens
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.keys import ChunkKey, Keys, key_words
 from kvblend.shm.layout import ChunkClass
 from kvblend.shm.lock import Guarded
 from kvblend.shm.records import Reservation
 from kvblend.shm.slots import SlotMap
+
+
+def root_word(root: bytes) -> int:
+    """``SlotHdr.ROOT1`` of a namespace root: its bytes 8-15 as a little-endian int64 (bytes 0-7
+    are the key's NS word).
+
+    Raises:
+        ValueError: ``root`` is not a 16-byte namespace root.
+    """
+    if len(root) != DIGEST_BYTES:
+        raise ValueError(f"a namespace root has {DIGEST_BYTES} bytes, got {len(root)}")
+    return int.from_bytes(root[8:], "little", signed=True)
 
 
 class StoreWriter:
@@ -162,9 +174,16 @@ class StoreWriter:
         if lost:
             raise ShmError(f"{lost} reservation(s) are no longer held by this process")
 
-    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int) -> None:
+    def set_positions(self, slots: np.ndarray, first: np.ndarray, origin: int,
+                      root: bytes | None = None) -> None:
         """Record the model's position of each reserved slot's first token and how its KV was
-        computed (``ORIGIN_STANDALONE`` or ``ORIGIN_FINAL``), before the commit."""
+        computed (``ORIGIN_STANDALONE`` or ``ORIGIN_FINAL``), before the commit.
+
+        Args:
+            root: the chunks' namespace root (``Namespace.root``): with it, a chunk committed
+                but never registered in the fingerprint index (a writer killed in between) is
+                indexed again by the orphan sweep (``shm.orphans``); without it, freed there.
+        """
         if origin not in (ORIGIN_STANDALONE, ORIGIN_FINAL):
             raise ValueError(f"origin must be {ORIGIN_STANDALONE} or {ORIGIN_FINAL}, got {origin}")
-        self._slots.set_positions(slots, first, origin)
+        self._slots.set_positions(slots, first, origin, 0 if root is None else root_word(root))

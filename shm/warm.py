@@ -30,6 +30,7 @@ from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.lookup import lookup
 from kvblend.shm.names import Names, destroy
+from kvblend.shm.orphans import sweep_orphans
 from kvblend.shm import _jit, recovery
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
@@ -93,12 +94,15 @@ def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:
         single.commit()
     pinned = store.pin_slots(keys)
     store.check_pinned(cid, pinned, keys, rows)
+    store.renew_pins()
     store.unpin_slots(pinned)
     store.contains_key(keys[0])
     fps.register_prepared(fps.prepare(ns, tokens, hashes))
     query = np.concatenate([tokens[5:], tokens])
     query.setflags(write=tokens.flags.writeable)
     lookup(store, fps, ns, query)
+    sweep_orphans(store, fps)  # the data plane's start-up sweep (nothing is orphaned here)
+    store.free_committed(slots[:1], keys[:1])
     fps.remove(hashes[:1])
     store.clear()
     fps.clear()
@@ -109,7 +113,7 @@ def _exercise_repairs(store: Store, fps: FingerprintIndex) -> None:
     with store._guard():
         store._rebuild()
         recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table,
-                         store._pins, np.array([-1], np.int64))  # no such pid: nothing to free
+                         store._pins, np.array([-1], np.int64), 0)  # no such pid, no lease over
     with fps._guard(None):
         fps.repair()
 

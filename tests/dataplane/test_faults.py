@@ -1,5 +1,6 @@
 """Processes killed with SIGKILL: a client mid-call (its buffer removed once its lease ran out),
-the data plane itself (restarted, cache intact); a client that never closes leaves no buffer."""
+the data plane itself (restarted, cache intact, a store cut between its commit and its fingerprint
+registration found again); a client that never closes leaves no buffer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import torch
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import DataPlaneUnavailable
 from kvblend.shm.events import EventLog
+from kvblend.shm.hashing import Namespace, chunk_hashes
+from kvblend.shm.keys import ChunkKey
+from kvblend.shm.lock import held
+from kvblend.shm.names import Names
 from kvblend.shm.segment import exists as segment_exists
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, start_dataplane
@@ -120,6 +125,39 @@ def test_dataplane_killed_and_restarted_keeps_cache_and_instances(
         assert c.retrieve(inst, doc, res.matches, offset=0).wait().ok
         assert torch.equal(kv[:, :, :20 * CHUNK].view(torch.int16),
                            ref[:, :, :20 * CHUNK].view(torch.int16))
+
+
+def test_a_store_killed_between_its_commit_and_its_registration_is_found_after_restart(
+        dataplane: DataPlaneProc) -> None:
+    doc = np.arange(12 * CHUNK) + 5_000
+    keys = [ChunkKey(Namespace("m").id, h) for h in chunk_hashes(Namespace("m"), doc, CHUNK)]
+    store = Store.open(dataplane.prefix)
+    with BlendClient(dataplane_address=dataplane.address) as c:
+        kv = c.cpu_kv_buffer(L, T, D, torch.float16)
+        seeded(kv, 7)
+        ref = kv.clone()
+        inst = c.register_kv_cache(kv, model_name="m")
+        # the index's lock held here: the store commits, then waits to register; killed there
+        with held(Names(dataplane.prefix).lock("fp")) as lock:
+            pending = c.store_pre_computed(inst, doc)
+            poll(lambda: store.contains(keys).all(), 30.0, "the store's commit")
+            dataplane.proc.send_signal(signal.SIGKILL)
+            assert dataplane.proc.wait(timeout=30) == -signal.SIGKILL
+        lock.close()
+        assert dataplane.proc.stdout is not None
+        dataplane.proc.stdout.close()
+        with pytest.raises(DataPlaneUnavailable):
+            pending.wait(timeout=30)
+
+        restarted = start_dataplane(dataplane.prefix)  # its start-up sweep finds the orphans
+        dataplane.proc = restarted.proc
+        res = c.lookup(doc, "m")
+        assert [m.chunk_hash for m in res.matches] == [k.chunk_hash for k in keys]
+        kv.zero_()
+        assert c.retrieve(inst, doc, res.matches, offset=0).wait().ok
+        assert torch.equal(kv[:, :, :12 * CHUNK].view(torch.int16),
+                           ref[:, :, :12 * CHUNK].view(torch.int16))
+    store.close()
 
 
 _LEAVER = """

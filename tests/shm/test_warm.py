@@ -69,12 +69,15 @@ for doc in range(40):  # far past the store's capacity: evictions on every batch
     store.unpin_slots(pinned)
 assert store.stats().evictions > 0 and removed > 0, "the workload must evict and remove"
 fps.sweep(store.holds_hashes)
+from kvblend.shm.orphans import sweep_orphans
+sweep_orphans(store, fps)
+store.renew_pins()
 store.reclaim()
 from kvblend.shm import recovery
 with store._guard():  # what a restart after a crash runs
     store._rebuild()
     recovery.reclaim(store._h, store._classes, store._pages, store._obj, store._table, store._pins,
-                     np.array([2**22 + 7], np.int64))
+                     np.array([2**22 + 7], np.int64), 0)
 with fps._guard(None):
     fps.repair()
 store.clear()
