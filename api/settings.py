@@ -83,6 +83,14 @@ class Settings(BaseSettings):
         "instances one data-plane connection may hold"))
     max_connections: int = Field(**bounds(DP, "max_connections"), description=(
         "data-plane connections at once"))
+    http_head_timeout_s: float = Field(10.0, gt=0, le=300, description=(
+        "seconds an HTTP connection may take to send a whole request head, from its start or "
+        "its last answer; a slower one is closed (api.connections)"))
+    http_keep_alive_s: int = Field(5, ge=1, le=300, description=(
+        "seconds an HTTP connection may stay idle after an answer before it is closed"))
+    http_max_connections: int = Field(1024, ge=4, le=65536, description=(
+        "open HTTP connections per API worker; past it the one that has waited longest for a "
+        "request head is closed"))
     insecure_no_token: bool = Field(False, description=(
         "allow binding a non-loopback host without an API token"))
     workers: int = Field(1, ge=1, le=64, description="API worker processes")
