@@ -58,7 +58,8 @@ import time
 from collections.abc import Mapping
 
 from kvblend.api.child import Child, StartupFailed
-from kvblend.api.settings import Settings
+from kvblend.api.settings import Settings, prefix_file
+from kvblend.api.userprefix import resolve as resolve_prefix
 from kvblend.dataplane.backends import Backend, resolve
 from kvblend.dataplane.settings import DataPlaneSettings
 from kvblend.shm.errors import LayoutMismatch
@@ -255,6 +256,16 @@ class Supervisor:
     """Runs the service for ``settings`` until SIGTERM/SIGINT; see the module docstring."""
 
     def __init__(self, settings: Settings) -> None:
+        """Raises:
+            ConfigError: no ``--shm-prefix``, and the user's own cannot be kept.
+            ForeignObject: see ``api.userprefix.own_prefix``.
+        """
+        try:
+            settings = resolve_prefix(settings)
+        except OSError as exc:
+            raise ConfigError(f"cannot keep the default prefix in {prefix_file()}: "
+                              f"{exc.strerror or exc}; set XDG_STATE_HOME or pass --shm-prefix"
+                              ) from None
         self.settings = settings
         self.backend: Backend = resolve(settings.backend)
         self._wake = threading.Event()
