@@ -1,6 +1,7 @@
 """Slow and partial HTTP connections against a real ``kvblend serve`` (``api.connections``): they
-are closed within the head timeout, at most ``--http-max-connections`` stay open, and ``/healthz``
-on a fresh connection is answered all along."""
+are closed within the head timeout, at most ``--http-max-connections`` stay open, a head past
+``MAX_HEAD_BYTES`` is closed at once, and ``/healthz`` on a fresh connection is answered all
+along."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvblend.api.connections import MAX_HEAD_BYTES
 from tests.harness import HOST, Services, poll
 
 pytestmark = pytest.mark.slow
@@ -80,3 +82,11 @@ def test_at_most_max_connections_wait_and_a_new_one_is_answered(
         poll(lambda: sum(not closed_by_server(s) for s in sockets) <= 16, DEADLINE,
              "at most 16 connections open")
     assert not all(closed_by_server(s) for s in sockets[-8:])  # the newest ones wait on
+
+    big = connect(svc.port)  # the newest, so the bound on the number spares it
+    sockets.append(big)
+    try:
+        big.sendall(PARTIAL_HEAD + b"x" * MAX_HEAD_BYTES)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed while it still sent
+    poll(lambda: closed_by_server(big), DEADLINE, f"a head over {MAX_HEAD_BYTES} bytes closed")
