@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw JSON")
     destroy = sub.add_parser("destroy", help="remove the shared memory of a stopped service "
-                             "(every cached chunk): refused while a service runs on the prefix")
+                             "(every cached chunk): refused while a service runs on the prefix; "
+                             "without --shm-prefix, the user's own")
     _add_flags(destroy, ("shm_prefix",))
     destroy.add_argument("--remove-engine-buffers", action="store_true",
                          help="also remove engines' CPU KV buffers (<prefix>_kvbuf_*) that are "

@@ -13,7 +13,9 @@ is ready backs off (0.5 s doubling to 15 s); one that fails before it was ever r
 away by restarting). Known configuration problems are checked before any child starts: a port
 in use, /dev/shm too small for a new store.
 
-Start-up: take the prefix's serve lock (one supervisor per prefix), create or attach the store
+Start-up: without ``--shm-prefix``, settle on the user's own prefix (``api.userprefix``: drawn
+once, kept in the user's state folder, drawn again when a name under it is not ours); take the
+prefix's serve lock (one supervisor per prefix), create or attach the store
 (a geometry change recreates it empty, with a log line saying so; ``--wipe`` always starts
 empty), the fingerprint index and the event log, then start both children. Pre-faulting a new slab
 shows progress on stderr.

@@ -50,7 +50,8 @@ def draw(uid: int | None = None) -> str:
 
 def is_own(prefix: str) -> bool:
     """True when ``prefix`` is a drawn prefix of this uid."""
-    return re.fullmatch(rf"kvblend_{os.geteuid()}_[0-9a-f]{{{2 * RANDOM_BYTES}}}", prefix) is not None
+    own = rf"kvblend_{os.geteuid()}_[0-9a-f]{{{2 * RANDOM_BYTES}}}"
+    return re.fullmatch(own, prefix) is not None
 
 
 def read(path: Path) -> str | None:

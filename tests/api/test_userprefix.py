@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ import pytest
 from kvblend.api import userprefix
 from kvblend.api.settings import Settings
 from kvblend.shm.errors import ForeignObject
+from kvblend.shm.names import leftovers
+from kvblend.shm.store import Store
+from tests.harness import kvblend_argv, remove_prefix, serve_env
+from tests.shm.storeutil import SMALL
 
 
 @pytest.fixture
@@ -66,3 +71,23 @@ def test_a_given_prefix_is_used_as_given(kept: Path) -> None:
     assert userprefix.resolve(settings) is settings
     assert not kept.exists()
     assert Settings().shm_prefix == ""  # the user's own, resolved where serve starts
+
+
+def test_destroy_without_a_prefix_takes_the_users_own(tmp_path: Path) -> None:
+    env = serve_env({"XDG_STATE_HOME": str(tmp_path)})
+
+    def destroy() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*kvblend_argv(), "destroy"], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    none = destroy()
+    assert none.returncode == 0 and "nothing to remove" in none.stdout, none.stderr
+    assert not (tmp_path / "kvblend").exists()  # destroy draws nothing
+    prefix = userprefix.load(tmp_path / "kvblend" / "prefix")
+    try:
+        Store.open(prefix, SMALL).close()
+        done = destroy()
+        assert done.returncode == 0 and f"under prefix {prefix!r}" in done.stdout, done.stderr
+        assert leftovers(prefix) == []
+    finally:
+        remove_prefix(prefix)
