@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw JSON")
     destroy = sub.add_parser("destroy", help="remove the shared memory of a stopped service "
-                             "(every cached chunk): refused while a service runs on the prefix")
+                             "(every cached chunk): refused while a service runs on the prefix; "
+                             "without --shm-prefix, the user's own")
     _add_flags(destroy, ("shm_prefix",))
     destroy.add_argument("--remove-engine-buffers", action="store_true",
                          help="also remove engines' CPU KV buffers (<prefix>_kvbuf_*) that are "
@@ -125,7 +126,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         settings = Settings(**args)
         if command == "serve":
-            settings.dataplane_settings()  # the remote key, which the API workers are not given
+            settings.check_remote_key()  # the API workers are not given it
     except ValidationError as exc:
         for err in exc.errors():
             name = "_".join(map(str, err["loc"]))
@@ -156,6 +157,14 @@ def _destroy(prefix: str, remove_buffers: bool = False) -> int:
     from kvblend.shm.errors import ForeignObject
     from kvblend.shm.names import Names, destroy
 
+    if not prefix:  # the user's own
+        try:
+            prefix = _own_prefix()
+        except ForeignObject as exc:
+            print(f"kvblend: {exc}", file=sys.stderr)
+            return 2
+        if prefix is None:
+            return 0
     names = Names(prefix)
     existed = [p for p in names.service_paths() if os.path.lexists(p)]
     held = sum(os.lstat(p).st_blocks * 512 for p in existed)
@@ -179,6 +188,19 @@ def _destroy(prefix: str, remove_buffers: bool = False) -> int:
           f"{held / (1 << 20):.1f} MiB freed")
     _engine_buffers(prefix, remove_buffers)
     return 0
+
+
+def _own_prefix() -> str | None:
+    """The user's own prefix (``api.userprefix``), for ``destroy`` without ``--shm-prefix``;
+    None (said on stdout) when no serve of this user drew one."""
+    from kvblend.api.settings import prefix_file
+    from kvblend.api.userprefix import read
+
+    prefix = read(prefix_file())
+    if prefix is None:
+        print(f"no default prefix is kept in {prefix_file()} (kvblend serve draws one at its "
+              "first start without --shm-prefix): nothing to remove")
+    return prefix
 
 
 def _engine_buffers(prefix: str, remove: bool) -> None:

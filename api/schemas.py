@@ -46,7 +46,7 @@ class DataPlaneStatus(BaseModel):
     alive: bool = Field(description="It answered a ping just now.", examples=[True])
     restarts: int = Field(description="Times the supervisor restarted it.", examples=[0])
     address: str = Field(description="Where engines reach its channel.",
-                         examples=["/dev/shm/kvblend_dataplane.sock"])
+                         examples=["/dev/shm/kvblend_1000_3f9a0c5e7b21d846_dataplane.sock"])
 
 
 class RemoteStatus(BaseModel):
@@ -83,7 +83,7 @@ class Status(BaseModel):
     version: str = Field(examples=["0.1.0"])
     chunk_size: int = Field(examples=[256])
     backend: Literal["cpu", "cuda"] = Field(examples=["cpu"])
-    shm_prefix: str = Field(examples=["kvblend"])
+    shm_prefix: str = Field(examples=["kvblend_1000_3f9a0c5e7b21d846"])
     storage: StorageStatus
     fingerprints: FingerprintStatus
     instances: list[Instance]

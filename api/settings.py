@@ -39,6 +39,10 @@ ENV_ONLY = ("remote_username", "remote_password", "remote_key")
 FILE_SECRETS = ("api_token", "admin_token", "remote_key")
 #: the data plane's logging level for each of uvicorn's
 DP_LOG_LEVEL = {"trace": "DEBUG"}
+#: ``shm_prefix`` may be empty (the user's own, drawn by ``api.userprefix``) or a prefix
+OWN_PREFIX_OR = "^$|"
+#: a well-formed prefix to check the other data-plane fields with while ``shm_prefix`` is empty
+STAND_IN_PREFIX = "kvblend"
 
 
 class Settings(BaseSettings):
@@ -63,8 +67,11 @@ class Settings(BaseSettings):
     min_slot_kb: int = Field(64, ge=4, description=(
         "smallest chunk slot in KiB; it bounds slots per page, so stores of tiny chunks "
         "(small models, tests) want it lower"))
-    shm_prefix: str = Field("kvblend", **bounds(DP, "shm_prefix"), description=(
-        "names every shared-memory segment of this service; several services may coexist"))
+    shm_prefix: str = Field("", pattern=OWN_PREFIX_OR + bounds(DP, "shm_prefix")["pattern"],
+                            description=(
+        "names every shared-memory segment of this service; several services may coexist. "
+        "Empty: the user's own, kvblend_<uid>_<16 hex> drawn at the first start and kept in "
+        "$XDG_STATE_HOME/kvblend/prefix, which another user cannot predict"))
     backend: Backend = Field(Backend.AUTO, description=(
         "where engine KV buffers live; auto: cuda when a GPU is present"))
     api_token: SecretStr | None = Field(None, description=(
@@ -83,6 +90,14 @@ class Settings(BaseSettings):
         "instances one data-plane connection, or one HTTP caller, may hold"))
     max_connections: int = Field(**bounds(DP, "max_connections"), description=(
         "data-plane connections at once"))
+    http_head_timeout_s: float = Field(10.0, gt=0, le=300, description=(
+        "seconds an HTTP connection may take to send a whole request head, from its start or "
+        "its last answer; a slower one is closed (api.connections)"))
+    http_keep_alive_s: int = Field(5, ge=1, le=300, description=(
+        "seconds an HTTP connection may stay idle after an answer before it is closed"))
+    http_max_connections: int = Field(1024, ge=4, le=65536, description=(
+        "open HTTP connections per API worker; past it the one that has waited longest for a "
+        "request head is closed"))
     insecure_no_token: bool = Field(False, description=(
         "allow binding a non-loopback host without an API token"))
     workers: int = Field(1, ge=1, le=64, description="API worker processes")
@@ -201,7 +216,8 @@ class Settings(BaseSettings):
         try:
             # the API workers are not given the remote key: its presence is checked where the
             # data plane's settings are made (dataplane_settings), its bounds here
-            self._dataplane(_clear(self.remote_key) or "-" * MIN_REMOTE_KEY)
+            self._dataplane(_clear(self.remote_key) or "-" * MIN_REMOTE_KEY,
+                            self.shm_prefix or STAND_IN_PREFIX)
         except msgspec.ValidationError as exc:
             raise ValueError(f"the data plane's settings: {exc}") from None
         return self
@@ -236,11 +252,23 @@ class Settings(BaseSettings):
         return env
 
     def dataplane_settings(self) -> DP:
-        """The data plane's settings (``dataplane.settings``), every bound checked.
+        """The data plane's settings (``dataplane.settings``), every bound checked; the prefix
+        must be resolved (``api.userprefix.resolve``).
 
         Raises:
             MissingRemoteKey: a remote tier without a key (``KVBLEND_REMOTE_KEY``).
             msgspec.ValidationError: the data plane would refuse one; the message names it.
+            ValueError: ``shm_prefix`` is empty (not resolved).
+        """
+        self.check_remote_key()
+        if not self.shm_prefix:
+            raise ValueError("no shm prefix yet: the user's own is drawn where serve starts "
+                             "(api.userprefix.resolve), before the data plane's settings")
+        return self._dataplane(_clear(self.remote_key) or "", self.shm_prefix)
+
+    def check_remote_key(self) -> None:
+        """Raises:
+            MissingRemoteKey: a remote tier without a key (``KVBLEND_REMOTE_KEY``).
         """
         if self.remote is not None and self.remote_key is None:
             raise MissingRemoteKey(
@@ -248,9 +276,8 @@ class Settings(BaseSettings):
                 "with, so that a value written by anyone without it is never served: set "
                 "KVBLEND_REMOTE_KEY (or KVBLEND_REMOTE_KEY_FILE) to the same secret on every "
                 f"host, at least {MIN_REMOTE_KEY} bytes (openssl rand -hex 32)")
-        return self._dataplane(_clear(self.remote_key) or "")
 
-    def _dataplane(self, remote_key: str) -> DP:
+    def _dataplane(self, remote_key: str, prefix: str) -> DP:
         remote = None
         if self.remote is not None:
             remote = Remote(url=self.remote, ttl_s=self.remote_ttl_s,
@@ -259,7 +286,7 @@ class Settings(BaseSettings):
                             stream_len=self.remote_stream_len,
                             username=_clear(self.remote_username),
                             password=_clear(self.remote_password), key=remote_key)
-        return DP.build(shm_prefix=self.shm_prefix, backend=self.backend,
+        return DP.build(shm_prefix=prefix, backend=self.backend,
                         socket=self.dataplane_socket,
                         log_level=DP_LOG_LEVEL.get(self.log_level, self.log_level.upper()),
                         log_format=self.log_format,
@@ -281,6 +308,14 @@ class Settings(BaseSettings):
 
 class MissingRemoteKey(ValueError):
     """A remote tier is configured without the key of its values' digest."""
+
+
+def prefix_file() -> Path:
+    """Where the user's own prefix is kept (``api.userprefix``): ``$XDG_STATE_HOME/kvblend/prefix``,
+    with ``~/.local/state`` for an unset or relative ``XDG_STATE_HOME``."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "kvblend" / "prefix"
 
 
 def _read_secret(variable: str, path: str) -> str:

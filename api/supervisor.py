@@ -13,7 +13,9 @@ is ready backs off (0.5 s doubling to 15 s); one that fails before it was ever r
 away by restarting). Known configuration problems are checked before any child starts: a port
 in use, /dev/shm too small for a new store.
 
-Start-up: take the prefix's serve lock (one supervisor per prefix), create or attach the store
+Start-up: without ``--shm-prefix``, settle on the user's own prefix (``api.userprefix``: drawn
+once, kept in the user's state folder, drawn again when a name under it is not ours); take the
+prefix's serve lock (one supervisor per prefix), create or attach the store
 (a geometry change recreates it empty, with a log line saying so; ``--wipe`` always starts
 empty), the fingerprint index and the event log, then start both children. Pre-faulting a new slab
 shows progress on stderr.
@@ -58,7 +60,8 @@ import time
 from collections.abc import Mapping
 
 from kvblend.api.child import Child, StartupFailed
-from kvblend.api.settings import Settings
+from kvblend.api.settings import Settings, prefix_file
+from kvblend.api.userprefix import resolve as resolve_prefix
 from kvblend.dataplane.backends import Backend, resolve
 from kvblend.dataplane.settings import DataPlaneSettings
 from kvblend.shm.errors import LayoutMismatch
@@ -255,6 +258,16 @@ class Supervisor:
     """Runs the service for ``settings`` until SIGTERM/SIGINT; see the module docstring."""
 
     def __init__(self, settings: Settings) -> None:
+        """Raises:
+            ConfigError: no ``--shm-prefix``, and the user's own cannot be kept.
+            ForeignObject: see ``api.userprefix.own_prefix``.
+        """
+        try:
+            settings = resolve_prefix(settings)
+        except OSError as exc:
+            raise ConfigError(f"cannot keep the default prefix in {prefix_file()}: "
+                              f"{exc.strerror or exc}; set XDG_STATE_HOME or pass --shm-prefix"
+                              ) from None
         self.settings = settings
         self.backend: Backend = resolve(settings.backend)
         self._wake = threading.Event()

@@ -5,16 +5,20 @@
 variables (``api.app.app_from_env``). It owns how uvicorn is run: the bind, the workers, the
 graceful shutdown (``Settings.api_grace_s``, less 2 s), the access log (``--access-log``) and the
 service's log format (``dataplane.logs``) in this process and in every worker. It does not own
-the app.
+the app. Its HTTP connections are ``api.connections``' (the time to send a request head,
+the connections of a worker) and uvicorn's keep-alive (``--http-keep-alive-s``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import sys
+from typing import cast
 
 import uvicorn
 
+from kvblend.api.connections import ConnectionGuard
 from kvblend.api.settings import Settings
 from kvblend.dataplane import standby
 from kvblend.dataplane.logs import configure, uvicorn_config
@@ -34,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         importlib.import_module("kvblend.api.app")
         warm(settings.shm_prefix)  # what the app's start does: it then finds them loaded
         standby.wait_for_turn(settings.shm_prefix, "api")
+    # uvicorn calls its ``http`` protocol class with (config, server_state, app_state, _loop):
+    # the guard is such a callable, typed as a class for uvicorn's annotation
+    guard = ConnectionGuard(settings.http_head_timeout_s, settings.http_max_connections)
     uvicorn.run("kvblend.api.app:app_from_env", factory=True, host=settings.host,
                 port=settings.port, workers=settings.workers, log_level=settings.log_level,
                 access_log=settings.access_log, lifespan="on",
                 log_config=uvicorn_config(settings.log_level, settings.log_format),
-                timeout_graceful_shutdown=int(settings.api_grace_s) - 2)
+                timeout_graceful_shutdown=int(settings.api_grace_s) - 2,
+                http=cast("type[asyncio.Protocol]", guard),
+                timeout_keep_alive=settings.http_keep_alive_s)
     return 0
 
 

@@ -154,7 +154,8 @@ class Service:
     """One ``kvblend serve`` subprocess on ``prefix`` and a loopback port.
 
     Args:
-        prefix: the shm prefix, the caller's own (the caller removes it: ``services`` does).
+        prefix: the shm prefix, the caller's own (the caller removes it: ``services`` does);
+            empty: no ``--shm-prefix``, so the user's own (``kvblend.api.userprefix``).
         *flags: more ``serve`` flags, after ``defaults``: where both name a flag, these win.
         port: the port, to start again where a stopped service was; else a free one.
         defaults: the flags before ``flags`` (``()``: the settings come from ``env``).
@@ -178,8 +179,8 @@ class Service:
         self.url = f"http://{HOST}:{self.port}"
         env = {**(env or {}), **({"KVBLEND_API_TOKEN": token} if token else {})}
         self.proc = self._spawn(
-            [*kvblend_argv(), "serve", "--port", str(self.port), "--shm-prefix", prefix,
-             *defaults, *flags], serve_env(env))
+            [*kvblend_argv(), "serve", "--port", str(self.port),
+             *(("--shm-prefix", prefix) if prefix else ()), *defaults, *flags], serve_env(env))
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, timeout=http_timeout_s, headers=headers)
         if wait:

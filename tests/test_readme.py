@@ -12,10 +12,10 @@ Which blocks run:
 How they run, in README order, against one ``kvblend serve --backend cpu`` on a fresh prefix and
 a free port, started before the first block and stopped with SIGTERM after the last:
 
-- README is run as a user types it. The test rewrites two things only: the address
-  ``127.0.0.1:8780`` becomes the live service's, and the default prefix in ``kvblend_kvbuf_`` the
-  live one's. A block that still names ``8780`` after that fails rather than reach a service of
-  the developer's own.
+- README is run as a user types it. The test rewrites one thing only: the address
+  ``127.0.0.1:8780`` becomes the live service's (a block learns the service's shm prefix from
+  ``/v1/status``, as an engine does). A block that still names ``8780`` after that fails rather
+  than reach a service of the developer's own.
 - Each shell block runs alone in ``bash`` under ``set -euo pipefail``, the venv's ``bin`` first
   on ``PATH``, no ``KVBLEND_*`` variable of the caller, and a curl configuration with
   ``--fail-with-body``: an HTTP error fails the block like any other command. Ahead of the venv on
@@ -63,7 +63,7 @@ RUN = {"sh": "shell", "bash": "shell", "python": "python"}
 SHOWN = {"", "json"}
 FENCE = re.compile(r"^(```+|~~~+)\s*([^\s`]*)")
 MARKER = re.compile(r"^\s*<!--\s*not run by tests:(.*)-->\s*$")
-README_ADDRESS, README_PREFIX = "127.0.0.1:8780", "kvblend_kvbuf_"
+README_ADDRESS = "127.0.0.1:8780"
 CLAIM = "# -> "
 HEX = re.compile(r"<(\d+) hex>")
 BLOCK_DEADLINE = 300.0  # seconds one block may take: a deadline, never a wait
@@ -211,9 +211,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 def as_run(block: Block, live: Live) -> str:
-    """The block's source as the test runs it (the module docstring's two rewrites)."""
+    """The block's source as the test runs it (the module docstring's rewrite)."""
     source = block.source.replace(README_ADDRESS, live.address)
-    source = source.replace(README_PREFIX, f"{live.prefix}_kvbuf_")
     assert "8780" not in source, (
         f"README.md:{block.line}: names port 8780 in a form the test does not rewrite")
     return source

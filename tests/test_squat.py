@@ -4,13 +4,18 @@
 exit 2 with one error line naming the path, and leave the planted name exactly as it was. The data
 plane's ``_bind`` gets the same treatment for the socket path. As root, a second user
 (``kvblend-test``) checks from outside that every name of a running store is closed to it.
+Without ``--shm-prefix`` the service runs on its user's own prefix (``api.userprefix``), which a
+planted name cannot stop: a name at the old predictable prefix is beside the point, and one
+under the user's own prefix makes serve draw another.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from kvblend.shm.names import Names
 from kvblend.shm.private import open_private
 from kvblend.shm.store import Store
 
-from .harness import free_port, serve_env
+from .harness import Service, free_port, remove_prefix, serve_env
 from .shm.storeutil import SMALL
 from .squat import OtherUser, Squatter, foreign_uid, needs_root, other_user, snapshot
 
@@ -178,3 +183,66 @@ def test_serve_refuses_a_name_another_user_planted(squat: Squatter, stranger: Ot
     before = snapshot(path), snapshot(str(outside))
     assert_refused(serve(squat.prefix), path)
     assert (snapshot(path), snapshot(str(outside))) == before
+
+
+# -- the default prefix ------------------------------------------------------------------------
+
+OLD_DEFAULT = "kvblend"  # the prefix every service without --shm-prefix used to share
+
+
+def plant_foreign(path: str) -> str:
+    """A file at ``path`` of another uid (as root), else one of ours with mode 0666: either is a
+    name the service must not adopt."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        os.fchmod(fd, 0o666)
+        if os.geteuid() == 0:
+            os.fchown(fd, foreign_uid(), -1)
+    finally:
+        os.close(fd)
+    return path
+
+
+@pytest.fixture
+def planted() -> Iterator[list[str]]:
+    """Paths a test planted outside its own prefix, and prefixes a default serve drew: all
+    removed afterwards."""
+    paths: list[str] = []
+    yield paths
+    for path in paths:
+        if path.startswith("prefix:"):
+            remove_prefix(path.removeprefix("prefix:"))
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+@pytest.mark.slow
+def test_a_planted_name_cannot_stop_the_default_prefix(tmp_path: Path,
+                                                        planted: list[str]) -> None:
+    old = f"/dev/shm/{OLD_DEFAULT}_serve.lock"
+    if not os.path.lexists(old):  # another user's name at the old, predictable prefix
+        planted.append(plant_foreign(old))
+    env = {"XDG_STATE_HOME": str(tmp_path)}  # the user's state folder, fresh
+    kept = tmp_path / "kvblend" / "prefix"
+    svc = Service("", env=env)
+    first = svc.status()["shm_prefix"]
+    planted.append(f"prefix:{first}")
+    assert svc.stop() == 0
+    assert re.fullmatch(rf"kvblend_{os.geteuid()}_[0-9a-f]{{16}}", first), first
+    assert kept.read_text().strip() == first and kept.stat().st_mode & 0o777 == 0o600
+
+    # another user learnt it (names in /dev/shm are listed to all) and planted the socket's
+    # name, which a stopped service leaves free: the next default serve draws another prefix
+    squatted = plant_foreign(f"/dev/shm/{first}_dataplane.sock")
+    log = tmp_path / "serve.log"
+    svc = Service("", env=env, log=log)
+    second = svc.status()["shm_prefix"]
+    planted.append(f"prefix:{second}")
+    assert svc.stop() == 0
+    assert second != first and kept.read_text().strip() == second
+    assert squatted in log.read_text() and second in log.read_text()
+
+    # the same name under a prefix given with --shm-prefix still stops serve
+    before = snapshot(squatted)
+    assert_refused(serve(first), squatted)
+    assert snapshot(squatted) == before

@@ -79,7 +79,8 @@ def worst_case_stop_s() -> float:
     the API, then the data plane, each killed after its grace."""
     fields = {name.removeprefix("KVBLEND_").lower(): value for name, value in image_env().items()
               if name.startswith("KVBLEND_")}
-    settings = Settings(**{**fields, "api_token": TOKEN, "backend": "cpu"})  # type: ignore[arg-type]
+    settings = Settings(**{**fields, "api_token": TOKEN, "backend": "cpu",  # type: ignore[arg-type]
+                           "shm_prefix": "kvbt_unused"})  # not the user's own: nothing is kept
     supervisor = Supervisor(settings)
     return supervisor.api.grace + supervisor.dataplane.grace
 

@@ -99,7 +99,7 @@ def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside:
     with pytest.raises(ValidationError) as refused:
         Settings(**{field: outside})
     assert [e["loc"] for e in refused.value.errors()] == [(field,)]
-    built = Settings(remote="redis://cache:6379", remote_key="k" * 16,
+    built = Settings(shm_prefix="p", remote="redis://cache:6379", remote_key="k" * 16,
                      dp_staging_mib=0.5).dataplane_settings()
     assert built.staging_mib == 0.5 and built.remote is not None
     assert str(built.remote.url) == "redis://cache:6379" and built.remote.key == "k" * 16
@@ -117,7 +117,7 @@ def test_a_remote_needs_a_key_from_the_environment_or_a_file(
         Settings(remote="redis://cache:6379", remote_key="short")
     (tmp_path / "key").write_text("f" * 64 + "\n")
     monkeypatch.setenv("KVBLEND_REMOTE_KEY_FILE", str(tmp_path / "key"))
-    settings = Settings(remote="redis://cache:6379")
+    settings = Settings(shm_prefix="p", remote="redis://cache:6379")
     remote = settings.dataplane_settings().remote
     assert remote is not None and remote.key == "f" * 64
     assert not any("f" * 64 in v for v in settings.to_env().values())
