@@ -144,10 +144,9 @@ class Settings(BaseSettings):
     remote_peer_protocol: Literal["tcp", "rdma"] = Field(**bounds(Peer, "protocol"),
                                                          description=(
         "the transfer engine's transport: tcp, or rdma where the hosts have RDMA"))
-    remote_peer_values: bool = Field(**bounds(Peer, "values"), description=(
-        "with --remote-peer, also write every chunk's value to the remote store, read when the "
-        "holder's slab no longer has it (--no-remote-peer-values: records only, each chunk "
-        "readable while its holder holds it)"))
+    remote_peer_records_only: bool = Field(False, description=(
+        "with --remote-peer, write each chunk's record only, not its value: a chunk is then "
+        "readable by other hosts while this host's slab holds it, and nothing is written twice"))
     dp_first_mib: float = Field(**bounds(DP, "first_mib"), description=(
         "MiB of a data-plane call's first batch, whose copies start while the rest is reserved "
         "or pinned"))
@@ -278,7 +277,7 @@ class Settings(BaseSettings):
                             password=_clear(self.remote_password), key=remote_key,
                             peer=Peer(host=self.remote_peer_host,
                                       protocol=self.remote_peer_protocol,
-                                      values=self.remote_peer_values)
+                                      values=not self.remote_peer_records_only)
                             if self.remote_peer else None)
         return DP.build(shm_prefix=self.shm_prefix, backend=self.backend,
                         socket=self.dataplane_socket,

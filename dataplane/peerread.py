@@ -130,9 +130,9 @@ class Endpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store, as hostile as any input."""
 
     session: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,300}$")]
-    base: Annotated[int, Meta(ge=1, lt=1 << 63)]
+    base: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
     size: Annotated[int, Meta(ge=1, lt=1 << 56)]
-    gen: Annotated[int, Meta(ge=0, lt=1 << 63)]
+    gen: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 
 
 def endpoint_key(holder: str) -> str:
