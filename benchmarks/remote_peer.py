@@ -1,4 +1,4 @@
-"""Peer reads of the holder's slab against a Redis GET with a warm allocator, side by side in one run.
+"""Peer reads of the holder's slab against a Redis GET with a warm allocator, side by side.
 
     python benchmarks/remote_peer.py [--rounds 5] [--mib 2 8 32]
 

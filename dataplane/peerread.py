@@ -1,15 +1,16 @@
-"""Peer reads: a host reads a chunk's KV straight out of the slab of the host that holds it, one-sided,
-through Mooncake's transfer engine (TCP, or RDMA where the hosts have it), while the remote store
-keeps only the small records: which host holds which chunk, where in its slab, with the digest of
-its value.
+"""Peer reads: a host reads a chunk's KV straight out of the slab of the host that holds it,
+one-sided, through Mooncake's transfer engine (TCP, or RDMA where the hosts have it), while the
+remote store keeps only the small records: which host holds which chunk, where in its slab, with
+the digest of its value.
 
 This module owns the transfer engine of this data plane (its slab registered), this host's endpoint
 record, where this host's chunks sit (what write-behind puts in their records), what the records
 of other hosts' chunks said of their place, and the read of one chunk from its holder. It does not
 own the records' format and checks (``dataplane.remoteformat``: ``PeerAt``, ``kv_digest_ok``), the
 client of the remote store (``dataplane.remote``), tailing the records (``dataplane.discovery``) or
-committing what was read (``dataplane.promote``). The transfer engine comes with the ``peer`` extra
-(``pip install 'kvblend[peer]'``); without it ``Peer.start`` logs why and the tier reads values only.
+committing what was read (``dataplane.promote``). The transfer engine comes with the ``peer``
+extra (``pip install 'kvblend[peer]'``); without it ``Peer.start`` logs why, and the tier reads
+values only.
 
 Records in the remote store::
 

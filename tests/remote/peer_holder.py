@@ -2,8 +2,9 @@
 ``python -m tests.remote.peer_holder PREFIX REDIS_URL CHUNKS SEED [LAYERS HIDDEN]``.
 
 It opens a store under PREFIX, commits CHUNKS chunks of ``tests.remote.peer_setup``'s layout
-(or LAYERS and HIDDEN; KV from SEED), starts its peer reads and writes the chunks' records behind without values, then
-prints ``ready`` and waits until its stdin closes (or it is killed)."""
+(or LAYERS and HIDDEN; KV from SEED), starts its peer reads and writes the chunks' records
+behind without values, then prints ``ready`` and waits until its stdin closes (or it is
+killed)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Peer reads (``dataplane.peerread``) on a real ``redis-server`` and Mooncake's transfer engine over
-TCP on loopback: two stores under two prefixes stand for two hosts. Host B reads a chunk straight
-from host A's registered slab, byte for byte, with no value in Redis; once A evicted the chunk and
-reused its slot for other bytes, B's read is a miss (and falls back to the value where one was
-written), never wrong bytes; with A's process killed, B's read is a miss within a bounded time.
+"""Peer reads (``dataplane.peerread``) on a real ``redis-server`` and Mooncake's transfer engine
+over TCP on loopback: two stores under two prefixes stand for two hosts. Host B reads a chunk
+straight from host A's registered slab, byte for byte, with no value in Redis; once A evicted the
+chunk and reused its slot for other bytes, B's read is a miss (and falls back to the value where
+one was written), never wrong bytes; with A's process killed, B's read is a miss within a bounded
+time.
 
 Skipped when the transfer engine does not load (the ``peer`` extra); with
 ``KVBLEND_REQUIRE_PEER=1`` (set by ``.ci/run``) that fails instead."""
