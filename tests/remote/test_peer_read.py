@@ -231,3 +231,22 @@ def test_without_values_a_chunk_is_written_as_its_record_only(hosts: list[Host],
     assert all(r.peer is not None and not r.peer.valued for r in got)
     assert isinstance(a.tier.get(doc.ids[0], doc.rows[0]), Miss)
     assert not isinstance(a.tier.get(doc.ids[0], doc.rows[0]), Fetched)
+
+
+def test_two_served_hosts_share_a_document_through_peer_reads(redis_url: str) -> None:
+    """``kvblend serve --remote-peer --remote-peer-records-only`` twice: B finds, prefetches and
+    retrieves A's document byte for byte, though Redis holds no value of it."""
+    from tests.remote.test_hosts import Host as Served
+    from tests.remote.test_hosts import share_and_retrieve
+
+    flags = ("--remote-peer", "--remote-peer-records-only")
+    served: list[Served] = []
+    try:
+        served += [Served(redis_url, *flags), Served(redis_url, *flags)]
+        share_and_retrieve(*served)
+        with redis.Redis.from_url(redis_url) as raw:
+            assert raw.keys("kvblend:1:*:0") == []  # no value: every byte came from A's slab
+            assert len(raw.keys("kvblend:1:peer:*")) == 2  # both endpoints
+    finally:
+        for h in served:
+            h.close()
