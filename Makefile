@@ -65,6 +65,7 @@ redis-server:
 
 test: install
 	@command -v redis-server >/dev/null 2>&1 || echo "make test: redis-server is not on PATH, so tests/remote will be skipped (make redis-server installs it)"
+	@$(PY) -c "import mooncake.engine" >/dev/null 2>&1 || echo "make test: the transfer engine (the peer extra, in test) does not load, so tests/remote/test_peer_read.py will be skipped (Debian: apt-get install libibverbs1)"
 	$(PY) -m pytest -q
 
 test-vllm: $(VLLM_VENV)/.installed

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -28,6 +29,7 @@ from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.logs import LogFormat, LogLevel
 from kvblend.dataplane.remoteurl import RemoteURL
 from kvblend.dataplane.settings import DataPlaneSettings as DP
+from kvblend.dataplane.settings import PeerSettings as Peer
 from kvblend.dataplane.settings import RemoteSettings as Remote
 from kvblend.dataplane.settings import MIN_REMOTE_KEY, bounds, power_of_two
 
@@ -146,6 +148,20 @@ class Settings(BaseSettings):
         f"(HMAC-SHA256, at least {MIN_REMOTE_KEY} bytes: openssl rand -hex 32); needed with "
         "--remote; KVBLEND_REMOTE_KEY or KVBLEND_REMOTE_KEY_FILE only, and only the data plane "
         "gets it"))
+    remote_peer: bool = Field(False, description=(
+        "let other hosts read this host's chunks straight from its slab, and read theirs, "
+        "through Mooncake's transfer engine (the peer extra: pip install 'kvblend[peer]'; "
+        "without it, the values only, and one log line says why); the remote store keeps the "
+        "records. The engine's port reads any chunk of the slab: reachable by the tier's hosts "
+        "only"))
+    remote_peer_host: str = Field(**bounds(Peer, "host"), description=(
+        "the name or address the other hosts reach this host's transfer engine at"))
+    remote_peer_protocol: Literal["tcp", "rdma"] = Field(**bounds(Peer, "protocol"),
+                                                         description=(
+        "the transfer engine's transport: tcp, or rdma where the hosts have RDMA"))
+    remote_peer_records_only: bool = Field(False, description=(
+        "with --remote-peer, write each chunk's record only, not its value: a chunk is then "
+        "readable by other hosts while this host's slab holds it, and nothing is written twice"))
     dp_first_mib: float = Field(**bounds(DP, "first_mib"), description=(
         "MiB of a data-plane call's first batch, whose copies start while the rest is reserved "
         "or pinned"))
@@ -285,7 +301,11 @@ class Settings(BaseSettings):
                             capacity=self.remote_capacity, streams=self.remote_streams,
                             stream_len=self.remote_stream_len,
                             username=_clear(self.remote_username),
-                            password=_clear(self.remote_password), key=remote_key)
+                            password=_clear(self.remote_password), key=remote_key,
+                            peer=Peer(host=self.remote_peer_host,
+                                      protocol=self.remote_peer_protocol,
+                                      values=not self.remote_peer_records_only)
+                            if self.remote_peer else None)
         return DP.build(shm_prefix=prefix, backend=self.backend,
                         socket=self.dataplane_socket,
                         log_level=DP_LOG_LEVEL.get(self.log_level, self.log_level.upper()),

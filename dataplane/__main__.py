@@ -42,6 +42,7 @@ from kvblend.shm.telemetry import Counter
 
 if TYPE_CHECKING:
     from kvblend.dataplane.discovery import Discovery
+    from kvblend.dataplane.peerread import Peer
     from kvblend.dataplane.promote import Promoter
     from kvblend.dataplane.remote import RemoteTier
     from kvblend.dataplane.writebehind import WriteBehind
@@ -128,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass
 class Remote:
-    """The remote tier's parts in this process: write-behind, discovery and promotion."""
+    """The remote tier's parts in this process: write-behind, discovery and promotion, and
+    peer reads where they are on and the transfer engine loads."""
 
     tier: "RemoteTier"
     remotes: "RemoteChunks"
     writebehind: "WriteBehind"
     promoter: "Promoter"
     discovery: "Discovery"
+    peer: "Peer | None"
 
     @classmethod
     def start(cls, settings: RemoteSettings, prefix: str, store: Store,
@@ -142,6 +145,7 @@ class Remote:
         """Connect to the remote tier (``dataplane.remote``; a remote that is down only costs
         misses until it answers) and start the write-behind and discovery threads."""
         from kvblend.dataplane.discovery import Discovery
+        from kvblend.dataplane.peerread import Peer
         from kvblend.dataplane.promote import Promoter
         from kvblend.dataplane.remote import RemoteKey, RemoteTier
         from kvblend.dataplane.writebehind import WriteBehind
@@ -154,10 +158,12 @@ class Remote:
         log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
                  settings.url)
         writers = max(1, settings.streams // 2)
+        peer = (Peer.start(settings.peer, tier, store) if settings.peer is not None else None)
         return cls(tier, remotes,
-                   WriteBehind(store, tier, settings.queue, events, writers),
-                   Promoter(store, tier, remotes, events, settings.streams),
-                   Discovery(tier, store, fingerprints, remotes, events).start())
+                   WriteBehind(store, tier, settings.queue, events, writers, peer=peer),
+                   Promoter(store, tier, remotes, events, settings.streams, peer),
+                   Discovery(tier, store, fingerprints, remotes, events, peer=peer).start(),
+                   peer)
 
     def parts(self) -> tuple["WriteBehind", "Promoter", "RemoteChunks"]:
         """What ``Shared`` takes, in its order."""
@@ -171,6 +177,8 @@ class Remote:
         self.discovery.close(timeout)
         self.writebehind.close(timeout)
         self.promoter.close()
+        if self.peer is not None:
+            self.peer.close()
         self.tier.close()
         self.remotes.close()
 

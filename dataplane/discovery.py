@@ -15,6 +15,8 @@ Life of a record::
              --parsed--> remote-known entry (hash, rank) -> (expiry, pos0, origin)
                          --its content is findable here already--> no fingerprint entry
                          --not findable--> registered in the fingerprint index
+                         --it names a place in its holder's slab--> kept for peer reads
+                           (``dataplane.peerread``)
 
 The records are in one stream on a server and in one stream per master of a cluster
 (``dataplane.recordstreams``). One thread per stream tails it, from the oldest record it keeps,
@@ -38,6 +40,7 @@ import threading
 
 import numpy as np
 
+from kvblend.dataplane.peerread import Peer
 from kvblend.dataplane.remote import Record, RemoteTier
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
@@ -63,12 +66,15 @@ class Discovery:
         events: where the counts go, or None.
         retry_s: the wait after a failed read (the breaker adds its own cooldown).
         refresh_s: how often the watcher asks the tier which streams there are.
+        peer: peer reads (``dataplane.peerread.Peer``), told the place each record names, or
+            None.
     """
 
     def __init__(self, tier: RemoteTier, store: Store, fingerprints: FingerprintIndex,
                  remotes: RemoteChunks, events: EventLog | None = None,
-                 retry_s: float = 1.0, refresh_s: float = 10.0) -> None:
-        self._tier, self._store, self._fps = tier, store, fingerprints
+                 retry_s: float = 1.0, refresh_s: float = 10.0, peer: Peer | None = None
+                 ) -> None:
+        self._tier, self._store, self._fps, self._peer = tier, store, fingerprints, peer
         self._remotes, self._events = remotes, events
         self._retry_s, self._refresh_s = retry_s, refresh_s
         self._stop = threading.Event()
@@ -147,6 +153,8 @@ class Discovery:
                           np.array([r.expires_ms for r in good], np.int64),
                           np.array([r.pos0 for r in good], np.int64),
                           np.array([r.origin for r in good], np.int64))
+        if self._peer is not None:
+            self._peer.learn(good)
         added = 0
         for r in good:
             if r.chunk.rank == 0:

@@ -10,7 +10,9 @@ Life of one promotion::
     already committed here --> EXISTS
     reserve --already committed or being written by someone else--> EXISTS
             --no room--> the store's StoreFull
-            --reserved: read the KV straight into the slot (``RemoteTier.get_into``)
+            --reserved: read the KV straight into the slot: from its holder's slab where a
+                        record named its place (``Peer.fetch``: a miss there falls back to the
+                        value if one was written), else the value (``RemoteTier.get_into``)
                 --a Miss--> the slot is aborted, the Miss is the answer
                 --checked--> set its provenance, commit --> PROMOTED
     an error between reserve and commit --> the slot is aborted (nothing half-written is seen)
@@ -26,6 +28,7 @@ from enum import Enum
 
 import numpy as np
 
+from kvblend.dataplane.peerread import Peer
 from kvblend.dataplane.remote import ChunkId, Fetched, Miss, RemoteTier
 from kvblend.shm.errors import ShmError
 from kvblend.shm.events import EventLog
@@ -44,12 +47,14 @@ class Promoted(Enum):
 
 
 def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, chunk: ChunkId,
-            tokens: np.ndarray, streams: int = 1) -> Promoted | Miss:
+            tokens: np.ndarray, streams: int = 1, peer: Peer | None = None) -> Promoted | Miss:
     """Fetch ``chunk`` (whose token ids are ``tokens``) straight into a slot reserved for it in
     ``store`` under layout class ``class_id``, and commit it once every check passed.
 
     Args:
         streams: connections the chunk's KV is read on at once (``RemoteTier.get_into``).
+        peer: peer reads (``dataplane.peerread``): the KV is read from its holder's slab first
+            where a record named its place, and from the value after a miss there.
 
     Raises:
         ValueError: the class's layout is not the chunk's.
@@ -66,7 +71,12 @@ def promote(store: Store, tier: RemoteTier, class_id: int, namespace_id: int, ch
     if res is None:
         return Promoted.EXISTS
     try:
-        got = tier.get_into(chunk, tokens, res.kv.reshape(-1).view(np.uint8), streams)
+        dest = res.kv.reshape(-1).view(np.uint8)
+
+        def value() -> Fetched | Miss:
+            return tier.get_into(chunk, tokens, dest, streams)
+
+        got = value() if peer is None else peer.fetch(chunk, tokens, dest, value)
         if isinstance(got, Fetched):
             store.set_positions(np.array([res.slot]), np.array([got.pos0]), got.origin,
                                 chunk.root)
@@ -93,13 +103,16 @@ class Promoter:
         remotes: the table of remote-known chunks.
         events: where the counts go, or None.
         streams: promotions at once, each on a connection of its own.
+        peer: peer reads, or None (``promote``).
     """
 
     def __init__(self, store: Store, tier: RemoteTier, remotes: RemoteChunks,
-                 events: EventLog | None = None, streams: int = 8) -> None:
+                 events: EventLog | None = None, streams: int = 8, peer: Peer | None = None
+                 ) -> None:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self._store, self._tier, self._remotes, self._events = store, tier, remotes, events
+        self._peer = peer
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kvblend-promote")
         self._streams = streams
         self._lock = threading.Lock()
@@ -147,7 +160,7 @@ class Promoter:
              streams: int) -> Promoted | Miss:
         try:
             got = promote(self._store, self._tier, class_id, key.namespace_id, chunk, tokens,
-                          streams)
+                          streams, self._peer)
             if isinstance(got, Miss) and got is not Miss.UNAVAILABLE:
                 # gone, or not what its record said: forget it, so lookups stop offering it
                 self._remotes.put([key.chunk_hash], key.rank, 1, 0, 0)  # expired since 1970

@@ -53,8 +53,8 @@ import numpy as np
 from kvblend.dataplane.recordstreams import MasterStreams, OneStream, streams_of
 from kvblend.dataplane.redis_wire import BadReply, ReadAt, direct_reads, range_reader
 from kvblend.dataplane.remoteformat import (FORMAT, HEADER_BYTES, KEY_PREFIX, MAGIC, ORIGINS,
-                                            STREAM, ChunkId, Fetched, Miss, Record, RemoteKey,
-                                            check_head, decode, digest_matches, encode,
+                                            STREAM, ChunkId, Fetched, Miss, PeerAt, Record,
+                                            RemoteKey, check_head, decode, digest_matches, encode,
                                             hash_head, parse_record)
 from kvblend.dataplane.remoteurl import RemoteURL
 
@@ -261,24 +261,36 @@ class RemoteTier:
         with self._breakers_lock:
             return dict(self._breakers)
 
-    def put(self, chunk: ChunkId, value: bytes | memoryview, publish: bool = True) -> bool:
+    def put(self, chunk: ChunkId, value: bytes | memoryview, publish: bool = True,
+            peer: PeerAt | None = None) -> bool:
         """Write one encoded chunk with the tier's TTL and, with ``publish``, add its record to
         the stream of the master that serves its key (one round trip: both go in one pipeline,
         to one server; ``dataplane.recordstreams``); False when the remote failed or
-        the breaker is open (nothing raised: the remote tier only adds hits)."""
+        the breaker is open (nothing raised: the remote tier only adds hits). With ``peer``
+        the record says where the KV sits in this host's slab, and where ``peer.valued`` is
+        false ``value`` is only the record's head (``record_head``): no value is written."""
         expires_ms = int(time.time() * 1000) + self.ttl_ms
+        valued = peer is None or peer.valued
+        fields = {"v": value[:HEADER_BYTES + 4 * chunk.chunk_size], "x": str(expires_ms),
+                  **({} if peer is None else {"p": peer.pack()})}
 
         def write() -> Any:
             pipe = self._client_of("main").pipeline(transaction=False)
-            pipe.set(chunk.key, value, px=self.ttl_ms)
-            if publish:
-                pipe.xadd(self._streams["main"].of(chunk.key),
-                          {"v": value[:HEADER_BYTES + 4 * chunk.chunk_size], "x": str(expires_ms)},
-                          maxlen=self.stream_len, approximate=True)
+            if valued:
+                pipe.set(chunk.key, value, px=self.ttl_ms)
+            if publish or not valued:
+                pipe.xadd(self._streams["main"].of(chunk.key), fields, maxlen=self.stream_len,
+                          approximate=True)
             return pipe.execute()
 
         done = self._call(write, chunk.key)
-        return done is not _FAILED and done[0] is True
+        return done is not _FAILED and (done[0] is True or not valued)
+
+    def run(self, key: str, call: Callable[[Any], Any]) -> Any:
+        """``call(client)`` through the breaker of ``key``'s node (a small record of another
+        module's: a peer's endpoint); its result, or None where it failed."""
+        got = self._call(lambda: call(self._client_of("main")), key)
+        return None if got is _FAILED else got
 
     def record_streams(self) -> list[str] | None:
         """The record streams to tail now: one on a server, one per master of a cluster
@@ -306,7 +318,7 @@ class RemoteTier:
             for rid, fields in entries:
                 head, expires = fields.get(b"v"), fields.get(b"x")
                 out.append((rid.decode(), None if head is None or expires is None
-                            else parse_record(head, expires)))
+                            else parse_record(head, expires, fields.get(b"p"))))
         return out
 
     def get(self, chunk: ChunkId, tokens: np.ndarray) -> Fetched | Miss:

@@ -48,12 +48,18 @@ their KV was computed, without fetching any KV. A record is a claim, not a chunk
 have expired or been evicted since, and the read that follows checks the value as above. A record carries no
 digest of its own (the value's digest covers KV it does not hold): a forged one costs a reader a
 miss, never wrong bytes.
+
+With peer reads (``dataplane.peerread``) a record also says where the chunk's KV sits in its
+holder's slab (``PeerAt``, field ``p``: ``<values>:<offset>:<holder>``, values 1 when the value
+was also written, 0 when only the record was). The record's header keeps the value's digest, so
+the KV read from the holder's slab is checked against it as a value's KV is (``kv_digest_ok``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import struct
 from dataclasses import dataclass
 from enum import Enum
@@ -174,25 +180,60 @@ def encode(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int, 
         ValueError: the tokens or the KV do not fit the chunk's layout, the KV is not contiguous,
             or origin is not ORIGIN_STANDALONE or ORIGIN_FINAL.
     """
-    tokens = np.ascontiguousarray(tokens, "<u4")
     kv_view = memoryview(kv)
     if not kv_view.c_contiguous:
         raise ValueError("the KV bytes must be one contiguous buffer")
     kv_view = kv_view.cast("B")
-    if tokens.shape != (chunk.chunk_size,):
-        raise ValueError(f"{tokens.shape} token ids for a chunk of {chunk.chunk_size}")
     if kv_view.nbytes != chunk.kv_bytes:
         raise ValueError(f"{kv_view.nbytes} KV bytes for a layout of {chunk.kv_bytes}")
+    out = bytearray(chunk.value_bytes)
+    out[:chunk.kv_at] = head_of(chunk, tokens, pos0, origin)
+    out[chunk.kv_at:] = kv_view
+    out[_DIGEST_AT:HEADER_BYTES] = _digest(out, key)
+    return memoryview(out).toreadonly()
+
+
+def head_of(chunk: ChunkId, tokens: np.ndarray, pos0: int, origin: int) -> bytearray:
+    """The first ``kv_at`` bytes of ``chunk``'s value (header, tokens, padding) with a zero
+    digest: what ``encode`` writes, and what a peer reader hashes before the KV it read.
+
+    Raises:
+        ValueError: the tokens do not fit the chunk, or origin is not one of ORIGINS.
+    """
+    tokens = np.ascontiguousarray(tokens, "<u4")
+    if tokens.shape != (chunk.chunk_size,):
+        raise ValueError(f"{tokens.shape} token ids for a chunk of {chunk.chunk_size}")
     if origin not in ORIGINS:
         raise ValueError(f"origin must be one of {ORIGINS}, got {origin}")
-    out = bytearray(chunk.value_bytes)
+    out = bytearray(chunk.kv_at)
     _HEAD.pack_into(out, 0, MAGIC, FORMAT, int(chunk.dtype), chunk.num_layers, chunk.chunk_size,
                     chunk.hidden_dim, chunk.rank, origin, pos0, chunk.root, chunk.chunk_hash,
                     bytes(DIGEST_BYTES))
     out[HEADER_BYTES:HEADER_BYTES + tokens.nbytes] = tokens.tobytes()
-    out[chunk.kv_at:] = kv_view
-    out[_DIGEST_AT:HEADER_BYTES] = _digest(out, key)
-    return memoryview(out).toreadonly()
+    return out
+
+
+def record_head(chunk: ChunkId, tokens: np.ndarray, kv: Any, pos0: int, origin: int, *,
+                key: RemoteKey) -> bytes:
+    """The record of ``chunk`` (header and tokens, ``88 + 4 C`` bytes) with the digest its value
+    would carry, computed over ``kv`` where it lies (no copy): a record written without its
+    value (peer reads with ``values`` off)."""
+    head = head_of(chunk, tokens, pos0, origin)
+    h = hash_head(head, key)
+    h.update(memoryview(kv).cast("B"))
+    head[_DIGEST_AT:HEADER_BYTES] = h.digest()[:DIGEST_BYTES]
+    return bytes(head[:HEADER_BYTES + 4 * chunk.chunk_size])
+
+
+def kv_digest_ok(chunk: ChunkId, tokens: np.ndarray, pos0: int, origin: int, kv: Any,
+                 digest: bytes, *, key: RemoteKey) -> bool:
+    """Whether ``kv`` (read from a holder's slab) is the KV whose value's digest is ``digest``:
+    the value's head rebuilt from what the record said, then the KV, under ``key``."""
+    if origin not in ORIGINS:
+        return False
+    h = hash_head(head_of(chunk, tokens, pos0, origin), key)
+    h.update(memoryview(kv).cast("B"))
+    return digest_matches(h.digest(), digest)
 
 
 @dataclass(frozen=True)
@@ -252,6 +293,8 @@ class Record:
         pos0: the position of its first token when its KV was computed.
         origin: ``shm.header`` ORIGIN_STANDALONE or ORIGIN_FINAL.
         expires_ms: when its value expires, Unix milliseconds.
+        digest: the value's digest (what a peer read's KV is checked against).
+        peer: where the KV sits in its holder's slab, or None (no peer reads).
     """
 
     chunk: ChunkId
@@ -259,15 +302,51 @@ class Record:
     pos0: int
     origin: int
     expires_ms: int
+    digest: bytes = bytes(DIGEST_BYTES)
+    peer: PeerAt | None = None
 
 
-def parse_record(head: bytes, expires: bytes | str) -> Record | None:
+#: a holder's name: the characters of ``dataplane.settings.PEER_HOST_PATTERN`` and ``/``
+HOLDER_PATTERN = re.compile(rb"[A-Za-z0-9_.:/-]{1,320}")
+MAX_OFFSET = 1 << 56
+
+
+@dataclass(frozen=True)
+class PeerAt:
+    """Where a chunk's KV sits in its holder's slab (module docstring), from a record.
+
+    Attributes:
+        holder: the holder's name (its endpoint record's, ``dataplane.peerread``).
+        offset: the KV's byte offset in the holder's registered slab.
+        valued: whether the value was also written to the remote store.
+    """
+
+    holder: str
+    offset: int
+    valued: bool
+
+    def pack(self) -> bytes:
+        return f"{int(self.valued)}:{self.offset}:{self.holder}".encode()
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> "PeerAt | None":
+        """A record's field ``p`` checked for form; None when absent or malformed."""
+        parts = raw.split(b":", 2) if isinstance(raw, bytes) else []
+        if (len(parts) != 3 or parts[0] not in (b"0", b"1") or not parts[1].isdigit()
+                or len(parts[1]) > 17 or HOLDER_PATTERN.fullmatch(parts[2]) is None):
+            return None
+        offset = int(parts[1])
+        return cls(parts[2].decode(), offset, parts[0] == b"1") if offset < MAX_OFFSET else None
+
+
+def parse_record(head: bytes, expires: bytes | str, peer: bytes | None = None) -> Record | None:
     """A stream record's fields checked for form (sizes, magic, format, bounds); None when any
-    check fails. The digest covers the KV too, so it is checked when the value is read."""
+    check fails. The digest covers the KV too, so it is checked when the value is read. ``peer``
+    (field ``p``) that does not parse is dropped: the record stands without it."""
     if len(head) < HEADER_BYTES:
         return None
     (magic, fmt, dtype, layers, size, hidden, rank, origin, pos0, root, key,
-     _) = _HEAD.unpack_from(head, 0)
+     digest) = _HEAD.unpack_from(head, 0)
     try:
         expires_ms = int(expires)
         kind = DType(dtype)
@@ -280,7 +359,7 @@ def parse_record(head: bytes, expires: bytes | str) -> Record | None:
         return None
     chunk = ChunkId(root, key, rank, kind, layers, size, hidden)
     tokens = np.frombuffer(head, "<u4", size, HEADER_BYTES)
-    return Record(chunk, tokens, pos0, origin, expires_ms)
+    return Record(chunk, tokens, pos0, origin, expires_ms, digest, PeerAt.parse(peer))
 
 
 def _digest(value: bytes | bytearray, key: RemoteKey) -> bytes:
@@ -307,7 +386,8 @@ def hash_head(head: bytes | bytearray, key: RemoteKey) -> Any:
     return h
 
 
-__all__ = ["ChunkId", "Fetched", "Miss", "Record", "RemoteKey", "encode", "decode", "check_head",
+__all__ = ["ChunkId", "Fetched", "Miss", "Record", "RemoteKey", "PeerAt", "encode", "decode",
+           "head_of", "record_head", "kv_digest_ok", "check_head",
            "hash_head", "digest_matches", "parse_record", "MIN_KEY_BYTES", "MAGIC", "FORMAT",
            "HEADER_BYTES", "KEY_PREFIX", "STREAM", "ORIGINS", "MAX_LAYERS", "MAX_CHUNK",
            "MAX_HIDDEN", "MAX_RANK"]

@@ -38,6 +38,8 @@ SOCKET_MAX = 107
 SECRETS = ("username", "password", "key")
 #: the shortest remote key taken, in bytes (``dataplane.remoteformat.RemoteKey``)
 MIN_REMOTE_KEY = 16
+#: the characters of a peer's host (a name or an address the other hosts reach it at)
+PEER_HOST_PATTERN = r"^[A-Za-z0-9_.:-]{1,253}$"
 
 
 def power_of_two(value: int) -> int:
@@ -49,6 +51,27 @@ def power_of_two(value: int) -> int:
     if value < 1 or value & (value - 1):
         raise ValueError(f"must be a power of two, got {value}")
     return value
+
+
+class PeerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Peer reads of the remote tier (``--remote-peer``, ``dataplane.peerread``): other hosts read
+    this host's chunks straight from its slab through a transfer engine, and it theirs.
+
+    Attributes:
+        host: the name or address the other hosts reach this host's transfer engine at.
+        protocol: the transfer engine's transport: ``tcp``, or ``rdma`` where there is RDMA.
+        device: the RDMA device(s) (``rdma`` only; empty: the engine's choice).
+        values: also write each chunk's value to the remote store (every chunk then sits in
+            two places; without it, a chunk is readable while its holder holds it).
+        endpoint_ttl_s: the life of this host's endpoint record, renewed every third of it; a
+            holder gone this long is forgotten by its readers.
+    """
+
+    host: Annotated[str, Meta(pattern=PEER_HOST_PATTERN)] = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: Annotated[str, Meta(max_length=256)] = ""
+    values: bool = True
+    endpoint_ttl_s: Annotated[float, Meta(ge=3, le=3600)] = 30.0
 
 
 class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -67,6 +90,7 @@ class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         key: the shared key of the values' digest (``dataplane.remoteformat.RemoteKey``), from
             ``KVBLEND_REMOTE_KEY`` or ``KVBLEND_REMOTE_KEY_FILE`` only; not in the repr. Required:
             a remote tier never runs with a digest a writer without the key could forge.
+        peer: peer reads of hosts' slabs (``PeerSettings``), or None: the values only.
     """
 
     url: RemoteURL
@@ -79,6 +103,7 @@ class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     username: str | None = None
     password: str | None = None
     key: Annotated[str, Meta(min_length=MIN_REMOTE_KEY)]
+    peer: PeerSettings | None = None
 
     def __post_init__(self) -> None:
         power_of_two(self.capacity)
@@ -172,5 +197,5 @@ def bounds(struct: type[msgspec.Struct], name: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ENV", "MIN_REMOTE_KEY", "DataPlaneSettings", "RemoteSettings", "bounds",
+__all__ = ["ENV", "MIN_REMOTE_KEY", "DataPlaneSettings", "PeerSettings", "RemoteSettings", "bounds",
            "power_of_two"]

@@ -38,15 +38,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvblend.dataplane.remote import BreakerState, ChunkId, RemoteTier, encode
+from kvblend.dataplane.remoteformat import record_head
 from kvblend.shm.events import EventLog
 from kvblend.shm.header import ORIGIN_FINAL, ORIGIN_STANDALONE
 from kvblend.shm.slots import VERIFIED
 from kvblend.shm.store import ChunkKey, Store
 from kvblend.shm.telemetry import Counter
+
+if TYPE_CHECKING:
+    from kvblend.dataplane.peerread import Peer
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +130,20 @@ class WriteBehind:
         replay_chunks, replay_bytes: the bounds of the failed writes held for replay, in
             entries and in bytes of the values they would write.
         retry_s: how often the replay thread looks at the held writes' breakers.
+        peer: this host's peer reads (``dataplane.peerread.Peer``), or None: each record then
+            also says where its chunk's KV sits in this host's slab, and with ``peer.values``
+            off only the record is written, no value.
     """
 
     def __init__(self, store: Store, tier: RemoteTier, capacity: int = 4096,
                  events: EventLog | None = None, writers: int = 4, replay_chunks: int = 4096,
-                 replay_bytes: int = 1 << 30, retry_s: float = 1.0) -> None:
+                 replay_bytes: int = 1 << 30, retry_s: float = 1.0,
+                 peer: "Peer | None" = None) -> None:
         if capacity < 1 or writers < 1 or replay_chunks < 1 or replay_bytes < 1:
             raise ValueError("capacity, writers and the replay bounds must be >= 1")
         if retry_s <= 0:
             raise ValueError("retry_s must be > 0")
-        self._store, self._tier, self._events = store, tier, events
+        self._store, self._tier, self._events, self._peer = store, tier, events, peer
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._lock = threading.Lock()
         self.counts = {"written": 0, "dropped": 0, "skipped": 0, "failed": 0, "replayed": 0,
@@ -220,11 +229,15 @@ class WriteBehind:
             pos0, origin = (int(a[0]) for a in self._store.slot_provenance(slots))
             if checked[0] != VERIFIED or origin not in (ORIGIN_STANDALONE, ORIGIN_FINAL):
                 return "skipped"
-            value = encode(item.chunk, item.tokens, self._store.slot_kv(int(slots[0])), pos0,
-                           origin, key=self._tier.key)
+            slot = int(slots[0])
+            at = self._peer.at(slot) if self._peer is not None else None
+            # records only (peer reads, no values): the digest is taken over the slot in place
+            shape = encode if at is None or at.valued else record_head
+            value = shape(item.chunk, item.tokens, self._store.slot_kv(slot), pos0, origin,
+                          key=self._tier.key)
         finally:
             self._store.unpin_slots(slots)
-        return "written" if self._tier.put(item.chunk, value) else "failed"
+        return "written" if self._tier.put(item.chunk, value, peer=at) else "failed"
 
     def _settle(self, item: _Item, outcome: str) -> None:
         """Count ``outcome``; hold a failed write for replay, and forget a held one that was

@@ -202,7 +202,7 @@ class BlockedTier:
         self.inside, self.most_inside = 0, 0
         self._lock = threading.Lock()
 
-    def put(self, chunk: ChunkId, value: bytes) -> bool:
+    def put(self, chunk: ChunkId, value: bytes, peer: object = None) -> bool:
         with self._lock:
             self.inside += 1
             self.most_inside = max(self.most_inside, self.inside)
