@@ -89,12 +89,13 @@ def wait_for_turn(prefix: str, name: str) -> None:
         log.warning("standby: cannot listen on %s (%s): not waiting as a spare", path,
                     exc.strerror)
         raise Standby() from None
+    inode = os.lstat(path).st_ino
     try:
         log.debug("standby: warm, waiting on %s", path)
         _serve(listener, ident)
     finally:
         listener.close()
-        _unlink_own(path)
+        _unlink_own(path, inode)
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -130,10 +131,11 @@ def _stale(path: str) -> bool:
         return probe.connect_ex(path) != 0
 
 
-def _unlink_own(path: str) -> None:
+def _unlink_own(path: str, inode: int) -> None:
+    """Remove our socket at ``path``: the one we bound, not a later spare's."""
     try:
         st = os.lstat(path)
-        if st.st_uid == os.getuid() and st.st_mode & 0o170000 == 0o140000:
+        if st.st_ino == inode and st.st_uid == os.getuid():
             os.unlink(path)
     except FileNotFoundError:
         pass
