@@ -4,7 +4,8 @@ This module owns the service's process tree and start-up; it never serves a requ
 
     kvblend serve (this process)
     ├── python -m kvblend.dataplane              restarted when it dies; re-attaches
-    └── python -m kvblend.api.uvicorn_workers   uvicorn, --workers N; restarted when it dies
+    ├── python -m kvblend.api.uvicorn_workers   uvicorn, --workers N; restarted when it dies
+    └── a warm spare of each (``--standby``)     promoted when its child dies; outlives us
 
 Restarts (``api.child``): a child that crashes after a good start (the data plane printed its
 ready line, the API answered ``/healthz``) is restarted at once; one that keeps failing before it
@@ -39,6 +40,11 @@ holds the prefix when it cannot take it.
 
 Children run in their own process group (a terminal's Ctrl+C reaches only the supervisor, which
 then stops them in order) and get SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
+
+Warm spares (``api.child``, ``api.spares``, ``dataplane.standby``; docs/faults.md): once both
+children are ready, each gets a spare, imported and warmed, that a restart promotes instead of
+starting a process from nothing. Spares outlive a killed supervisor, and the next ``kvblend
+serve`` of the same configuration adopts them as its children's replacements at its start.
 
 Shutdown on SIGTERM or SIGINT: the API first (uvicorn finishes in-flight requests), then the data
 plane (it finishes queued copies), each with SIGKILL after its grace period. The cache stays in
