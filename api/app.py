@@ -29,6 +29,7 @@ from kvblend.api.routes import add_head, chunks, events, health, instances, look
 from kvblend.api.schemas import LookupRequest
 from kvblend.api.services import Services
 from kvblend.api.settings import Settings
+from kvblend.dataplane.logs import take_uncaught
 from kvblend.shm.version import kvblend_version
 
 DESCRIPTION = """\
@@ -188,5 +189,8 @@ def _openapi(app: FastAPI, routers: Iterable[APIRouter]) -> dict[str, Any]:
 
 
 def app_from_env() -> FastAPI:
-    """Factory for uvicorn workers: the settings come from ``KVBLEND_*`` variables."""
+    """Factory for uvicorn workers: the settings come from ``KVBLEND_*`` variables. A worker's
+    uncaught exceptions become log records, in every worker process (``--workers N`` spawns
+    them: uvicorn configures their logging, not Python's hooks)."""
+    take_uncaught()
     return create_app(Settings())

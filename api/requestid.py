@@ -3,8 +3,8 @@
 An id is kept when the request carries exactly one ``X-Request-ID`` of 1 to ``MAX_LENGTH``
 printable ASCII characters (no leading or trailing space); anything else (none, two, too long,
 control or non-ASCII bytes) is replaced by 32 fresh hex digits. The request then goes on with that
-one header, so every route, the lookup fast path, the event log and the API's log lines
-(``api.errors``) see the same id, and the response carries it back: errors, 413s of
+one header, so every route, the lookup fast path, the event log, the API's log lines
+(``api.errors``) and uvicorn's access line (``dataplane.logs.REQUEST_ID``) see the same id, and the response carries it back: errors, 413s of
 ``api.limits`` and 500s included (an error escaping the app is answered here, as problem+json).
 """
 
@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvblend.api.errors import problem_for
+from kvblend.dataplane.logs import REQUEST_ID
 
 HEADER = b"x-request-id"
 MAX_LENGTH = 128
@@ -55,6 +56,7 @@ class RequestId:
                 message = {**message, "headers": [*headers, echo]}
             await send(message)
 
+        token = REQUEST_ID.set(rid)  # uvicorn's access line, logged in this context, shows it
         try:
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
@@ -62,3 +64,5 @@ class RequestId:
                 raise
             response = await problem_for(Request(scope, receive), exc)  # logs it, with the id
             await response(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)

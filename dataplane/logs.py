@@ -8,8 +8,9 @@ Each record is written to stderr in one of two forms (``--log-format``, ``KVBLEN
 
 ``process`` is the service's part that wrote it (``serve``, ``api`` or ``dataplane``); times are
 UTC. A JSON record is one object on one line: a traceback is its ``exception`` field, an access
-log record has ``client``, ``method``, ``path`` and ``status`` besides. In text, a traceback
-follows its record's line.
+log record has ``client``, ``method``, ``path``, ``status`` and ``request_id`` (the request's
+``X-Request-ID``, which ``api.requestid`` sets in ``REQUEST_ID``) besides. In text, a traceback
+follows its record's line, and an access line ends with ``request_id=<id>``.
 
 This module owns the format and how a process takes it: ``configure`` at a process's entry point
 (the supervisor, the data plane), ``uvicorn_config`` for uvicorn and its workers. It does not own
@@ -24,6 +25,7 @@ import json
 import logging
 import sys
 import threading
+from contextvars import ContextVar
 from datetime import datetime, timezone
 from enum import StrEnum
 from types import TracebackType
@@ -35,6 +37,8 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 TRACE = 5
 #: fields a record of ``api.child``'s relay carries: the child's name and pid
 PROCESS, PID = "kvblend_process", "kvblend_pid"
+#: the id of the HTTP request being served in this context (``api.requestid``), else None
+REQUEST_ID: ContextVar[str | None] = ContextVar("kvblend_request_id", default=None)
 
 
 class LogFormat(StrEnum):
@@ -77,6 +81,9 @@ class Formatter(logging.Formatter):
                 len(record.args) == 5:
             client, method, path, _, status = record.args
             out.update(client=client, method=method, path=path, status=status)
+            rid = REQUEST_ID.get()  # uvicorn logs the line inside the request's own send
+            if rid is not None:
+                out["request_id"] = rid
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         elif record.stack_info:
@@ -88,6 +95,8 @@ class Formatter(logging.Formatter):
         if self.form is LogFormat.JSON:
             return json.dumps(f, ensure_ascii=False, default=str)
         line = f"{f['time']} {f['level']} {f['process']}[{f['pid']}] {f['logger']}: {f['message']}"
+        if "request_id" in f:
+            line += f" request_id={f['request_id']}"
         return f"{line}\n{f['exception']}" if "exception" in f else line
 
 
@@ -100,6 +109,12 @@ def configure(level: str, form: str, process: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(python_level(level))
+    take_uncaught()
+
+
+def take_uncaught() -> None:
+    """Python's warnings and uncaught exceptions (any thread's) become records. ``configure``
+    does it; a uvicorn worker process, whose logging uvicorn configured, calls it itself."""
     logging.captureWarnings(True)
     sys.excepthook = _uncaught
     threading.excepthook = lambda a: _uncaught(a.exc_type, a.exc_value, a.exc_traceback,
@@ -152,4 +167,4 @@ def message_of(line: str, form: str) -> str | None:
 
 
 __all__ = ["LogFormat", "LogLevel", "Formatter", "configure", "uvicorn_config", "message_of",
-           "python_level", "PROCESS", "PID"]
+           "python_level", "take_uncaught", "PROCESS", "PID", "REQUEST_ID"]

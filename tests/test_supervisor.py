@@ -182,7 +182,8 @@ def test_json_logs_one_record_per_line_from_every_process(services: Services) ->
     supervisor's, the API's, uvicorn's access log with ``--access-log``, the data plane's)."""
     svc = services.add(Serve(services.prefix, "--log-format", "json", "--access-log"))
     poll(svc.ready, START_DEADLINE, "/readyz")
-    assert svc.status()["shm_prefix"] == services.prefix
+    r = svc.http.get("/v1/status", headers={"x-request-id": "status-probe-1"})
+    assert r.status_code == 200 and r.json()["shm_prefix"] == services.prefix
     svc.proc.send_signal(signal.SIGTERM)
     assert svc.wait() == 0
     records = [json.loads(line) for line in svc.lines]
@@ -190,7 +191,7 @@ def test_json_logs_one_record_per_line_from_every_process(services: Services) ->
                for r in records)
     assert {r["process"] for r in records} == {"serve", "api", "dataplane"}
     assert [r["level"] for r in records if r["level"] not in ("INFO", "DEBUG")] == []
-    access = [(r["method"], r["path"], r["status"]) for r in records
+    access = [(r["method"], r["path"], r["status"], r["request_id"]) for r in records
               if r["logger"] == "uvicorn.access"]
-    assert ("GET", "/v1/status", 200) in access
+    assert ("GET", "/v1/status", 200, "status-probe-1") in access  # the request's own id
     assert {"api stopped cleanly", "dataplane stopped cleanly"} <= {r["message"] for r in records}
