@@ -123,7 +123,7 @@ class Adopted:
         poller.register(self._pidfd, select.POLLIN)
         while not poller.poll():
             pass
-        self._gone.set()
+        self._gone.set()  # its pidfd stays open: never reused for another process's
         wake.set()
 
     def poll(self) -> int | None:
