@@ -24,12 +24,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     KVBLEND_HOST=0.0.0.0
 
 # A BASE without Python (another distribution's image) gets its python3; the default has one.
+# libibverbs1: peer reads' transfer engine (the `peer` extra, below) loads it even for TCP, and
+# uses it for RDMA where the host passes its devices in.
 # The packages come from whichever distribution the base image is: their versions are its to pin.
 # hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && \
-        rm -rf /var/lib/apt/lists/*; \
-    fi && python3 -m venv /opt/kvblend && \
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && \
+    if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get install -y --no-install-recommends python3 python3-venv; \
+    fi && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/kvblend && \
     groupadd --system --gid "$KVBLEND_UID" kvblend && \
     useradd --system --uid "$KVBLEND_UID" --gid kvblend --create-home --home-dir /home/kvblend \
         --shell /usr/sbin/nologin kvblend && \
@@ -41,14 +43,15 @@ WORKDIR /src
 # reuses this layer (torch is most of the image). torch first, the version of constraints.txt:
 # the CPU build without the gpu extra (scripts/install_torch.py never takes the CUDA one then),
 # PyPI's CUDA build with it; the list's own torch requirement is then already met. The other
-# versions are pyproject.toml's ranges, under the same constraints.
+# versions are pyproject.toml's ranges, under the same constraints. The `peer` extra (the remote
+# tier's redis client and peer reads' transfer engine) is in every image, whatever EXTRAS adds.
 COPY pyproject.toml constraints.txt ./
 COPY scripts/install_torch.py scripts/
 # hadolint ignore=DL3013
 RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [d for e in extras for d in p["optional-dependencies"][e]]))' \
-        "$EXTRAS" > /tmp/requirements.txt && \
+        "peer,$EXTRAS" > /tmp/requirements.txt && \
     case ",$EXTRAS," in *,gpu,*) build=cuda ;; *) build=cpu ;; esac && \
     python3 scripts/install_torch.py --build "$build" --constraints constraints.txt && \
     pip install -c constraints.txt -r /tmp/requirements.txt && rm /tmp/requirements.txt

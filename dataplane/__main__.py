@@ -158,7 +158,8 @@ class Remote:
         log.info("remote tier %s: writing stored chunks behind, finding other hosts' chunks",
                  settings.url)
         writers = max(1, settings.streams // 2)
-        peer = (Peer.start(settings.peer, tier, store) if settings.peer is not None else None)
+        peer = (Peer.start(settings.peer, tier, store, events) if settings.peer is not None
+                else None)
         return cls(tier, remotes,
                    WriteBehind(store, tier, settings.queue, events, writers, peer=peer),
                    Promoter(store, tier, remotes, events, settings.streams, peer),

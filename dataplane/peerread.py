@@ -62,7 +62,9 @@ from msgspec import Meta
 from kvblend.dataplane.remote import ChunkId, Fetched, Miss, Record, RemoteTier
 from kvblend.dataplane.remoteformat import KEY_PREFIX, PeerAt, kv_digest_ok
 from kvblend.dataplane.settings import PeerSettings
+from kvblend.shm.events import EventLog
 from kvblend.shm.store import Store
+from kvblend.shm.telemetry import Counter
 
 log = logging.getLogger("kvblend.dataplane")
 
@@ -161,11 +163,14 @@ class Peer:
         values: whether this host's chunks are also written as values (``PeerAt.valued``).
         endpoint_ttl_s: the endpoint record's life; it is renewed every third of it.
         known: places of other hosts' chunks kept at most.
+        events: where ``counts`` also go (``shm.telemetry``'s ``REMOTE_PEER_*`` counters), or
+            None.
     """
 
     def __init__(self, tier: RemoteTier, store: Store, holder: str, engine: Engine, *,
-                 values: bool = True, endpoint_ttl_s: float = 30.0, known: int = KNOWN) -> None:
-        self._tier, self._store, self._engine = tier, store, engine
+                 values: bool = True, endpoint_ttl_s: float = 30.0, known: int = KNOWN,
+                 events: EventLog | None = None) -> None:
+        self._tier, self._store, self._engine, self._events = tier, store, engine, events
         self.holder, self.values, self._ttl_s = holder, values, endpoint_ttl_s
         self._base = engine.register(store.slab)
         self.endpoint = Endpoint(engine.session, self._base, store.slab.nbytes,
@@ -179,7 +184,8 @@ class Peer:
         self._renewer = threading.Thread(target=self._renew, name="kvblend-peer", daemon=True)
 
     @classmethod
-    def start(cls, settings: PeerSettings, tier: RemoteTier, store: Store) -> "Peer | None":
+    def start(cls, settings: PeerSettings, tier: RemoteTier, store: Store,
+              events: EventLog | None = None) -> "Peer | None":
         """A started ``Peer`` with its endpoint published, or None (logged) where the transfer
         engine does not load or start: the tier then writes and reads values, as without
         peer reads."""
@@ -188,7 +194,8 @@ class Peer:
             if reason is None:
                 engine = Engine(settings.host, settings.protocol, settings.device)
                 peer = cls(tier, store, f"{settings.host}/{store.name}", engine,
-                           values=settings.values, endpoint_ttl_s=settings.endpoint_ttl_s)
+                           values=settings.values, endpoint_ttl_s=settings.endpoint_ttl_s,
+                           events=events)
                 peer._renewer.start()
                 log.info("peer reads: slab registered with the transfer engine at %s (%s)",
                          engine.session, settings.protocol)
@@ -311,6 +318,8 @@ class Peer:
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
+        if self._events is not None:
+            self._events.add(_COUNTERS[what])
 
     def close(self) -> None:
         """Stop renewing, delete the endpoint record (readers miss at once), unregister the
@@ -321,6 +330,10 @@ class Peer:
         key = endpoint_key(self.holder)
         self._tier.run(key, lambda c: c.delete(key))
         self._engine.close()
+
+
+_COUNTERS = {"read": Counter.REMOTE_PEER_READS, "missed": Counter.REMOTE_PEER_MISSES,
+             "fell_back": Counter.REMOTE_PEER_FALLBACKS}
 
 
 __all__ = ["Peer", "Engine", "Endpoint", "PeerUnavailable", "unavailable", "endpoint_key",

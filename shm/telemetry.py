@@ -80,6 +80,13 @@ class Counter(StrEnum):
     REMOTE_FETCH_MISSES = ("remote_fetch_misses",
                            "Remote fetches that gave no chunk: absent, expired, corrupt, "
                            "truncated, or the remote unavailable.")
+    REMOTE_PEER_READS = ("remote_peer_reads",
+                         "Chunks read from their holder's slab (peer reads), digest checked.")
+    REMOTE_PEER_MISSES = ("remote_peer_misses",
+                          "Peer reads that gave no chunk: the holder unavailable, or its slot "
+                          "held other bytes (evicted or reused).")
+    REMOTE_PEER_FALLBACKS = ("remote_peer_fallbacks",
+                             "Peer-read misses that fell back to the chunk's value.")
 
 
 class Histogram:

@@ -163,6 +163,28 @@ def test_the_dependency_list_is_pyprojects(extras: str) -> None:
     assert "torch" in " ".join(wanted)  # the heavy one this layer exists to keep
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extras", ["", "gpu"], ids=["none", "cuda"])
+def test_every_image_can_read_peers_the_peer_extra_and_libibverbs1(extras: str) -> None:
+    """The `peer` extra (redis and the transfer engine) is installed whatever EXTRAS adds, and the
+    system's libibverbs1, which the transfer engine loads even for TCP, before it."""
+    (deps,) = [args for args in instructions("RUN") if "-r /tmp/requirements.txt" in args]
+    arg = re.search(r"'\s+(\"[^\"]*\")\s*> /tmp/requirements.txt", deps)
+    assert arg is not None, "the requirements step's argument"
+    given = subprocess.run(["sh", "-c", f'EXTRAS="{extras}"; printf %s {arg.group(1)}'],
+                           capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run([sys.executable, "-c", python_snippet("tomllib"), given], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    listed, optional = set(out.stdout.split("\n")), PYPROJECT["project"]["optional-dependencies"]
+    assert set(optional["peer"]) <= listed
+    assert set(optional["gpu"]) <= listed if extras == "gpu" else not set(optional["gpu"]) & listed
+    order = [args for name, args in steps() if name == "RUN"]
+    ibverbs = next(i for i, args in enumerate(order)
+                   if re.search(r"apt-get install -y --no-install-recommends [^&;]*libibverbs1",
+                                args))
+    assert ibverbs < order.index(deps)
+
+
 def test_torch_is_the_constraints_and_its_build_the_extras() -> None:
     """The CPU image takes the CPU build (never the CUDA one), the gpu extra PyPI's CUDA build;
     both the version of constraints.txt, which every pip install of the image takes too."""

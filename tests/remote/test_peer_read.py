@@ -27,6 +27,7 @@ from kvblend.dataplane.promote import Promoted, promote
 from kvblend.dataplane.remote import Fetched, Miss, RemoteTier
 from kvblend.dataplane.remoteformat import PeerAt
 from kvblend.dataplane.writebehind import WriteBehind
+from kvblend.shm.events import EventLog
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.store import ChunkKey, Store
 from tests.harness import remove_prefix, unique_prefix
@@ -54,9 +55,19 @@ class Host:
         self.prefix = unique_prefix("kvbpeer")
         self.store = open_store(self.prefix)
         self.tier = RemoteTier(url, key=KEY, timeout_s=DEADLINE)
+        self.events = EventLog.open(self.prefix)
         self.peer = Peer(self.tier, self.store, f"{HOST}/{self.prefix}", Engine(HOST),
-                         values=values)
+                         values=values, events=self.events)
         assert self.peer.publish()
+
+    def counted(self, read: int, missed: int, fell_back: int) -> bool:
+        """The peer's counts are these, and the event log (``/metrics``) holds the same."""
+        want = {"read": read, "missed": missed, "fell_back": fell_back}
+        logged = self.events.counters()
+        return self.peer.counts == want and {
+            "read": logged.get("remote_peer_reads", 0),
+            "missed": logged.get("remote_peer_misses", 0),
+            "fell_back": logged.get("remote_peer_fallbacks", 0)} == want
 
     def write_behind(self, doc: Document) -> tuple[int, list[ChunkKey]]:
         """Commit ``doc`` here and write its records (and values, where on) behind."""
@@ -77,6 +88,7 @@ class Host:
     def close(self) -> None:
         self.peer.close()
         self.tier.close()
+        self.events.close()
         self.store.close()
         remove_prefix(self.prefix)
 
@@ -114,7 +126,7 @@ def test_a_host_reads_a_chunk_from_the_holders_slab(hosts: list[Host], redis_url
     pos, origin = b.store.provenance(doc.ns.id, [cid.chunk_hash for cid in doc.ids])
     assert pos.tolist() == [POS0 + 16 * i for i in range(3)]
     assert origin.tolist() == [ORIGIN_STANDALONE] * 3
-    assert b.peer.counts == {"read": 3, "missed": 0, "fell_back": 0}
+    assert b.counted(read=3, missed=0, fell_back=0)
 
 
 def reuse_the_slot(a: Host, doc: Document) -> Document:
@@ -151,7 +163,7 @@ def test_a_reused_slot_is_a_miss_never_wrong_bytes(hosts: list[Host], redis_url:
     assert promote_into(b, doc, 0) is Miss.CORRUPT
     assert not b.store.contains_key(_key(doc, 0))  # nothing committed
     assert b.peer.place(doc.ids[0]) is None  # forgotten: not read there again
-    assert b.peer.counts == {"read": 0, "missed": 1, "fell_back": 0}
+    assert b.counted(read=0, missed=1, fell_back=0)
 
 
 def test_a_reused_slot_falls_back_to_the_value_where_one_was_written(
@@ -164,7 +176,7 @@ def test_a_reused_slot_falls_back_to_the_value_where_one_was_written(
     reuse_the_slot(a, doc)
     assert promote_into(b, doc, 0) is Promoted.PROMOTED
     assert np.array_equal(kv_of(b.store, doc, 0), doc.kvs[0])  # the value's bytes, not the slot's
-    assert b.peer.counts == {"read": 0, "missed": 1, "fell_back": 1}
+    assert b.counted(read=0, missed=1, fell_back=1)
 
 
 def test_a_hostile_place_or_endpoint_is_a_miss(hosts: list[Host], redis_url: str) -> None:
@@ -244,6 +256,8 @@ def test_two_served_hosts_share_a_document_through_peer_reads(redis_url: str) ->
     try:
         served += [Served(redis_url, *flags), Served(redis_url, *flags)]
         share_and_retrieve(*served)
+        assert served[1].counter("remote_peer_reads") == 3  # in B's /metrics
+        assert served[1].counter("remote_peer_misses") == 0
         with redis.Redis.from_url(redis_url) as raw:
             assert raw.keys("kvblend:1:*:0") == []  # no value: every byte came from A's slab
             assert len(raw.keys("kvblend:1:peer:*")) == 2  # both endpoints
