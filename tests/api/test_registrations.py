@@ -165,6 +165,14 @@ def test_a_restarted_data_plane_still_knows_whose_instances_it_holds(live: Live)
             "buffer_in_use"
 
 
+def test_a_rotary_config_whose_frequencies_overflow_is_422(live: Live) -> None:
+    rotary = {"head_dim": D, "scaling": "yarn", "factor": 4.0, "beta_slow": 5e-324}
+    with live.app() as client:
+        ready(client)
+        got = client.post("/v1/instances", json={**body(live.buffer()), "rotary": rotary})
+        assert "cannot be computed" in problem(got, 422)["detail"]  # a 500 (OverflowError) before
+
+
 # -- a real served API: the caller is its loopback socket's uid, and only that ------------------
 
 
