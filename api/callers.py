@@ -10,10 +10,12 @@ A caller is::
                      token), when the service has tokens: every holder of one token is one caller
     uid:<n>          else the uid of the process at the other end of a loopback TCP connection
                      (the kernel's socket table, /proc/net/tcp and tcp6, as identd reads it)
-    addr:<host>      else its address (a remote peer, or one whose socket this host cannot see)
+    addr:<host>      else its address (a remote peer, or one whose socket this host cannot see;
+                     the connection's own: uvicorn reads no X-Forwarded-For, api.uvicorn_workers)
 
 With no token configured a bearer header says nothing (anyone may send any), so it never makes
-a new caller: a second local user is its own uid, however many headers it makes up.
+a new caller: a second local user is its own uid, however many headers it makes up, and the data
+plane refuses it any registration (``dataplane.instances``: none of the service's buffers is its).
 """
 
 from __future__ import annotations

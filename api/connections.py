@@ -9,18 +9,20 @@ under the ASGI app (``ConnectionGuard``, handed to uvicorn as its ``http`` proto
 
     connection state    from                                   until
     waiting             it is accepted, or answered a request  its next request head is whole
-    in a request        the head is whole                      the answer is sent
+    waiting for a body  the head is whole                      the body is whole too
+    in a request        the request is whole                   the answer is sent
 
 A waiting connection is closed when
 
 - its request head is not whole ``head_timeout_s`` after it began waiting (a slow or stalled
   head, and an idle keep-alive connection, which uvicorn's shorter ``timeout_keep_alive`` closes
-  first);
+  first), or its body ``head_timeout_s`` after the head (a slow body held the connection in a
+  request for ever, where no bound on their number could close it);
 - the head it has sent so far passes ``MAX_HEAD_BYTES`` (httptools, unlike h11, sets no bound);
 - a new connection arrives while ``max_connections`` are open in this worker: the one that has
   waited longest makes room (the new one is closed instead when every other is in a request).
 
-A request's body and its answer are not bounded here (``api.limits`` bounds the body's size).
+A request's answer is not bounded here (``api.limits`` bounds the body's size).
 
 NOTE: the bounds hold per API worker (``--workers``); uvicorn calls the protocol from its event
 loop only, so the state below needs no lock.
@@ -71,17 +73,19 @@ class GuardedProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.guard = guard
         self.waiting_since: float | None = None  # monotonic; None while in a request
+        self._in_head = True  # waiting for a head, else for the rest of a body
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
 
     # -- the states ---------------------------------------------------------------------------
 
-    def _wait(self) -> None:
-        """Begin waiting for a request head: the clock and the byte count start."""
+    def _wait(self, head: bool = True) -> None:
+        """Begin waiting for a request head (the clock and the byte count start), or, ``head``
+        False, for the rest of a request's body (the clock starts)."""
         self._stop_waiting()
         self.waiting_since = time.monotonic()
-        self._head_bytes = 0
-        self._head_timer = self.loop.call_later(self.guard.head_timeout_s, self._head_too_slow)
+        self._in_head, self._head_bytes = head, 0
+        self._head_timer = self.loop.call_later(self.guard.head_timeout_s, self._too_slow)
 
     def _stop_waiting(self) -> None:
         self.waiting_since = None
@@ -89,9 +93,10 @@ class GuardedProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_too_slow(self) -> None:
+    def _too_slow(self) -> None:
         self._head_timer = None
-        self._close("no whole request head within %g s", self.guard.head_timeout_s)
+        self._close("no whole request %s within %g s", "head" if self._in_head else "body",
+                    self.guard.head_timeout_s)
 
     def _close(self, why: str, *args: object) -> None:
         if not self.transport.is_closing():
@@ -118,7 +123,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.waiting_since is not None:  # the head is still not whole: all of it is head
+        if self.waiting_since is not None and self._in_head:  # not whole: all of it is head
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._close("a request head over %d bytes", MAX_HEAD_BYTES)
@@ -126,6 +131,12 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._stop_waiting()
         super().on_headers_complete()
+        self._wait(head=False)  # a request without a body is whole at once (below)
+
+    def on_message_complete(self) -> None:
+        if self.waiting_since is not None and not self._in_head:
+            self._stop_waiting()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         idle = not self.pipeline  # else the next request, whole already, starts now

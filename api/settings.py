@@ -94,7 +94,7 @@ class Settings(BaseSettings):
         "data-plane connections at once"))
     http_head_timeout_s: float = Field(10.0, gt=0, le=300, description=(
         "seconds an HTTP connection may take to send a whole request head, from its start or "
-        "its last answer; a slower one is closed (api.connections)"))
+        "its last answer, and then its whole body; a slower one is closed (api.connections)"))
     http_keep_alive_s: int = Field(5, ge=1, le=300, description=(
         "seconds an HTTP connection may stay idle after an answer before it is closed"))
     http_max_connections: int = Field(1024, ge=4, le=65536, description=(

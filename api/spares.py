@@ -19,6 +19,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import threading
 from collections.abc import Mapping
@@ -60,6 +61,12 @@ class Taken:
 def take(path: str, ident: str) -> Taken | None:
     """Promote the spare waiting on ``path`` if it is ours and of configuration ``ident``; None
     when there is none (or it is another's, or it failed the handshake)."""
+    try:  # connect follows a symlink: one planted on a free path named another spare of ours
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return None
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     except OSError:

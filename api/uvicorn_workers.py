@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn calls its ``http`` protocol class with (config, server_state, app_state, _loop):
     # the guard is such a callable, typed as a class for uvicorn's annotation
     guard = ConnectionGuard(settings.http_head_timeout_s, settings.http_max_connections)
+    # the peer's address is the caller's (api.callers): uvicorn would otherwise take it from an
+    # X-Forwarded-For header that any loopback client may make up
     uvicorn.run("kvblend.api.app:app_from_env", factory=True, host=settings.host,
                 port=settings.port, workers=settings.workers, log_level=settings.log_level,
                 access_log=settings.access_log, lifespan="on",
                 log_config=uvicorn_config(settings.log_level, settings.log_format),
                 timeout_graceful_shutdown=int(settings.api_grace_s) - 2,
                 http=cast("type[asyncio.Protocol]", guard),
-                timeout_keep_alive=settings.http_keep_alive_s)
+                timeout_keep_alive=settings.http_keep_alive_s, proxy_headers=False)
     return 0
 
 

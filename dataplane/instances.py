@@ -34,7 +34,10 @@ are bounded apart from the socket's, so that no HTTP caller can keep engines out
 
 and an HTTP registration that names a buffer (shm name, CUDA IPC handle) a live instance of
 another caller holds is refused (``BufferInUse``): a caller registers only what it holds or what
-nobody has registered. An engine on the socket is trusted with its uid's buffers, as before.
+nobody has registered. An HTTP caller known by its uid (a loopback peer) registers only as the
+service's uid: another local user owns none of its buffers, and could otherwise register an
+engine's new buffer (its name is listed in /dev/shm) before the engine does. An engine on the
+socket is trusted with its uid's buffers, as before.
 
 The table is saved on every change (``dataplane.statefile``), tokens included: a restarted data
 plane re-opens every instance under the same id and token with a fresh lease, so engines keep
@@ -125,7 +128,8 @@ class Registry:
             caller: the HTTP caller the API registers for; None for the connection itself.
 
         Raises:
-            BadRequest: bad names, layout fields or dtype, or a buffer that is not the client's.
+            BadRequest: bad names, layout fields or dtype, a buffer that is not the client's, or
+                an HTTP caller the kernel names as another uid than ``owner_uid``.
             LayoutMismatch: the namespace's chunks were stored with another layout (or
                 ``shm.errors.LayoutMismatch`` from the store).
             TooMany: the instance limits are reached.
@@ -136,6 +140,8 @@ class Registry:
         layout, cc = _layout_of(req, self._chunk)
         self._check_rotary(req)
         with self._reg_lock:
+            if saved is None:
+                _check_caller(caller, owner_uid)
             self._check_limits(client, caller)
             if saved is None:
                 self._check_free(req.buffer, caller)
@@ -373,6 +379,18 @@ def _layout_of(req: Registration, chunk_size: int) -> tuple[KVLayout, ChunkClass
         return layout, ChunkClass.of(req.model_name, req.world_size, layout, chunk_size)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _check_caller(caller: str | None, owner_uid: int) -> None:
+    """Refuse an HTTP caller that the kernel names as another uid than the registering peer's
+    (the API's, which is the service's): no buffer of that uid is its own.
+
+    Raises:
+        BadRequest: naming the caller.
+    """
+    if caller is not None and caller.startswith("uid:") and caller != f"uid:{owner_uid}":
+        raise BadRequest(f"a registration over HTTP from {caller}: only processes of uid "
+                         f"{owner_uid}, the service's, register its buffers")
 
 
 __all__ = ["Limits", "Registry", "buffer_names"]

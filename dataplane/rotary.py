@@ -74,9 +74,12 @@ def check(cfg: RotaryConfig) -> None:
     if cfg.scaling in ("linear", "llama3", "yarn") and cfg.factor < 1:
         raise ValueError(f"{cfg.scaling} scaling needs factor >= 1, got {cfg.factor}")
     with np.errstate(all="ignore"):
-        f = (np.asarray(cfg.inv_freq, np.float64) if cfg.inv_freq is not None else
-             _formulas(cfg, np.arange(0, d, 2) / d, np.arange(d // 2, dtype=np.float64),
-                       np.where, lambda x: np.clip(x, 0, 1)))
+        try:
+            f = (np.asarray(cfg.inv_freq, np.float64) if cfg.inv_freq is not None else
+                 _formulas(cfg, np.arange(0, d, 2) / d, np.arange(d // 2, dtype=np.float64),
+                           np.where, lambda x: np.clip(x, 0, 1)))
+        except ArithmeticError as exc:  # a yarn ramp of a tiny beta is infinite: floor(inf)
+            raise ValueError(f"the config's frequencies cannot be computed ({exc})") from None
         if not (np.isfinite(f).all() and (f > 0).all()):
             raise ValueError("the config gives frequencies that are not finite and positive")
         probe = np.random.default_rng(0).standard_normal(d)

@@ -20,7 +20,7 @@ the other entries are paths in ``/dev/shm``::
     /dev/shm/P_dataplane.json     file      dataplane.statefile: registered instances, for restarts
     /dev/shm/P_<child>_standby.sock socket  dataplane.standby: a warm spare of the data plane or API
     P_kvbuf_<32 hex>              segment   an engine's CPU KV buffer (dataplane.client_buffers); not ours
-    P_warm<pid>_*                 scratch   shm.warm, under a prefix of its own, removed by it
+    P_warm<pid>_<16 hex>_*        scratch   shm.warm, under a prefix of its own, removed by it
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ class Names:
         rest = name.removeprefix(f"{self.prefix}_kvbuf_")
         return rest != name and len(rest) == KVBUF_HEX and bool(re.fullmatch("[0-9a-f]+", rest))
 
-    def scratch(self, pid: int) -> str:
-        """The prefix ``shm.warm`` works under in process ``pid``."""
-        return f"{self.prefix}_warm{pid}"
+    def scratch(self, pid: int, tag: str) -> str:
+        """The prefix ``shm.warm`` works under in process ``pid``; ``tag`` is drawn at random
+        by each warm-up, so that nobody can plant its names first."""
+        return f"{self.prefix}_warm{pid}_{tag}"
 
     def service_paths(self) -> list[str]:
         """Every path of the service's own names (engine buffers and scratch excluded)."""

@@ -3,8 +3,8 @@
 This module owns making the first real request as fast as the next: without it the first store
 compiles the slab and fingerprint kernels (about 10 s on a quiet machine), and the first lookup
 compiles the probe on the API's event loop. ``warm`` runs each hot operation once on a scratch
-store and index of its own (a few KiB, under ``<prefix>_warm<pid>``), then removes them; the
-kernels' types do not depend on sizes, so the real store's calls find them compiled.
+store and index of its own (a few KiB, under ``<prefix>_warm<pid>_<random tag>``), then removes
+them; the kernels' types do not depend on sizes, so the real store's calls find them compiled.
 
 It logs one line before (compiling into numba's cache, or loading from it, and which folder) and
 one after with the seconds taken: a first start after an install or an upgrade compiles for
@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 
 import numpy as np
 
+from kvblend.shm.errors import ForeignObject
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
 from kvblend.shm.lookup import lookup
-from kvblend.shm.names import Names, destroy
+from kvblend.shm.names import Names
 from kvblend.shm.orphans import sweep_orphans
+from kvblend.shm.private import unlink_private
 from kvblend.shm import _jit, recovery
 from kvblend.shm.store import ChunkKey, Store, StoreConfig
 
@@ -43,8 +47,9 @@ def warm(prefix: str, also: Iterable[Callable[[], None]] = ()) -> float:
     process's other kernels); returns seconds taken. Logs a line before and one after.
 
     Args:
-        prefix: the service's prefix; the scratch structures live under ``<prefix>_warm<pid>``
-            and are removed before this returns.
+        prefix: the service's prefix; the scratch structures live under
+            ``<prefix>_warm<pid>_<random tag>`` and are removed before this returns (a name
+            another user planted there skips the warm-up, with a warning).
         also: more warm-ups, run after these.
     """
     t0 = time.monotonic()
@@ -62,21 +67,32 @@ def warm(prefix: str, also: Iterable[Callable[[], None]] = ()) -> float:
 
 
 def _warm_store(prefix: str) -> None:
-    scratch = Names(prefix).scratch(os.getpid())
-    store = Store.open(scratch, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
-                                            min_slot_bytes=4096), wipe=True)
-    fps = FingerprintIndex.open(scratch, _CHUNK, capacity=64, wipe=True)
+    # NOTE: every user sees the names in /dev/shm, so the prefix is known while the service runs:
+    # scratch names that others can predict (the pid alone) can be planted for the pids to come,
+    # and every start would then fail. A random tag leaves a planter only a race against the
+    # creation of the names, and a name planted so only skips the warm-up.
+    scratch = Names(prefix).scratch(os.getpid(), secrets.token_hex(8))
     try:
-        tokens = np.arange(3 * _CHUNK, dtype=np.uint32)
-        _exercise(store, fps, tokens)
-        # numba compiles a read-only array apart, and the tokens of a request are read-only
-        # views of its bytes
-        _exercise(store, fps, np.frombuffer(tokens.tobytes(), np.uint32))
-        _exercise_repairs(store, fps)
+        with ExitStack() as opened:
+            store = Store.open(scratch, StoreConfig(capacity_bytes=1 << 20, page_bytes=1 << 18,
+                                                    min_slot_bytes=4096), wipe=True)
+            opened.callback(store.close)
+            fps = FingerprintIndex.open(scratch, _CHUNK, capacity=64, wipe=True)
+            opened.callback(fps.close)
+            tokens = np.arange(3 * _CHUNK, dtype=np.uint32)
+            _exercise(store, fps, tokens)
+            # numba compiles a read-only array apart, and the tokens of a request are read-only
+            # views of its bytes
+            _exercise(store, fps, np.frombuffer(tokens.tobytes(), np.uint32))
+            _exercise_repairs(store, fps)
+    except ForeignObject as exc:
+        log.warning("warm-up skipped (kernels load at their first use): %s", exc)
     finally:
-        fps.close()
-        store.close()
-        destroy(scratch)
+        for path in Names(scratch).service_paths():  # ours; a planted name stays as it is
+            try:
+                unlink_private(path)
+            except ForeignObject:
+                pass
 
 
 def _exercise(store: Store, fps: FingerprintIndex, tokens: np.ndarray) -> None:

@@ -1,7 +1,8 @@
 """Warm spares (``--standby``) against real ``kvblend serve`` processes: a SIGKILLed data plane or
 API is replaced by its spare (the same pid that waited), a new serve after a SIGKILLed one adopts
 the spares the killed one left and stops them cleanly, a spare of another configuration is told
-no and exits, and nobody of another uid can reach a spare's socket."""
+no and exits, nobody of another uid can reach a spare's socket, and a name planted on a spare's
+free path promotes nothing."""
 
 from __future__ import annotations
 
@@ -80,3 +81,25 @@ def test_a_spares_socket_is_this_uids_alone(services: Services) -> None:
         st = os.lstat(Names(svc.prefix).standby(child))
         assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()
         assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+def test_a_name_planted_on_a_free_spare_path_promotes_nothing(services: Services) -> None:
+    svc = services.start(env=STANDBY)
+    spare = spares(svc)
+    names = Names(svc.prefix)
+    old_api = listener_pid(svc.port)
+    assert old_api is not None
+    os.kill(old_api, signal.SIGKILL)
+    poll(lambda: listener_pid(svc.port) == spare["api"], START_DEADLINE, "the API's spare serving")
+    # its path is free until the next spare warms up: another user plants a symlink there, to
+    # the data plane's spare; the supervisor followed it at the API's next exit and told that
+    # spare no (another configuration), so it exited
+    os.symlink(names.standby("dataplane"), names.standby("api"))
+    try:
+        os.kill(spare["api"], signal.SIGKILL)
+        poll(lambda: listener_pid(svc.port) not in (None, spare["api"]), START_DEADLINE,
+             "a new API serving")
+        assert pid_alive(spare["dataplane"]) and spare_pid(svc.prefix, "dataplane") == \
+            spare["dataplane"]
+    finally:
+        os.unlink(names.standby("api"))

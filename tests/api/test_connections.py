@@ -1,7 +1,7 @@
 """Slow and partial HTTP connections against a real ``kvblend serve`` (``api.connections``): they
-are closed within the head timeout, at most ``--http-max-connections`` stay open, a head past
-``MAX_HEAD_BYTES`` is closed at once, and ``/healthz`` on a fresh connection is answered all
-along."""
+are closed within the head timeout (a slow body too), at most ``--http-max-connections`` stay
+open, a head past ``MAX_HEAD_BYTES`` is closed at once, and ``/healthz`` on a fresh connection is
+answered all along."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slow
 
 PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: kvblend\r\nX-Slow: "
 WHOLE_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: kvblend\r\n\r\n"
+#: a whole head, then 8 of the 4096 bytes of body it announces
+SLOW_BODY = (b"POST /v1/lookup?model_name=m HTTP/1.1\r\nHost: kvblend\r\n"
+             b"Content-Type: application/octet-stream\r\nContent-Length: 4096\r\n\r\n" + b"\0" * 8)
 #: generous: the bounds under test are a few seconds; a deadline only ends a failing test
 DEADLINE = 60.0
 
@@ -90,3 +93,17 @@ def test_at_most_max_connections_wait_and_a_new_one_is_answered(
     except (BrokenPipeError, ConnectionResetError):
         pass  # closed while it still sent
     poll(lambda: closed_by_server(big), DEADLINE, f"a head over {MAX_HEAD_BYTES} bytes closed")
+
+
+def test_slow_bodies_are_closed_and_a_new_connection_is_answered(
+        services: Services, sockets: list[socket.socket]) -> None:
+    svc = services.start("--http-head-timeout-s", "2", "--http-max-connections", "16")
+    # the reproduction: whole heads, then a body that never ends; such connections were in a
+    # request for ever, so past the bound every new connection was the one closed
+    sockets += [connect(svc.port, SLOW_BODY) for _ in range(40)]
+    poll(lambda: sum(not closed_by_server(s) for s in sockets) <= 16, DEADLINE,
+         "at most 16 connections open")
+    assert healthz(svc.port) == 200
+    poll(lambda: all(closed_by_server(s) for s in sockets), DEADLINE,
+         "the server to close every slow body")
+    assert healthz(svc.port) == 200

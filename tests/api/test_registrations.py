@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -28,7 +29,8 @@ from kvblend.shm.segment import Segment
 from tests.api.apps import ADMIN, bearer
 from tests.api.conftest import TOKEN, make_settings, problem
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
-from tests.harness import poll
+from tests.dataplane.test_trust import NOBODY, as_user
+from tests.harness import Services, poll
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +163,47 @@ def test_a_restarted_data_plane_still_knows_whose_instances_it_holds(live: Live)
         other = from_peer(client, "192.0.2.7")
         assert problem(other.post("/v1/instances", json=body(name)), 409)["code"] == \
             "buffer_in_use"
+
+
+def test_a_rotary_config_whose_frequencies_overflow_is_422(live: Live) -> None:
+    rotary = {"head_dim": D, "scaling": "yarn", "factor": 4.0, "beta_slow": 5e-324}
+    with live.app() as client:
+        ready(client)
+        got = client.post("/v1/instances", json={**body(live.buffer()), "rotary": rotary})
+        assert "cannot be computed" in problem(got, 422)["detail"]  # a 500 (OverflowError) before
+
+
+# -- a real served API: the caller is its loopback socket's uid, and only that ------------------
+
+
+def new_buffer(prefix: str) -> str:
+    """An engine's new buffer, not registered yet: its name is listed in /dev/shm to everyone."""
+    name = Names(prefix).kvbuf(os.urandom(16).hex())
+    Segment(name, 2 * L * T * D * 2, create=True).close()
+    return name
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second local user needs root (setuid)")
+def test_another_local_user_cannot_register_an_engines_new_buffer_first(
+        services: Services) -> None:
+    svc = services.start()
+    name, url = new_buffer(svc.prefix), f"{svc.url}/v1/instances"
+    # the reproduction: another uid, no token (the loopback default), registers the engine's new
+    # buffer first; the engine's own registration then got 409 buffer_in_use
+    got = as_user(NOBODY, lambda: str(httpx.post(url, json=body(name), timeout=30.0)
+                                      .status_code).encode())
+    assert got == b"422"
+    assert svc.http.post("/v1/instances", json=body(name)).status_code == 201, "the engine's"
+
+
+def test_a_forwarded_for_header_makes_no_new_caller(services: Services) -> None:
+    svc = services.start("--max-instances-per-client", str(PER_CALLER))
+    name = new_buffer(svc.prefix)
+    for _ in range(PER_CALLER):
+        assert svc.http.post("/v1/instances", json=body(name)).status_code == 201
+    # a made-up X-Forwarded-For named another caller: a fresh share (here 409, the buffer
+    # another caller's), as many as there are addresses
+    for forwarded in ("192.0.2.7", "127.0.0.2"):
+        got = svc.http.post("/v1/instances", json=body(name),
+                            headers={"X-Forwarded-For": forwarded})
+        assert problem(got, 429)["code"] == "too_many"

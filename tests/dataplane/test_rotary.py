@@ -164,6 +164,9 @@ def test_own_frequencies_stand_for_the_engines_cache() -> None:
     (RotaryConfig(head_dim=64, scaling="linear", factor=0.5), "factor >= 1"),
     (RotaryConfig(head_dim=64, theta=float("inf")), "not finite|self-test"),
     (RotaryConfig(head_dim=8, inv_freq=[1.0, float("nan"), 1.0, 1.0]), "not finite"),
+    # positive, but yarn's ramp is infinite (an OverflowError before: a 500 over HTTP)
+    (RotaryConfig(head_dim=8, scaling="yarn", beta_fast=5e-324), "cannot be computed"),
+    (RotaryConfig(head_dim=8, scaling="yarn", factor=4.0, beta_slow=5e-324), "cannot be computed"),
 ])
 def test_inconsistent_configs_are_refused(bad: RotaryConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+from kvblend.shm.warm import warm
+from tests.squat import Squatter, foreign_uid, is_root, snapshot
+
 pytestmark = pytest.mark.slow
 
 # Warm under one prefix, then run the service's hot operations on a store and index of other
@@ -101,3 +104,21 @@ def _run(prefix: str) -> list[str]:
 def test_no_kernel_compiles_after_warm(shm_prefix: str) -> None:
     assert _run(shm_prefix) == ["none"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{shm_prefix}_warm")]
+
+
+def test_names_planted_for_the_pid_do_not_stop_the_warm_up(shm_prefix: str) -> None:
+    # another user reads the prefix off /dev/shm while the service runs and plants the scratch
+    # names of the pids to come: each start that warmed up under them failed (ForeignObject)
+    squatter = Squatter(shm_prefix)
+    uid = foreign_uid() if is_root() else None
+    try:
+        planted = [squatter.file(f"_warm{os.getpid()}{suffix}", mode=0o644, uid=uid)
+                   for suffix in ("_meta", "_slab", "_fp", "_store.lock", "_fp.lock")]
+        before = [snapshot(p) for p in planted]
+        warm(shm_prefix)
+        assert [snapshot(p) for p in planted] == before
+        left = sorted(f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+                      if n.startswith(f"{shm_prefix}_warm"))
+        assert left == sorted(planted)  # its own scratch names are gone
+    finally:
+        squatter.remove_foreign()
