@@ -74,7 +74,7 @@ def switch_main(names: list[str], ips: list[str], mbit: float, rtt_ms: float) ->
 
     while True:
         for key, _ in sel.select(max(0.0, heap[0][0] - time.monotonic()) if heap else None):
-            with suppress(BlockingIOError):  # until the device has no more
+            with suppress(OSError):  # until the device has no more (or is gone, at the end)
                 while pkt := os.read(key.fd, 65536):
                     j = by_ip.get(pkt[16:20]) if len(pkt) >= 20 and pkt[0] >> 4 == 4 else None
                     at = None if j is None else arrival(key.data, j, len(pkt), time.monotonic())
@@ -92,16 +92,16 @@ def sh(*argv: str, check: bool = True) -> str:
 
 def preconditions(subnet: str) -> str | None:
     """Why this cannot run here, or None (``ip`` failing later stops the run with its error)."""
-    missing = [tool for tool in ("ip", "redis-server") if shutil.which(tool) is None]
-    if os.geteuid() != 0 or missing or not os.access("/dev/net/tun", os.R_OK | os.W_OK):
-        return f"needs root, {' and '.join(missing) or '/dev/net/tun'}: run it with sudo"
+    missing = [t for t in ("ip", "redis-server") if shutil.which(t) is None] + ["root"] * (
+        os.geteuid() != 0) + ["/dev/net/tun"] * (not os.access("/dev/net/tun", os.R_OK | os.W_OK))
+    if missing:
+        return f"needs {', '.join(missing)}, missing here (root: run it with sudo)"
     in_use = f" {subnet}." in sh("ip", "-o", "addr")
     return f"{subnet}.0/24 is in use here: pick another --subnet" if in_use else None
 
 
 def ns_signal(ns: str, *sigs: int) -> None:
-    """``sigs`` to every process in namespace ``ns``: kvblend's children have process groups of
-    their own, the namespace is the one handle on all of a host."""
+    """``sigs`` to every process in namespace ``ns`` (kvblend's children lead process groups)."""
     for sig, pid in itertools.product(sigs, map(int, sh("ip", "netns", "pids", ns,
                                                          check=False).split())):
         with suppress(ProcessLookupError):
@@ -180,24 +180,25 @@ def master_of(key: str, masters: int) -> int:
 
 
 class Host(Service):
-    """A ``kvblend serve`` (tests.harness's) in a namespace, and a client here with a 4-chunk
-    CPU buffer: stores from [0, 2C), retrieves into [2C, 4C). A writer and a reader hold
-    ``locks`` across their calls; a pause takes both, so it never catches a call in flight."""
+    """A ``kvblend serve`` (tests.harness's) in a namespace, its endpoint record on master
+    ``endpoint``, and a client here with a 4-chunk CPU buffer: stores from [0, 2C), retrieves
+    into [2C, 4C). A pause takes both ``locks``, so it never catches a call in flight."""
 
     def __init__(self, ns: str, ip: str, remote: str, workdir: Path, args: argparse.Namespace,
-                 stack: ExitStack) -> None:
+                 stack: ExitStack, endpoint: int) -> None:
         self.ns, self.paused, self.stopped = ns, False, False
         self.locks = [threading.Lock(), threading.Lock()]
         peer = {"records": ["--remote-peer", "--remote-peer-records-only"],
                 "both": ["--remote-peer"], "values": []}[args.mode]
-        super().__init__(unique_prefix("kvbnet"), "--host", ip, "--storage-mb", "256", "--remote",
+        prefix = next(p for p in (unique_prefix("kvbnet") for _ in range(10**5))
+                      if master_of(f"kvblend:1:peer:{ip}/{p}", args.masters) == endpoint)
+        super().__init__(prefix, "--host", ip, "--storage-mb", "256", "--remote",
                          remote, "--remote-peer-host", ip, *peer, port=API_PORT, token=TOKEN,
                          log=workdir / f"host-{ip}.log", wait=False,
                          env={"KVBLEND_REMOTE_KEY_FILE": str(workdir / "remote.key")})
         stack.callback(self.close)
         self.url = self.http.base_url = f"http://{ip}:{API_PORT}"  # Service's is on loopback
-        #: the master that holds this host's endpoint record (dataplane.peerread)
-        self.endpoint = master_of(f"kvblend:1:peer:{ip}/{self.prefix}", args.masters)
+        self.endpoint = endpoint  # the master of its record (dataplane.peerread.endpoint_key)
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         return super()._spawn(["ip", "netns", "exec", self.ns, *argv], env)
@@ -231,7 +232,8 @@ class Doc:
     owner: int
     phase: int
     dead: set[int] = field(default_factory=set)     # chunks whose master was down when stored
-    readers: set[int] = field(default_factory=set)  # -1: kept unread until the owner is paused
+    kept: bool = False  # unread until its owner is paused
+    readers: dict[int, int] = field(default_factory=dict)  # reader: phase tried, len(PHASES): done
     stored_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -273,20 +275,18 @@ class Load:
                 ok = host.client.store_pre_computed(host.inst, doc.tokens).wait(60).ok
             self.count(doc.phase, docs_stored=1, store_failed=int(not ok))
             with self.guard:
-                if ok and i == 0 and sum(d.owner == 0 for d in self.docs) < RESERVE:
-                    doc.readers.add(-1)
+                doc.kept = ok and i == 0 and sum(d.owner == 0 for d in self.docs) < RESERVE
                 self.docs += [doc] if ok else []
 
     def next_doc(self, i: int) -> Doc | None:
         """The oldest settled unread document of another host's (the kept ones first)."""
         kept_due = self.hosts[0].stopped or self.phase == len(PHASES) - 1
         with self.guard:
-            due = [d for d in self.docs if d.owner != i and i not in d.readers and
-                   time.monotonic() - d.stored_at >= SETTLE_S and
-                   (-1 not in d.readers or kept_due)]
-            doc = min(due, key=lambda d: (-1 not in d.readers, d.stored_at), default=None)
+            due = [d for d in self.docs if d.owner != i and d.readers.get(i, -1) < self.phase
+                   and time.monotonic() - d.stored_at >= SETTLE_S and (not d.kept or kept_due)]
+            doc = min(due, key=lambda d: (not d.kept, d.stored_at), default=None)
             if doc is not None:
-                doc.readers.add(i)
+                doc.readers[i] = self.phase
             return doc
 
     def read(self, i: int) -> None:
@@ -302,7 +302,7 @@ class Load:
         host = self.hosts[i]
         with host.locks[1]:
             if host.paused:
-                return doc.readers.discard(i)
+                return doc.readers.pop(i, None)  # type: ignore[return-value]
             phase, start = self.phase, time.monotonic()
             remote = [m for m in host.client.lookup(doc.tokens, model_name=MODEL).matches
                       if m.location == "remote"]
@@ -312,17 +312,17 @@ class Load:
             took, found = time.monotonic() - start, {m.cur_st // C for m in remote}
             failed = {remote[j].cur_st // C for j in res.failed}
             wrong = self.check(host, doc, found, failed)
-        owner = "owner_" if -1 in doc.readers else ""
+        owner = "owner_" if doc.kept else ""
         if not owner:  # where each chunk was written, and whether lookup found it
             self.count(doc.phase, found_live=len(found - doc.dead), chunks_live=2 - len(doc.dead),
                        found_dead=len(found & doc.dead), chunks_dead=len(doc.dead))
         self.count(phase, **{f"{owner}hit": len(found - failed), f"{owner}miss": len(failed),
                              "wrong": wrong, "miss_ep": len(failed) * (
-                                 self.hosts[doc.owner].endpoint == self.hosts[1].endpoint)})
+                                 self.hosts[doc.owner].endpoint == self.args.masters - 1)})
         with self.guard:
             self.lat[phase].append(took)
-            if failed and owner:  # read again: a paused owner's chunks come back
-                doc.readers.discard(i)
+            if not (failed and owner):  # else read again in a later phase
+                doc.readers[i] = len(PHASES)
 
     def check(self, host: Host, doc: Doc, found: set[int], failed: set[int]) -> int:
         """Wrong chunks: copied but not the owner's bytes, or not copied but not the sentinel."""
@@ -335,8 +335,8 @@ class Load:
 def run_phases(load: Load, hosts: list[Host], masters: list[Master], args: argparse.Namespace
                ) -> list[tuple[str, float, Counter[str], list[int]]]:
     """Per phase: name, length, the hosts' counter deltas (a paused host's count once it is
-    back), records added to each master's streams. The victim holds host 1's endpoint record."""
-    last, rows, victim = [Counter[str]() for _ in hosts], [], masters[hosts[1].endpoint]
+    back), records added to each master's streams. The last master is killed."""
+    last, rows, victim = [Counter[str]() for _ in hosts], [], masters[-1]
 
     def sample() -> list[int]:
         for i, h in enumerate(hosts):
@@ -393,7 +393,8 @@ def simulate(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> int:
     masters = [Master(*nodes[args.hosts + j], stack) for j in range(args.masters)]
     make_cluster(masters)
     remote = "redis+cluster://" + ",".join(f"{m.ip}:{REDIS_PORT}" for m in masters)
-    hosts = [Host(*nodes[i], remote, workdir, args, stack) for i in range(args.hosts)]
+    hosts = [Host(*nodes[i], remote, workdir, args, stack, -i % args.masters)  # 1: on the last
+             for i in range(args.hosts)]
     for h in hosts:
         h.connect()
     load = Load(hosts, args)
