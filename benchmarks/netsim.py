@@ -272,7 +272,7 @@ class Load:
                 if host.paused:
                     continue
                 host.kv.view(torch.int16)[:, :, :2 * C] = doc.kv()
-                ok = host.client.store_pre_computed(host.inst, doc.tokens).wait(60).ok
+                ok = host.client.store_pre_computed(host.inst, doc.tokens).wait().ok
             self.count(doc.phase, docs_stored=1, store_failed=int(not ok))
             with self.guard:
                 doc.kept = ok and i == 0 and sum(d.owner == 0 for d in self.docs) < RESERVE
