@@ -17,7 +17,9 @@ Records in the remote store::
     kvblend:1:peer:<holder>   a holder's endpoint, JSON ``Endpoint``: the engine's session
                               ("host:rpc port"), the slab's base address and size there, and a
                               generation drawn at each start; written with a TTL of
-                              endpoint_ttl_s, renewed every third of it, deleted at a clean stop
+                              endpoint_ttl_s, renewed every third of it, deleted at a clean stop.
+                              On a cluster, one copy per master: kvblend:1:peer:{N}:<holder>
+                              beside each record stream {N}; a reader takes the first it reads
     a chunk's record, ``p``   ``PeerAt``: the holder, the KV's offset in its slab, and whether
                               the value was written too (``dataplane.remoteformat``)
 
@@ -138,8 +140,18 @@ class Endpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gen: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 
 
-def endpoint_key(holder: str) -> str:
-    return f"{KEY_PREFIX}peer:{holder}"
+def endpoint_key(holder: str, tag: str = "") -> str:
+    """The key of ``holder``'s endpoint record; ``tag`` (``{N}``) puts it beside the record
+    stream of that tag, on that stream's master."""
+    return f"{KEY_PREFIX}peer:{tag + ':' if tag else ''}{holder}"
+
+
+def endpoint_keys(holder: str, streams: Sequence[str] | None) -> list[str]:
+    """Where ``holder``'s endpoint record is written and looked for: beside each of the tier's
+    record streams (one per master of a cluster, so that a dead master costs no host its
+    readers), or the one key on a server."""
+    tags = [s[s.index("{"):] for s in streams or () if "{" in s and s.endswith("}")]
+    return [endpoint_key(holder, t) for t in tags] or [endpoint_key(holder)]
 
 
 @dataclass(frozen=True)
@@ -214,10 +226,12 @@ class Peer:
         return PeerAt(self.holder, offset, self.values)
 
     def publish(self) -> bool:
-        """Write this host's endpoint record (with its TTL); False when the remote failed."""
-        key, blob = endpoint_key(self.holder), msgspec.json.encode(self.endpoint)
-        ttl_ms = int(self._ttl_s * 1000)
-        return self._tier.run(key, lambda c: c.set(key, blob, px=ttl_ms)) is True
+        """Write this host's endpoint record (with its TTL) on every master; False when no
+        write succeeded."""
+        blob, ttl_ms = msgspec.json.encode(self.endpoint), int(self._ttl_s * 1000)
+        done = [self._tier.run(key, lambda c, k=key: c.set(k, blob, px=ttl_ms)) is True
+                for key in endpoint_keys(self.holder, self._tier.record_streams())]
+        return any(done)
 
     def _renew(self) -> None:
         while True:
@@ -300,12 +314,15 @@ class Peer:
             cached = self._endpoints.get(holder)
         if cached is not None and now - cached[1] < self._ttl_s / 3:
             return cached[0]
-        key = endpoint_key(holder)
-        raw = self._tier.run(key, lambda c: c.get(key))
-        try:
-            endpoint = msgspec.json.decode(raw, type=Endpoint) if raw else None
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            endpoint = None
+        endpoint = None
+        for key in endpoint_keys(holder, self._tier.record_streams()):  # the first one readable
+            raw = self._tier.run(key, lambda c, k=key: c.get(k))
+            try:
+                endpoint = msgspec.json.decode(raw, type=Endpoint) if raw else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                endpoint = None
+            if endpoint is not None:
+                break
         with self._lock:
             if endpoint is None:
                 self._endpoints.pop(holder, None)
@@ -327,8 +344,8 @@ class Peer:
         self._stop.set()
         if self._renewer.is_alive():
             self._renewer.join()
-        key = endpoint_key(self.holder)
-        self._tier.run(key, lambda c: c.delete(key))
+        for key in endpoint_keys(self.holder, self._tier.record_streams()):
+            self._tier.run(key, lambda c, k=key: c.delete(k))
         self._engine.close()
 
 
@@ -337,4 +354,5 @@ _COUNTERS = {"read": Counter.REMOTE_PEER_READS, "missed": Counter.REMOTE_PEER_MI
 
 
 __all__ = ["Peer", "Engine", "Endpoint", "PeerUnavailable", "unavailable", "endpoint_key",
+           "endpoint_keys",
            "HANDSHAKE", "KNOWN"]

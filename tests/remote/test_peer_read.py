@@ -31,7 +31,7 @@ from kvblend.shm.events import EventLog
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.store import ChunkKey, Store
 from tests.harness import remove_prefix, unique_prefix
-from tests.remote.conftest import KEY
+from tests.remote.conftest import KEY, ClusterProcs
 from tests.remote.peer_setup import HOST, POS0, Document, commit_chunks, document, open_store
 
 REASON = unavailable()
@@ -264,3 +264,28 @@ def test_two_served_hosts_share_a_document_through_peer_reads(redis_url: str) ->
     finally:
         for h in served:
             h.close()
+
+
+def test_a_dead_master_leaves_every_holders_endpoint_readable(
+        hosts: list[Host], redis_cluster: ClusterProcs) -> None:
+    """On a cluster the endpoint record has a copy on every master: with the master that would
+    hold a single copy killed, B still reads A's chunks (the namespace runs lost every chunk of
+    such a holder before)."""
+    a, b = Host(redis_cluster.cluster_url), Host(redis_cluster.cluster_url)
+    hosts += [a, b]
+    doc = document(3, seed=11)
+    a.write_behind(doc)
+    streams = b.tier.record_streams()
+    assert streams is not None and len(streams) == len(redis_cluster.nodes)
+    for stream in streams:  # discovery before the outage, as every host's tail does
+        got = b.tier.records("0", 1000, stream=stream) or []
+        b.peer.learn([r for _, r in got if r is not None])
+    victim = redis_cluster.node_for_key(endpoint_key(a.peer.holder))
+    victim.kill()
+    try:
+        for i in range(3):
+            assert promote_into(b, doc, i) is Promoted.PROMOTED
+            assert np.array_equal(kv_of(b.store, doc, i), kv_of(a.store, doc, i))
+    finally:
+        victim.restart()
+        redis_cluster.wait_ok()
