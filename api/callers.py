@@ -76,20 +76,21 @@ def loopback_uid(client: tuple[str, int], server: tuple[str, int | None]) -> int
 
 def _endpoint(host: str, port: int) -> tuple[ipaddress.IPv6Address, int]:
     """``host:port`` as an IPv6 address (an IPv4 one mapped) and port, to compare both tables."""
-    ip = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(ip, ipaddress.IPv4Address):
-        ip = ipaddress.IPv6Address(f"::ffff:{ip}")
-    return ip, port
+    return _mapped(ipaddress.ip_address(host.split("%")[0])), port
 
 
 def _parse(field: str) -> tuple[ipaddress.IPv6Address, int]:
     """One ``ADDR:PORT`` of the kernel's table: the address in host-order 32-bit words, hex."""
     addr, port = field.split(":")
     raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
-    ip = ipaddress.ip_address(raw)
+    return _mapped(ipaddress.ip_address(raw)), int(port, 16)
+
+
+def _mapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
+    """``ip`` as IPv6: an IPv4 address mapped (``::ffff:a.b.c.d``), as tcp6 lists one."""
     if isinstance(ip, ipaddress.IPv4Address):
-        ip = ipaddress.IPv6Address(f"::ffff:{ip}")
-    return ip, int(port, 16)
+        return ipaddress.IPv6Address(f"::ffff:{ip}")
+    return ip
 
 
 __all__ = ["caller_of", "loopback_uid"]
