@@ -47,6 +47,7 @@ from typing import IO
 
 from kvblend.api.spares import UNKNOWN_EXIT, Adopted, Taken, identity, spare_env, take
 from kvblend.dataplane.logs import PID, PROCESS, LogFormat, message_of
+from kvblend.dataplane.wakeup import Wakeup
 
 log = logging.getLogger("kvblend.serve")
 
@@ -79,7 +80,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], grace: float,
                  counter: str, *, ready_line: bytes | None = None,
                  probe: Callable[[], bool] | None = None,
-                 wake: threading.Event | None = None,
+                 wake: Wakeup | threading.Event | None = None,
                  log_format: str = LogFormat.TEXT, spare_path: str | None = None) -> None:
         self.name, self.argv, self.env, self.grace, self.counter = name, argv, env, grace, counter
         self.log_format = LogFormat(log_format)

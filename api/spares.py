@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from kvblend.dataplane.standby import ENV, ID_ENV, peer_uid
+from kvblend.dataplane.wakeup import Wakeup
 from kvblend.shm.version import kvblend_version
 
 #: what ``Adopted.poll`` answers once the process is gone: its status went to its real parent
@@ -117,7 +118,7 @@ class Adopted:
         wake: set when the process exits.
     """
 
-    def __init__(self, taken: Taken, wake: threading.Event) -> None:
+    def __init__(self, taken: Taken, wake: Wakeup | threading.Event) -> None:
         self.pid, self._pidfd = taken.pid, taken.pidfd
         self.stdout, self.stderr = taken.stdout, taken.stderr
         self.returncode: int | None = None
@@ -125,7 +126,7 @@ class Adopted:
         threading.Thread(target=self._watch, args=(wake,), daemon=True,
                          name=f"adopted-{self.pid}").start()
 
-    def _watch(self, wake: threading.Event) -> None:
+    def _watch(self, wake: Wakeup | threading.Event) -> None:
         poller = select.poll()
         poller.register(self._pidfd, select.POLLIN)
         while not poller.poll():

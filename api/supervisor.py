@@ -61,7 +61,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Mapping
 
@@ -70,6 +69,7 @@ from kvblend.api.settings import Settings, prefix_file
 from kvblend.api.userprefix import resolve as resolve_prefix
 from kvblend.dataplane.backends import Backend, resolve
 from kvblend.dataplane.settings import DataPlaneSettings
+from kvblend.dataplane.wakeup import Wakeup
 from kvblend.shm.errors import LayoutMismatch
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
@@ -276,8 +276,7 @@ class Supervisor:
                               ) from None
         self.settings = settings
         self.backend: Backend = resolve(settings.backend)
-        self._wake = threading.Event()
-        self._stopping = False
+        self._wake = Wakeup()  # the loop's: children, SIGCHLD and stop signals set it
         self._lock_fd = -1
         self._events: EventLog | None = None
         resolved = settings.model_copy(update={"backend": self.backend})
@@ -301,9 +300,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything and supervise until a stop signal; returns the exit code."""
         self._take_prefix()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_stop)
-        signal.signal(signal.SIGCHLD, lambda *_: self._wake.set())
+        self._wake.catch(wake=(signal.SIGCHLD,))  # handlers that take no lock
         try:
             check_port(self.settings.host, self.settings.port)
             try:
@@ -332,15 +329,14 @@ class Supervisor:
             if self._events is not None:
                 self._events.close()
             os.close(self._lock_fd)
+            self._wake.close()
         log.info("stopped; the cache stays in shared memory under prefix %r",
                  self.settings.shm_prefix)
         return 0
 
-    def _on_stop(self, signum: int, frame: object) -> None:
-        if not self._stopping:
-            log.info("%s: shutting down", signal.Signals(signum).name)
-        self._stopping = True
-        self._wake.set()
+    @property
+    def _stopping(self) -> bool:
+        return self._wake.stop_signal is not None
 
     def _take_prefix(self) -> None:
         self._lock_fd = hold_prefix(self.settings.shm_prefix, "serve", self.settings.port)
@@ -370,5 +366,5 @@ class Supervisor:
                     child.start_spare()
             starting = any(c.proc is not None and not c.ready.is_set() for c in children)
             pending = [c.next_start - now for c in children if c.proc is None]
-            self._wake.wait(max(0.0, min([STARTING_POLL if starting else 1.0, *pending])))
-            self._wake.clear()
+            self._wake.wait(min([STARTING_POLL if starting else 1.0, *pending]))
+        log.info("%s: shutting down", signal.Signals(self._wake.stop_signal).name)

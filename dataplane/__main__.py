@@ -6,9 +6,10 @@ the settings' prefix (the supervisor created them) and takes the chunk size from
 header, serves the channel on ``socket`` (default ``dataplane.default_address(prefix)``), prints
 one line ``dataplane ready pid=<pid> backend=<backend> address=<path>`` on stdout when it accepts
 calls (the supervisor reads it and logs the readiness; it is the only line on stdout), and exits
-0 after SIGTERM or SIGINT once every queued call completed. Its log records go to stderr in the
-service's format (``log_format``: ``dataplane.logs``). Missing or bad settings exit 2 with one line
-naming the field, before anything is attached.
+0 once every queued call completed after SIGTERM or SIGINT, or after its parent (the supervisor)
+is gone. Its log records go to stderr in the service's format (``log_format``:
+``dataplane.logs``). Missing or bad settings exit 2 with one line naming the field, before
+anything is attached.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ from kvblend.dataplane.instances import Limits
 from kvblend.dataplane.server import DataPlane
 from kvblend.dataplane.settings import ENV, MIB, DataPlaneSettings, RemoteSettings
 from kvblend.dataplane.transfer import Shared
+from kvblend.dataplane.wakeup import Wakeup
 from kvblend.shm.errors import ForeignObject
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format, "dataplane")
     kernels.warm(prefix)  # before the first real call; it logs before and after
     standby.wait_for_turn(prefix, "dataplane")  # a spare waits here for its supervisor
+    parent = os.getppid()  # its supervisor (an adopted spare's: init, and a pidfd watches)
     store = Store.open(prefix)
     fingerprints = FingerprintIndex.attach(prefix)  # its header holds the chunk size
     events = EventLog.open(prefix)
@@ -106,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     *(remote.parts() if remote is not None else ()))
     plane = DataPlane(prefix, shared, engine, settings.reclaim_interval_s, limits(settings),
                       settings.max_connections)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    wakeup = Wakeup().catch()  # handlers that take no lock (dataplane.wakeup)
     address = settings.socket or default_address(prefix)
     try:
         plane.start(address)
@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     events.add(Counter.DATAPLANE_STARTS)
     print(f"dataplane ready pid={os.getpid()} backend={engine.backend.value} "
           f"address={address}", flush=True)
-    while not stop.wait(1.0):  # wakes for signals on every Python version
-        pass
+    while wakeup.stop_signal is None and os.getppid() == parent:
+        wakeup.wait(1.0)
+    if wakeup.stop_signal is None:  # the death signal is a backstop: the parent is gone
+        log.warning("the supervisor (pid %d) is gone: stopping", parent)
     log.info("stopping: finishing queued calls")
     plane.shutdown()
     if remote is not None:
