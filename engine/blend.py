@@ -10,13 +10,14 @@ of formulas, ``dataplane.rotary``).
 The engine's KV buffer is one registered ``[2, L, T, kv_heads * head_dim]`` buffer: row ``p`` holds
 the K (after the rotary embedding) and V of prompt position ``p``. A prefill::
 
+    layer 0 queued                      where the mode computes it in full (cacheblend): the
+                                        device computes it while the host looks up
     lookup(prompt)                      matches: stored chunks, where they sit (cur_st)
     retrieve(matches, first_position=0) each chunk's KV into rows cur_st.., K turned to those
-                                        positions; layer-wise, and a layer's load is waited for
-                                        only where it is first read (a deviation, or a layer
-                                        that computes some rows only): cacheblend computes the
-                                        layers up to its check layer in full, behind which the
-                                        retrieve runs
+                                        positions; layer-wise, waiting for the device's work
+                                        from before the prefill only; a layer's load is waited
+                                        for where it is first read (a deviation, or a layer
+                                        that computes some rows only)
     layer loop                          per layer, the rows the mode computes attend to every row
                                         at or before them (loaded or computed); the others keep
                                         the loaded KV
@@ -65,10 +66,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblend.dataplane.client import BlendClient, Transfer, TransferResult
+from kvblend.dataplane.client import BlendClient, TransferResult
 from kvblend.dataplane.messages import MAX_LAYER_GROUP_MATCHES
 from kvblend.engine.modes import (DEFAULT, FULL, NAIVE, Mode, cacheblend, epic, given,
                                   random_blend)
+from kvblend.engine.loads import Loads
 from kvblend.engine.rotary import KTurn, model_rotary, rotary_config
 from kvblend.engine.select import Selection, rows_on, select_rows, sink_rows
 
@@ -90,68 +92,6 @@ class _Cache:
         self.k[layer_idx][:, :, self.rows] = k
         self.v[layer_idx][:, :, self.rows] = v
         return self.k[layer_idx][:, :, :self.length], self.v[layer_idx][:, :, :self.length]
-
-
-class _Loads:
-    """A prefill's loaded KV, waited for where it is first read: ``ready(layer)`` returns once
-    the buffer's layers ``[0, layer]`` can be read (a layer-wise retrieve's groups one by one,
-    any other retrieve whole), ``into_cache`` also copies the layer into the cache. The first
-    wait says which chunks came: their rows are set in ``hit``. Without a transfer (no match, or
-    KV the buffer already holds) nothing is waited for."""
-
-    def __init__(self, engine: "BlendEngine", transfer: Transfer | None, layerwise: bool,
-                 starts: list[int], chunk: list[int], hit: np.ndarray,
-                 times: dict[str, float], turn: KTurn | None = None) -> None:
-        self.engine, self.transfer, self.layerwise, self.turn = engine, transfer, layerwise, turn
-        self.starts, self.chunk, self.hit, self.times = starts, chunk, hit, times
-        self.failed: list[int] = []
-        self.waited = -1  # the last layer that can be read (-1: none yet)
-
-    def ready(self, layer: int) -> None:
-        if layer <= self.waited:
-            return
-        w = time.perf_counter()
-        first = self.waited < 0
-        if self.transfer is None:
-            self.waited = self.engine.layers - 1
-        elif self.layerwise:
-            for later in range(self.waited + 1, layer + 1):
-                self.failed = self.transfer.wait_layer(later, timeout=120)
-                self._turn(later)
-            self.waited = layer
-        else:
-            self.failed = self.transfer.wait(timeout=120).failed
-            for later in range(self.engine.layers):
-                self._turn(later)
-            self.waited = self.engine.layers - 1
-        if first:
-            self._mark()
-        self.times["load_wait"] += time.perf_counter() - w
-
-    def _turn(self, layer: int) -> None:
-        if self.turn is not None:  # K came unturned: turn it on the engine's stream
-            self.turn.layer(self.engine.kv, layer)
-
-    def _mark(self) -> None:
-        bad = set(self.failed)
-        for j, (s, c) in enumerate(zip(self.starts, self.chunk)):
-            if j not in bad:
-                self.hit[s:s + c] = True
-
-    def into_cache(self, cache: _Cache, layer: int) -> None:
-        self.ready(layer)
-        if self.starts:
-            n = len(self.hit)
-            cache.k[layer][0, :, :n], cache.v[layer][0, :, :n] = self.engine._loaded(layer, n)
-
-    def finish(self) -> list[int]:
-        """The match indexes not copied, once the retrieve completed."""
-        if self.transfer is not None:
-            self.failed = self.transfer.wait(timeout=120).failed
-        if self.waited < 0:  # nothing read the loaded KV
-            self.waited = self.engine.layers - 1
-            self._mark()
-        return self.failed
 
 
 @dataclass
@@ -213,6 +153,9 @@ class BlendEngine:
         self.rotary = model_rotary(model)
         self.turn_here = self.device.type == "cuda" if turn_here is None else turn_here
         self.inst = client.register_kv_cache(self.kv, model_name=model_name, rotary=self.rotary)
+        #: recorded as a prefill starts: its retrieve waits for the device's work before it only
+        self._begin = (torch.cuda.Event(interprocess=True) if self.device.type == "cuda"
+                       else None)
 
     # -- storing ----------------------------------------------------------------------------
 
@@ -289,12 +232,13 @@ class BlendEngine:
                              f"engine's buffer of {self.kv.shape[2]} rows")
         t0 = time.perf_counter()
         times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
-        loads, heads = self._fetch(ids, mode, positions, standalone_only, spans, times)
-        # everything from here on overlaps the retrieve's first copies
+        if self._begin is not None:  # the retrieve waits for the device's work up to here only
+            self._begin.record()
+        loads = Loads(self.kv, self.layers, self._loaded, lambda lo: self._fetch(
+            lo, ids, mode, positions, standalone_only, spans), n, times)
         cache = _Cache(self.layers, self.kv_heads, self.head_dim, n + extra, self.dtype,
                        self.device)
-        cache.length = n
-        hit = loads.hit
+        cache.length, hit = n, loads.hit
         pos = torch.arange(positions, positions + n, device=self.device)[None]
         inner = self.model.model
         with torch.no_grad():
@@ -313,7 +257,7 @@ class BlendEngine:
                 if layer_idx == 0 and mode.kind in ("naive", "epic"):
                     loads.ready(0)  # the rows they compute depend on which chunks came
                     if hit.any():
-                        rows = self._rows(hit, mode, loads.starts, loads.chunk, heads)
+                        rows = self._rows(hit, mode, loads.starts, loads.chunk, loads.heads)
                         h = everything[:, rows]
                 if rows is not None:
                     loads.into_cache(cache, layer_idx)
@@ -322,6 +266,7 @@ class BlendEngine:
                 mask = causal if rows is None else (pos[0, None, :] <= pos[0, r][:, None])[None, None]
                 pe = (cos[:, r], sin[:, r])
                 h = layer(h, mask, pos[:, r], cache, position_embeddings=pe)
+                loads.start()  # once the first layer is queued: the lookup overlaps it
                 computed.append(n if rows is None else len(rows))
                 if acc is not None and 1 <= layer_idx <= mode.check_layer and rows is None:
                     loads.ready(layer_idx)
@@ -329,7 +274,7 @@ class BlendEngine:
                     acc += d / d.mean().clamp_min(1e-30)
                 if layer_idx in steps:
                     summed = acc if layer_idx == mode.check_layer else None
-                    rows, h, picked = self._select_step(cache, layer_idx, loads, mode, heads,
+                    rows, h, picked = self._select_step(cache, layer_idx, loads, mode,
                                                         steps[layer_idx], summed, rows, h, picked)
             logits = self.model.lm_head(inner.norm(h))[0].float()
             last = torch.arange(n, device=self.device) if rows is None else rows
@@ -340,41 +285,34 @@ class BlendEngine:
         return Prefill(logits, hit, computed, failed, cache, n, last.cpu().numpy() + positions,
                        times)
 
-    def _fetch(self, ids: torch.Tensor, mode: Mode, positions: int, standalone_only: bool,
-               spans: list[tuple[int, int]] | None, times: dict[str, float]
-               ) -> tuple["_Loads", list[int]]:
+    def _fetch(self, loads: Loads, ids: torch.Tensor, mode: Mode, positions: int,
+               standalone_only: bool, spans: list[tuple[int, int]] | None) -> None:
         """Look the prompt up and send the retrieve of its matches (layer-wise where it may be),
-        or take ``spans`` the buffer holds already: the prefill's loads, and where each stored
-        run begins (its first rows are fake attention sinks)."""
+        or take ``spans`` the buffer holds already: ``loads``' transfer, rows and heads."""
         t0 = time.perf_counter()
-        transfer: Transfer | None = None
-        turn: KTurn | None = None
-        layerwise = False
-        starts, chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
-        heads = list(starts)
-        if mode.kind != "full" and spans is None:
-            matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
-                                         standalone_only=standalone_only).matches
-            times["lookup"] = time.perf_counter() - t0
-            if matches:
-                layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
-                transfer = self.client.retrieve(self.inst, ids.numpy(), matches, offset=0,
-                                                cache_salt=self.salt,
-                                                layer_groups=self.layers if layerwise else 0,
-                                                first_position=positions,
-                                                rotate=not self.turn_here)
-                if self.turn_here:
-                    turn = KTurn(self.rotary, matches, positions, self.kv_heads, self.device)
-            starts = [m.cur_st for m in matches]
-            chunk = [m.cur_ed - m.cur_st for m in matches]
-            heads = [m.cur_st for j, m in enumerate(matches)
-                     if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
-                     != (m.cur_st, m.old_st)]
-        hit = np.zeros(len(ids), bool)
-        return _Loads(self, transfer, layerwise, starts, chunk, hit, times, turn), heads
+        loads.starts, loads.chunk = [s for s, _ in spans or []], [c for _, c in spans or []]
+        loads.heads = list(loads.starts)
+        if mode.kind == "full" or spans is not None:
+            return
+        matches = self.client.lookup(ids.numpy(), self.model_name, cache_salt=self.salt,
+                                     standalone_only=standalone_only).matches
+        loads.times["lookup"] = time.perf_counter() - t0
+        if matches:
+            loads.layerwise = len(matches) <= MAX_LAYER_GROUP_MATCHES
+            loads.transfer = self.client.retrieve(
+                self.inst, ids.numpy(), matches, offset=0, event=self._begin,
+                cache_salt=self.salt, layer_groups=self.layers if loads.layerwise else 0,
+                first_position=positions, rotate=not self.turn_here)
+            if self.turn_here:
+                loads.turn = KTurn(self.rotary, matches, positions, self.kv_heads, self.device)
+        loads.starts = [m.cur_st for m in matches]
+        loads.chunk = [m.cur_ed - m.cur_st for m in matches]
+        loads.heads = [m.cur_st for j, m in enumerate(matches)
+                       if j == 0 or (matches[j - 1].cur_ed, matches[j - 1].old_ed)
+                       != (m.cur_st, m.old_st)]
 
-    def _select_step(self, cache: _Cache, layer: int, loads: "_Loads", mode: Mode,
-                     heads: list[int], ratio: float, summed: torch.Tensor | None,
+    def _select_step(self, cache: _Cache, layer: int, loads: Loads, mode: Mode,
+                     ratio: float, summed: torch.Tensor | None,
                      rows: torch.Tensor | None, h: torch.Tensor, picked: torch.Tensor | None
                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """A selection step after ``layer`` (``select_rows``, by this layer's ``deviation``
@@ -389,7 +327,7 @@ class BlendEngine:
         def deviation() -> torch.Tensor:
             return self.deviation(cache, layer, len(hit), mode.score) if summed is None else summed
         w = time.perf_counter()
-        sel = select_rows(hit, hit if picked is None else picked, mode, heads, ratio, deviation,
+        sel = select_rows(hit, hit if picked is None else picked, mode, loads.heads, ratio, deviation,
                           self.device)
         loads.times["select"] += time.perf_counter() - w
         if len(sel.rows) == len(hit):  # every row: keep transformers' own mask
@@ -427,9 +365,6 @@ class BlendEngine:
     def close(self) -> None:
         """Unregister the engine's buffer."""
         self.client.unregister(self.inst)
-
-
-
 
 
 def _ids(tokens: Any) -> torch.Tensor:
