@@ -49,8 +49,8 @@ the slot at any moment, even while B reads it. That is safe because the digest i
 B's own copy in its slot, after the read completed: whatever A's slot holds by then, B commits
 exactly the bytes that were digested, and a torn or reused slot fails the digest. The engine
 never writes into a slot: a read B gave up on may still land (A resumed), and it lands in a
-staging buffer that no slot takes bytes from until that read has returned. A's engine answers reads of
-its whole registered slab to anyone who reaches its port (the TCP transport has no
+staging buffer that no slot takes bytes from until that read has returned. A's engine answers
+reads of its whole registered slab to anyone who reaches its port (the TCP transport has no
 authentication): the port belongs on the network between the tier's hosts only
 (docs/security.md).
 """
@@ -344,7 +344,7 @@ class Peer:
     def suspects(self) -> frozenset[str]:
         """Holders with a read given up on and not returned yet: read again once it did."""
         with self._lock:
-            return frozenset(self._suspect)
+            return frozenset(h for h, (_, n) in self._suspect.items() if n > 0)
 
     def _stuck(self, holder: str, gen: int) -> bool:
         """Whether ``holder`` has a read stuck; a new generation (it restarted) is not
@@ -354,25 +354,33 @@ class Peer:
             if suspect is not None and suspect[0] != gen:
                 del self._suspect[holder]
                 return False
-            return suspect is not None
+            return suspect is not None and suspect[1] > 0
 
     def _suspected(self, holder: str, gen: int) -> None:
-        with self._lock:
-            was = self._suspect.get(holder)
-            self._suspect[holder] = (gen, was[1] + 1 if was and was[0] == gen else 1)
+        self._tally(holder, gen, 1)
 
     def _returned(self, holder: str, gen: int, ok: bool) -> None:
         """A read given up on returned (on a staging worker): once its holder's last stuck read
         did, the holder is read again."""
-        with self._lock:
-            suspect = self._suspect.get(holder)
-            if suspect is not None and suspect[0] == gen:
-                if suspect[1] > 1:
-                    self._suspect[holder] = (gen, suspect[1] - 1)
-                else:
-                    del self._suspect[holder]
-            if not ok:
+        self._tally(holder, gen, -1)
+        if not ok:
+            with self._lock:
                 self._endpoints.pop(holder, None)
+
+    def _tally(self, holder: str, gen: int, step: int) -> None:
+        """Count ``holder``'s reads stuck up or down. NOTE: a read may return before its caller
+        counted it stuck (it returned just past the bound), so the tally may stand at -1 for a
+        moment; it is stuck only above 0."""
+        with self._lock:
+            was, n = self._suspect.get(holder, (gen, 0))
+            if was != gen:
+                if step < 0:
+                    return  # a read of a generation gone: the new one owes it nothing
+                n = 0
+            if n + step:
+                self._suspect[holder] = (gen, n + step)
+            else:
+                self._suspect.pop(holder, None)
 
     def place(self, chunk: ChunkId) -> _Place | None:
         """What the records said of ``chunk``'s place, or None."""
