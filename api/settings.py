@@ -162,6 +162,13 @@ class Settings(BaseSettings):
     remote_peer_records_only: bool = Field(False, description=(
         "with --remote-peer, write each chunk's record only, not its value: a chunk is then "
         "readable by other hosts while this host's slab holds it, and nothing is written twice"))
+    remote_peer_timeout_s: float = Field(**bounds(Peer, "read_timeout_s"), description=(
+        "seconds one read of another host's slab may take; past it the read is a miss and "
+        "that host is not read again until the read returned (a stopped host keeps its sockets "
+        "open and never answers)"))
+    remote_peer_staging: int = Field(**bounds(Peer, "staging"), description=(
+        "staging buffers (a slab page each, untouched until used) that reads of other hosts' "
+        "slabs land in before their check: reads at once, and reads a stopped host may hold"))
     dp_first_mib: float = Field(**bounds(DP, "first_mib"), description=(
         "MiB of a data-plane call's first batch, whose copies start while the rest is reserved "
         "or pinned"))
@@ -304,7 +311,9 @@ class Settings(BaseSettings):
                             password=_clear(self.remote_password), key=remote_key,
                             peer=Peer(host=self.remote_peer_host,
                                       protocol=self.remote_peer_protocol,
-                                      values=not self.remote_peer_records_only)
+                                      values=not self.remote_peer_records_only,
+                                      staging=self.remote_peer_staging,
+                                      read_timeout_s=self.remote_peer_timeout_s)
                             if self.remote_peer else None)
         return DP.build(shm_prefix=prefix, backend=self.backend,
                         socket=self.dataplane_socket,

@@ -24,8 +24,9 @@ written as values to Redis. Chunks of 16 tokens, bf16, whose layers and hidden s
   - *get_into + check*: ``RemoteTier.get_into`` (one stream) into the reader's slab, every check;
   - *peer read, bytes only*: the transfer engine's one-sided read (TCP) into the reader's
     registered slab, no check;
-  - *peer read + check*: ``Peer.read_into``: the same read and the HMAC of the KV against the
-    record's digest (what a promotion does before it commits).
+  - *peer read + check*: ``Peer.read_into``: the same read into a staging buffer, its copy into
+    the reader's slab and the HMAC of the KV against the record's digest (what a promotion does
+    before it commits).
 
 - *write-behind*: a third store (the writer host, in this process) commits the chunks (reserve,
   copy of the KV into the slab, commit: the local store's own work, without the engine's channel),
@@ -221,7 +222,8 @@ def run(mib: int, chunks: int, url: str, args: argparse.Namespace, results: Resu
                 store = open_store(reader_prefix, clients * stride + (1 << 20))
                 closing.callback(store.close)
                 tier = closing.enter_context(RemoteTier(url, key=KEY, timeout_s=30))
-                reader = Peer(tier, store, f"{HOST}/{reader_prefix}", Engine(HOST))
+                reader = Peer(tier, store, f"{HOST}/{reader_prefix}", Engine(HOST),
+                              staging=clients, staging_bytes=kv_bytes, read_timeout_s=60)
                 closing.callback(reader.close)
                 bare = Engine(HOST)  # the bytes-only row's: the same transport, nothing else
                 closing.callback(bare.close)

@@ -28,20 +28,29 @@ Read of one chunk by host B from holder A::
     B knows no place of it (no record said one)  --> the value (RemoteTier.get_into), as before
     A's endpoint: cached for a third of its TTL, else read again; absent --> UNAVAILABLE
     offset + KV bytes past A's registered size                          --> OTHER_CHUNK
-    one-sided read of the KV into B's buffer (a reserved slot of B's slab, registered too);
+    A has a read of B's stuck (it timed out, below) and the same generation
+                                                              --> UNAVAILABLE at once (timeouts)
+    one-sided read of the KV into a staging buffer of B's (``dataplane.peerstaging``),
+    waited for at most read_timeout_s (for a free buffer, then for the read):
+        none came free, or every one waits on a stuck read    --> UNAVAILABLE (timeouts)
+        not returned in time (A stopped: its sockets stay open) --> UNAVAILABLE (timeouts);
+                                the buffer stays with the read, A is suspect until it returns
         the engine failed (A gone, killed, its port closed)   --> UNAVAILABLE, A's endpoint
                                                                   read again next time
-    HMAC of the value's head (rebuilt from the record) and the KV read, against the record's
-    digest; it differs (the slot was evicted, reused or rewritten, mid-read or before)
+    the staging buffer copied into B's buffer (a reserved slot of B's slab), then the HMAC of
+    the value's head (rebuilt from the record) and that copy, against the record's digest; it
+    differs (the slot was evicted, reused or rewritten, mid-read or before)
                                                               --> CORRUPT, the place forgotten
     --> Fetched: B commits the slot (``dataplane.promote``)
     a miss where the record says the value was written too    --> the value, as before
 
 NOTE: the read is one-sided: A's data plane takes no part, holds no pin, and may evict and reuse
 the slot at any moment, even while B reads it. That is safe because the digest is checked over
-B's own copy, after the read completed: whatever A's slot holds by then, B commits exactly the
-bytes that were digested, and a torn or reused slot fails the digest. A's engine answers reads of
-its whole registered slab to anyone who reaches its port (the TCP transport has no
+B's own copy in its slot, after the read completed: whatever A's slot holds by then, B commits
+exactly the bytes that were digested, and a torn or reused slot fails the digest. The engine
+never writes into a slot: a read B gave up on may still land (A resumed), and it lands in a
+staging buffer that no slot takes bytes from until that read has returned. A's engine answers
+reads of its whole registered slab to anyone who reaches its port (the TCP transport has no
 authentication): the port belongs on the network between the tier's hosts only
 (docs/security.md).
 """
@@ -61,6 +70,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from kvblend.dataplane.peerstaging import Outcome, StagingPool
 from kvblend.dataplane.remote import ChunkId, Fetched, Miss, Record, RemoteTier
 from kvblend.dataplane.remoteformat import KEY_PREFIX, PeerAt, kv_digest_ok
 from kvblend.dataplane.settings import PeerSettings
@@ -177,21 +187,31 @@ class Peer:
         known: places of other hosts' chunks kept at most.
         events: where ``counts`` also go (``shm.telemetry``'s ``REMOTE_PEER_*`` counters), or
             None.
+        staging: staging buffers, reads at once (``dataplane.peerstaging``).
+        staging_bytes: bytes of each, the largest chunk read; None: the store's page, which
+            holds any slot.
+        read_timeout_s: the bound of one read, from asking for a buffer to its bytes.
     """
 
     def __init__(self, tier: RemoteTier, store: Store, holder: str, engine: Engine, *,
                  values: bool = True, endpoint_ttl_s: float = 30.0, known: int = KNOWN,
-                 events: EventLog | None = None) -> None:
+                 events: EventLog | None = None, staging: int = 4,
+                 staging_bytes: int | None = None, read_timeout_s: float = 2.0) -> None:
         self._tier, self._store, self._engine, self._events = tier, store, engine, events
         self.holder, self.values, self._ttl_s = holder, values, endpoint_ttl_s
         self._base = engine.register(store.slab)
+        #: the staging buffers (tests read how many are free)
+        self.staging = StagingPool(engine, staging, staging_bytes or store.config.page_bytes)
+        self._read_timeout_s = read_timeout_s
+        #: holders with reads stuck: holder -> (its endpoint's generation, reads stuck)
+        self._suspect: dict[str, tuple[int, int]] = {}
         self.endpoint = Endpoint(engine.session, self._base, store.slab.nbytes,
                                  secrets.randbits(62))
         self._lock = threading.Lock()
         self._known: OrderedDict[tuple[bytes, int], _Place] = OrderedDict()
         self._limit = known
         self._endpoints: dict[str, tuple[Endpoint, float]] = {}
-        self.counts = {"read": 0, "missed": 0, "fell_back": 0}
+        self.counts = {"read": 0, "missed": 0, "fell_back": 0, "timed_out": 0}
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="kvblend-peer", daemon=True)
 
@@ -207,7 +227,8 @@ class Peer:
                 engine = Engine(settings.host, settings.protocol, settings.device)
                 peer = cls(tier, store, f"{settings.host}/{store.name}", engine,
                            values=settings.values, endpoint_ttl_s=settings.endpoint_ttl_s,
-                           events=events)
+                           events=events, staging=settings.staging,
+                           read_timeout_s=settings.read_timeout_s)
                 peer._renewer.start()
                 log.info("peer reads: slab registered with the transfer engine at %s (%s)",
                          engine.session, settings.protocol)
@@ -281,27 +302,85 @@ class Peer:
 
     def read_into(self, chunk: ChunkId, tokens: np.ndarray, dest: np.ndarray, place: _Place
                   ) -> Fetched | Miss:
-        """One one-sided read of ``chunk`` from its holder's slab into ``dest``, checked
-        (module docstring)."""
+        """One one-sided read of ``chunk`` from its holder's slab into ``dest``, checked, in at
+        most ``read_timeout_s`` once the holder's endpoint is known (module docstring)."""
         if not (dest.dtype == np.uint8 and dest.nbytes == chunk.kv_bytes
-                and dest.flags.c_contiguous and dest.flags.writeable):
+                and dest.flags.c_contiguous and dest.flags.writeable
+                and chunk.kv_bytes <= self.staging.size):
             raise ValueError(f"dest must be a writable C-contiguous uint8 array of "
-                             f"{chunk.kv_bytes} bytes")
+                             f"{chunk.kv_bytes} bytes, at most {self.staging.size}")
         holder = place.at.holder
         endpoint = self._endpoint(holder)
         if endpoint is None:
             return Miss.UNAVAILABLE
         if place.at.offset + chunk.kv_bytes > endpoint.size:
             return Miss.OTHER_CHUNK
-        if not self._engine.read(endpoint.session, int(dest.ctypes.data),
-                                 endpoint.base + place.at.offset, chunk.kv_bytes):
+        if self._stuck(holder, endpoint.gen):
+            self._count("timed_out")
+            return Miss.UNAVAILABLE
+        got = self.staging.read(endpoint.session, endpoint.base + place.at.offset,
+                                chunk.kv_bytes, self._read_timeout_s,
+                                lambda ok: self._returned(holder, endpoint.gen, ok))
+        if not isinstance(got, Outcome):
+            with got:  # the digest is taken over the slot's copy (peerstaging's NOTE)
+                np.copyto(dest, got.data)
+        elif got is Outcome.FAILED:
             with self._lock:  # gone or restarted: its endpoint is read again next time
                 self._endpoints.pop(holder, None)
+            return Miss.UNAVAILABLE
+        else:
+            if got is Outcome.TIMED_OUT:
+                self._suspected(holder, endpoint.gen)
+            self._count("timed_out")
             return Miss.UNAVAILABLE
         if not kv_digest_ok(chunk, tokens, place.pos0, place.origin, dest, place.digest,
                             key=self._tier.key):
             return Miss.CORRUPT
         return Fetched(memoryview(dest).cast("B").toreadonly(), place.pos0, place.origin)
+
+    # -- holders with a read stuck ------------------------------------------------------------
+
+    @property
+    def suspects(self) -> frozenset[str]:
+        """Holders with a read given up on and not returned yet: read again once it did."""
+        with self._lock:
+            return frozenset(h for h, (_, n) in self._suspect.items() if n > 0)
+
+    def _stuck(self, holder: str, gen: int) -> bool:
+        """Whether ``holder`` has a read stuck; a new generation (it restarted) is not
+        suspect."""
+        with self._lock:
+            suspect = self._suspect.get(holder)
+            if suspect is not None and suspect[0] != gen:
+                del self._suspect[holder]
+                return False
+            return suspect is not None and suspect[1] > 0
+
+    def _suspected(self, holder: str, gen: int) -> None:
+        self._tally(holder, gen, 1)
+
+    def _returned(self, holder: str, gen: int, ok: bool) -> None:
+        """A read given up on returned (on a staging worker): once its holder's last stuck read
+        did, the holder is read again."""
+        self._tally(holder, gen, -1)
+        if not ok:
+            with self._lock:
+                self._endpoints.pop(holder, None)
+
+    def _tally(self, holder: str, gen: int, step: int) -> None:
+        """Count ``holder``'s reads stuck up or down. NOTE: a read may return before its caller
+        counted it stuck (it returned just past the bound), so the tally may stand at -1 for a
+        moment; it is stuck only above 0."""
+        with self._lock:
+            was, n = self._suspect.get(holder, (gen, 0))
+            if was != gen:
+                if step < 0:
+                    return  # a read of a generation gone: the new one owes it nothing
+                n = 0
+            if n + step:
+                self._suspect[holder] = (gen, n + step)
+            else:
+                self._suspect.pop(holder, None)
 
     def place(self, chunk: ChunkId) -> _Place | None:
         """What the records said of ``chunk``'s place, or None."""
@@ -346,11 +425,13 @@ class Peer:
             self._renewer.join()
         for key in endpoint_keys(self.holder, self._tier.record_streams()):
             self._tier.run(key, lambda c, k=key: c.delete(k))
+        self.staging.close()
         self._engine.close()
 
 
 _COUNTERS = {"read": Counter.REMOTE_PEER_READS, "missed": Counter.REMOTE_PEER_MISSES,
-             "fell_back": Counter.REMOTE_PEER_FALLBACKS}
+             "fell_back": Counter.REMOTE_PEER_FALLBACKS,
+             "timed_out": Counter.REMOTE_PEER_TIMEOUTS}
 
 
 __all__ = ["Peer", "Engine", "Endpoint", "PeerUnavailable", "unavailable", "endpoint_key",

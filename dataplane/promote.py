@@ -10,9 +10,10 @@ Life of one promotion::
     already committed here --> EXISTS
     reserve --already committed or being written by someone else--> EXISTS
             --no room--> the store's StoreFull
-            --reserved: read the KV straight into the slot: from its holder's slab where a
-                        record named its place (``Peer.fetch``: a miss there falls back to the
-                        value if one was written), else the value (``RemoteTier.get_into``)
+            --reserved: read the KV into the slot: from its holder's slab where a record
+                        named its place (``Peer.fetch``: through a staging buffer, waited for
+                        at most its bound; a miss there falls back to the value if one was
+                        written), else straight from the value (``RemoteTier.get_into``)
                 --a Miss--> the slot is aborted, the Miss is the answer
                 --checked--> set its provenance, commit --> PROMOTED
     an error between reserve and commit --> the slot is aborted (nothing half-written is seen)

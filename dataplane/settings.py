@@ -65,6 +65,11 @@ class PeerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             two places; without it, a chunk is readable while its holder holds it).
         endpoint_ttl_s: the life of this host's endpoint record, renewed every third of it; a
             holder gone this long is forgotten by its readers.
+        staging: staging buffers of this host's reads of other hosts' slabs, each the size of
+            a slab page (``dataplane.peerstaging``): reads at once, and reads a stopped holder
+            may leave stuck before the next ones miss at once.
+        read_timeout_s: the bound of one peer read (a staging buffer, then the transfer); past
+            it the read is a miss and its holder is not read again until that read returned.
     """
 
     host: Annotated[str, Meta(pattern=PEER_HOST_PATTERN)] = "127.0.0.1"
@@ -72,6 +77,8 @@ class PeerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: Annotated[str, Meta(max_length=256)] = ""
     values: bool = True
     endpoint_ttl_s: Annotated[float, Meta(ge=3, le=3600)] = 30.0
+    staging: Annotated[int, Meta(ge=1, le=64)] = 4
+    read_timeout_s: Annotated[float, Meta(ge=0.01, le=60)] = 2.0
 
 
 class RemoteSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

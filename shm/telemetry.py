@@ -83,10 +83,14 @@ class Counter(StrEnum):
     REMOTE_PEER_READS = ("remote_peer_reads",
                          "Chunks read from their holder's slab (peer reads), digest checked.")
     REMOTE_PEER_MISSES = ("remote_peer_misses",
-                          "Peer reads that gave no chunk: the holder unavailable, or its slot "
-                          "held other bytes (evicted or reused).")
+                          "Peer reads that gave no chunk: the holder unavailable or too slow, or "
+                          "its slot held other bytes (evicted or reused).")
     REMOTE_PEER_FALLBACKS = ("remote_peer_fallbacks",
                              "Peer-read misses that fell back to the chunk's value.")
+    REMOTE_PEER_TIMEOUTS = ("remote_peer_timeouts",
+                            "Peer reads given up on for time (also misses): not returned within "
+                            "the bound (the holder stopped), its holder's earlier read still "
+                            "stuck, or no staging buffer free.")
 
 
 class Histogram:

@@ -3,7 +3,8 @@ over TCP on loopback: two stores under two prefixes stand for two hosts. Host B 
 straight from host A's registered slab, byte for byte, with no value in Redis; once A evicted the
 chunk and reused its slot for other bytes, B's read is a miss (and falls back to the value where
 one was written), never wrong bytes; with A's process killed, B's read is a miss within a bounded
-time.
+time; with A's process stopped (SIGSTOP: its sockets stay open, nothing answers), B's read is a
+miss within its own bound, and its bytes, landing once A resumes, reach a staging buffer only.
 
 Skipped when the transfer engine does not load (the ``peer`` extra); with
 ``KVBLEND_REQUIRE_PEER=1`` (set by ``.ci/run``) that fails instead."""
@@ -14,8 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +33,7 @@ from kvblend.dataplane.writebehind import WriteBehind
 from kvblend.shm.events import EventLog
 from kvblend.shm.header import ORIGIN_STANDALONE
 from kvblend.shm.store import ChunkKey, Store
-from tests.harness import remove_prefix, unique_prefix
+from tests.harness import poll, remove_prefix, unique_prefix
 from tests.remote.conftest import KEY, ClusterProcs
 from tests.remote.peer_setup import HOST, POS0, Document, commit_chunks, document, open_store
 
@@ -45,6 +48,12 @@ pytestmark = pytest.mark.slow
 DEADLINE = 30.0
 #: a killed holder's reads must be misses within this (loopback: the connection is refused)
 KILLED_MISS_S = 10.0
+#: a stopped holder's read must be a miss within this (the read's own bound is 2 s; before the
+#: bound, such a read waited until the holder resumed, or 61 s)
+STOPPED_MISS_S = 20.0
+#: a stopped holder is resumed after this whatever happens, so that a read with no bound fails
+#: the test instead of hanging it
+WATCHDOG_S = 60.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,14 +69,15 @@ class Host:
                          values=values, events=self.events)
         assert self.peer.publish()
 
-    def counted(self, read: int, missed: int, fell_back: int) -> bool:
+    def counted(self, read: int, missed: int, fell_back: int, timed_out: int = 0) -> bool:
         """The peer's counts are these, and the event log (``/metrics``) holds the same."""
-        want = {"read": read, "missed": missed, "fell_back": fell_back}
+        want = {"read": read, "missed": missed, "fell_back": fell_back, "timed_out": timed_out}
         logged = self.events.counters()
         return self.peer.counts == want and {
             "read": logged.get("remote_peer_reads", 0),
             "missed": logged.get("remote_peer_misses", 0),
-            "fell_back": logged.get("remote_peer_fallbacks", 0)} == want
+            "fell_back": logged.get("remote_peer_fallbacks", 0),
+            "timed_out": logged.get("remote_peer_timeouts", 0)} == want
 
     def write_behind(self, doc: Document) -> tuple[int, list[ChunkKey]]:
         """Commit ``doc`` here and write its records (and values, where on) behind."""
@@ -205,31 +215,117 @@ def test_a_hostile_place_or_endpoint_is_a_miss(hosts: list[Host], redis_url: str
     assert Endpoint(session="h:1", base=1, size=1, gen=0).size == 1
 
 
-def test_a_killed_holder_is_a_miss_within_a_bounded_time(hosts: list[Host],
-                                                         redis_url: str) -> None:
+@contextmanager
+def holder_process(redis_url: str, chunks: int, seed: int) -> Iterator[subprocess.Popen]:
+    """A holder host in a process of its own (``tests.remote.peer_holder``), ready; killed at
+    the end whatever its state."""
     prefix = unique_prefix("kvbpeerA")
     with subprocess.Popen([sys.executable, "-m", "tests.remote.peer_holder", prefix, redis_url,
-                           "2", "5"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True) as holder:
+                           str(chunks), str(seed)], cwd=ROOT, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
-            b = Host(redis_url)
-            hosts.append(b)
-            doc = document(2, seed=5)
-            assert b.learn() == 2
-            assert promote_into(b, doc, 0) is Promoted.PROMOTED  # the holder answers
-            assert np.array_equal(kv_of(b.store, doc, 0), doc.kvs[0])
-            holder.send_signal(signal.SIGKILL)
-            holder.wait(DEADLINE)
-            start = time.monotonic()
-            assert promote_into(b, doc, 1) is Miss.UNAVAILABLE
-            assert promote_into(b, doc, 1) is Miss.UNAVAILABLE  # its endpoint read again
-            assert time.monotonic() - start < KILLED_MISS_S
-            assert not b.store.contains_key(_key(doc, 1))
+            yield holder
         finally:
             if holder.poll() is None:
+                holder.send_signal(signal.SIGCONT)
                 holder.kill()
             remove_prefix(prefix)
+
+
+def test_a_killed_holder_is_a_miss_within_a_bounded_time(hosts: list[Host],
+                                                         redis_url: str) -> None:
+    with holder_process(redis_url, 2, 5) as holder:
+        b = Host(redis_url)
+        hosts.append(b)
+        doc = document(2, seed=5)
+        assert b.learn() == 2
+        assert promote_into(b, doc, 0) is Promoted.PROMOTED  # the holder answers
+        assert np.array_equal(kv_of(b.store, doc, 0), doc.kvs[0])
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(DEADLINE)
+        start = time.monotonic()
+        assert promote_into(b, doc, 1) is Miss.UNAVAILABLE
+        assert promote_into(b, doc, 1) is Miss.UNAVAILABLE  # its endpoint read again
+        assert time.monotonic() - start < KILLED_MISS_S
+        assert not b.store.contains_key(_key(doc, 1))
+
+
+@contextmanager
+def stopped(holder: subprocess.Popen) -> Iterator[None]:
+    """``holder`` SIGSTOPped (its sockets stay open, nothing answers) until the block ends, or
+    ``WATCHDOG_S`` passed: a read with no bound then returns late and fails its assertion."""
+    holder.send_signal(signal.SIGSTOP)
+    watchdog = threading.Timer(WATCHDOG_S, holder.send_signal, (signal.SIGCONT,))
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        holder.send_signal(signal.SIGCONT)
+
+
+def meet(b: Host, doc: Document) -> None:
+    """B reads ``doc``'s first chunk from the holder (their engines have met)."""
+    assert b.learn() == len(doc.ids)
+    assert promote_into(b, doc, 0) is Promoted.PROMOTED
+    assert np.array_equal(kv_of(b.store, doc, 0), doc.kvs[0])
+
+
+def test_a_stopped_holder_is_a_miss_within_a_bound_never_a_hang(hosts: list[Host],
+                                                                redis_url: str) -> None:
+    """The read waits at most its bound, then the holder is suspect: its next read misses at
+    once, with no staging buffer and no thread spent, until the stuck read returned."""
+    with holder_process(redis_url, 3, 12) as holder:
+        b = Host(redis_url)
+        hosts.append(b)
+        doc = document(3, seed=12)
+        meet(b, doc)
+        staging = b.peer.staging
+        with stopped(holder):
+            start = time.monotonic()
+            assert promote_into(b, doc, 1) is Miss.UNAVAILABLE
+            assert time.monotonic() - start < STOPPED_MISS_S
+            assert (staging.free, staging.abandoned) == (staging.count - 1, 1)
+            assert b.peer.suspects == {holder_of(b, doc)}
+            threads = threading.active_count()
+            start = time.monotonic()
+            assert promote_into(b, doc, 2) is Miss.UNAVAILABLE  # at once: nothing spent
+            assert time.monotonic() - start < STOPPED_MISS_S
+            assert (staging.free, threading.active_count()) == (staging.count - 1, threads)
+            assert b.counted(read=1, missed=2, fell_back=0, timed_out=2)
+        assert not b.store.contains_key(_key(doc, 1)) and not b.store.contains_key(_key(doc, 2))
+
+
+def holder_of(b: Host, doc: Document) -> str:
+    place = b.peer.place(doc.ids[0])
+    assert place is not None
+    return place.at.holder
+
+
+def test_a_read_given_up_on_lands_in_its_staging_buffer_never_in_the_slot(
+        hosts: list[Host], redis_url: str) -> None:
+    """Once the stopped holder resumes, the abandoned read completes into its staging buffer,
+    which then comes back; the buffer the read was for keeps what was put there after the
+    miss, and the holder is read again, byte for byte."""
+    with holder_process(redis_url, 2, 13) as holder:
+        b = Host(redis_url)
+        hosts.append(b)
+        doc = document(2, seed=13)
+        meet(b, doc)
+        place = b.peer.place(doc.ids[1])
+        assert place is not None
+        dest = np.zeros(doc.ids[1].kv_bytes, np.uint8)
+        staging = b.peer.staging
+        with stopped(holder):
+            assert b.peer.read_into(doc.ids[1], doc.rows[1], dest, place) is Miss.UNAVAILABLE
+            dest.fill(0xA5)  # what the slot holds after the miss: no late byte may change it
+        poll(lambda: staging.free == staging.count and not b.peer.suspects, DEADLINE,
+             "the abandoned read to return once the holder resumed")
+        assert (dest == 0xA5).all()
+        assert promote_into(b, doc, 1) is Promoted.PROMOTED
+        assert np.array_equal(kv_of(b.store, doc, 1), doc.kvs[1])
+        assert b.counted(read=2, missed=0, fell_back=0, timed_out=1)
 
 
 def test_without_values_a_chunk_is_written_as_its_record_only(hosts: list[Host],
