@@ -15,6 +15,7 @@ import torch
 
 from kvblend.dataplane import rotary
 from kvblend.dataplane.registration import RotaryConfig
+from kvblend.engine import turn_kernel
 
 log = logging.getLogger("kvblend.engine")
 _reported: set[str] = set()  # the frequency dtypes already reported in the log
@@ -97,7 +98,13 @@ class KTurn:
 
     def layer(self, kv: torch.Tensor, layer: int) -> None:
         """Turn K of ``layer`` of the buffer ``kv`` (``[2, L, T, heads * head_dim]``) in place,
-        after the work queued on the current stream (the layer's load)."""
+        after the work queued on the current stream (the layer's load): in one fused pass where
+        ``engine.turn_kernel`` runs (a GPU with Triton), else step by step in torch (the same
+        bits)."""
+        if turn_kernel.available(kv) and kv.stride(-1) == 1:
+            turn_kernel.turn_rows(kv[0, layer], self.rows, self.cos, self.sin, self.heads,
+                                  self.cfg.head_dim, self.cfg.dim, self.cfg.style == "gptj")
+            return
         k = kv[0, layer, self.rows]  # a copy of the chunks' rows
         rotary.rotate(k.view(len(self.rows), self.heads, -1), self.cos, self.sin, self.cfg)
         kv[0, layer, self.rows] = k
