@@ -230,8 +230,7 @@ class BlendEngine:
         if not 0 < n <= self.kv.shape[2] - extra:
             raise ValueError(f"a prompt of {n} tokens (+{extra} to decode) does not fit the "
                              f"engine's buffer of {self.kv.shape[2]} rows")
-        t0 = time.perf_counter()
-        times = {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
+        t0, times = time.perf_counter(), {"lookup": 0.0, "load_wait": 0.0, "select": 0.0}
         if self._begin is not None:  # the retrieve waits for the device's work up to here only
             self._begin.record()
         loads = Loads(self.kv, self.layers, self._loaded, lambda lo: self._fetch(
