@@ -43,7 +43,9 @@ def read(layer: torch.Tensor, layout: str, block: torch.Tensor, slot: torch.Tens
     return layer[block, :, slot].transpose(0, 1)
 
 
-def test_paged_store_and_layerwise_retrieve_bit_exact(cuda_dataplane: DataPlaneProc) -> None:
+@pytest.mark.parametrize("groups", [2, 3])  # 3: layers 1, 1 and 2, a later group larger
+def test_paged_store_and_layerwise_retrieve_bit_exact(cuda_dataplane: DataPlaneProc,
+                                                      groups: int) -> None:
     doc = np.random.default_rng(2).integers(0, 30_000, 3 * CHUNK)
     with BlendClient(dataplane_address=cuda_dataplane.address) as client:
         src = random_layers((2, B, S, H, DH), 1)
@@ -61,7 +63,8 @@ def test_paged_store_and_layerwise_retrieve_bit_exact(cuda_dataplane: DataPlaneP
         before = [x.view(torch.int16).clone() for x in dst]
         got = client.register_paged_kv_cache(dst, "flashinfer", S, H, DH, model_name="gp")
         table = [-1] + list(np.random.default_rng(5).permutation(B)[:4])  # positions 16..63
-        t = client.retrieve(got, doc, matches, offset=16, block_table=table, layer_groups=2)
+        t = client.retrieve(got, doc, matches, offset=16, block_table=table,
+                            layer_groups=groups)
         pos = torch.arange(16, 16 + 3 * CHUNK, device="cuda")
         block, slot = torch.tensor(table, device="cuda")[pos // S], pos % S
         for layer in range(L):
