@@ -80,12 +80,12 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], grace: float,
                  counter: str, *, ready_line: bytes | None = None,
                  probe: Callable[[], bool] | None = None,
-                 wake: Wakeup | threading.Event | None = None,
+                 wake: Wakeup | None = None,
                  log_format: str = LogFormat.TEXT, spare_path: str | None = None) -> None:
         self.name, self.argv, self.env, self.grace, self.counter = name, argv, env, grace, counter
         self.log_format = LogFormat(log_format)
         self._ready_line, self._probe = ready_line, probe
-        self._wake = wake or threading.Event()
+        self._wake = wake or Wakeup()
         self.proc: subprocess.Popen[bytes] | Adopted | None = None
         self.spare_path, self.ident = spare_path, identity(argv, env)
         self.spare: subprocess.Popen[bytes] | None = None

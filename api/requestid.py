@@ -4,8 +4,9 @@ An id is kept when the request carries exactly one ``X-Request-ID`` of 1 to ``MA
 printable ASCII characters (no leading or trailing space); anything else (none, two, too long,
 control or non-ASCII bytes) is replaced by 32 fresh hex digits. The request then goes on with that
 one header, so every route, the lookup fast path, the event log, the API's log lines
-(``api.errors``) and uvicorn's access line (``dataplane.logs.REQUEST_ID``) see the same id, and the response carries it back: errors, 413s of
-``api.limits`` and 500s included (an error escaping the app is answered here, as problem+json).
+(``api.errors``) and uvicorn's access line (``dataplane.logs.REQUEST_ID``) see the same id, and
+the response carries it back: errors, 413s of ``api.limits`` and 500s included (an error escaping
+the app is answered here, as problem+json).
 """
 
 from __future__ import annotations

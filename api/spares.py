@@ -118,7 +118,7 @@ class Adopted:
         wake: set when the process exits.
     """
 
-    def __init__(self, taken: Taken, wake: Wakeup | threading.Event) -> None:
+    def __init__(self, taken: Taken, wake: Wakeup) -> None:
         self.pid, self._pidfd = taken.pid, taken.pidfd
         self.stdout, self.stderr = taken.stdout, taken.stderr
         self.returncode: int | None = None
@@ -126,7 +126,7 @@ class Adopted:
         threading.Thread(target=self._watch, args=(wake,), daemon=True,
                          name=f"adopted-{self.pid}").start()
 
-    def _watch(self, wake: Wakeup | threading.Event) -> None:
+    def _watch(self, wake: Wakeup) -> None:
         poller = select.poll()
         poller.register(self._pidfd, select.POLLIN)
         while not poller.poll():

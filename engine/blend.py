@@ -326,8 +326,8 @@ class BlendEngine:
         def deviation() -> torch.Tensor:
             return self.deviation(cache, layer, len(hit), mode.score) if summed is None else summed
         w = time.perf_counter()
-        sel = select_rows(hit, hit if picked is None else picked, mode, loads.heads, ratio, deviation,
-                          self.device)
+        sel = select_rows(hit, hit if picked is None else picked, mode, loads.heads, ratio,
+                          deviation, self.device)
         loads.times["select"] += time.perf_counter() - w
         if len(sel.rows) == len(hit):  # every row: keep transformers' own mask
             return rows, h, sel.picked
