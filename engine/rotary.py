@@ -100,11 +100,14 @@ class KTurn:
         """Turn K of ``layer`` of the buffer ``kv`` (``[2, L, T, heads * head_dim]``) in place,
         after the work queued on the current stream (the layer's load): in one fused pass where
         ``engine.turn_kernel`` runs (a GPU with Triton), else step by step in torch (the same
-        bits)."""
+        bits; also where Triton cannot build or launch the kernel, ``turn_kernel`` says)."""
         if turn_kernel.available(kv) and kv.stride(-1) == 1:
-            turn_kernel.turn_rows(kv[0, layer], self.rows, self.cos, self.sin, self.heads,
-                                  self.cfg.head_dim, self.cfg.dim, self.cfg.style == "gptj")
-            return
+            try:
+                turn_kernel.turn_rows(kv[0, layer], self.rows, self.cos, self.sin, self.heads,
+                                      self.cfg.head_dim, self.cfg.dim, self.cfg.style == "gptj")
+                return
+            except turn_kernel.KernelUnavailable:
+                pass  # logged once; the torch steps below turn it, now and later
         k = kv[0, layer, self.rows]  # a copy of the chunks' rows
         rotary.rotate(k.view(len(self.rows), self.heads, -1), self.cos, self.sin, self.cfg)
         kv[0, layer, self.rows] = k

@@ -13,11 +13,14 @@ dtype to nearest even; so both give the same bits (``tests/engine/test_turn_kern
 match the data plane's kernel as before.
 
 Triton comes with torch's CUDA builds; without it (or on a CPU) ``available()`` is False and
-``engine.rotary.KTurn`` keeps the torch version.
+``engine.rotary.KTurn`` keeps the torch version. Where Triton is there but cannot build or launch
+the kernel (a GPU or driver it does not support), the first call raises ``KernelUnavailable``,
+logs why once, and ``available()`` is False for the rest of the process.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,12 +33,20 @@ except ImportError:  # a CPU build of torch: the torch version turns K
 
 BLOCK_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+log = logging.getLogger(__name__)
+_failed: str | None = None  # why the kernel could not run here (then the torch version turns K)
+
+
+class KernelUnavailable(RuntimeError):
+    """Triton could not build or launch the kernel here; nothing was written."""
 
 
 def available(kv: torch.Tensor) -> bool:
     """Whether ``turn_rows`` can turn K of ``kv``: Triton, a CUDA tensor (or Triton's CPU
-    interpreter, for tests) of a float dtype it writes."""
-    return triton is not None and kv.dtype in DTYPES and (kv.is_cuda or _INTERPRETED)
+    interpreter, for tests) of a float dtype it writes, and no failure to build or launch the
+    kernel so far in this process."""
+    return (triton is not None and _failed is None and kv.dtype in DTYPES
+            and (kv.is_cuda or _INTERPRETED))
 
 
 def turn_rows(k: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -47,6 +58,8 @@ def turn_rows(k: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor, sin: torch
 
     Raises:
         ValueError: shapes or strides it does not take.
+        KernelUnavailable: Triton could not build or launch the kernel (logged once; from then
+            on ``available()`` is False).
     """
     half = dim // 2
     if (k.dim() != 2 or k.stride(1) != 1 or k.shape[1] != heads * head_dim or dim > head_dim
@@ -57,10 +70,18 @@ def turn_rows(k: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor, sin: torch
     if not len(rows):
         return
     grid = (triton.cdiv(len(rows), BLOCK_ROWS),)
-    _turn[grid](k, rows, cos, sin, len(rows), k.stride(0), HEADS=heads, HEAD_DIM=head_dim,
-                HALF=half, GPTJ=gptj, DOWNCAST=k.dtype != torch.float32,
-                BLOCK_ROWS=BLOCK_ROWS, BLOCK_PAIRS=triton.next_power_of_2(heads * half),
-                enable_fp_fusion=False)
+    try:
+        _turn[grid](k, rows, cos, sin, len(rows), k.stride(0), HEADS=heads, HEAD_DIM=head_dim,
+                    HALF=half, GPTJ=gptj, DOWNCAST=k.dtype != torch.float32,
+                    BLOCK_ROWS=BLOCK_ROWS, BLOCK_PAIRS=triton.next_power_of_2(heads * half),
+                    enable_fp_fusion=False)
+    except Exception as exc:  # compiling or launching failed: no row was written
+        global _failed
+        if _failed is None:
+            _failed = f"{type(exc).__name__}: {exc}"
+            log.warning("the fused K turn cannot run on this device (%s); K is turned step by "
+                        "step in torch from now on", _failed)
+        raise KernelUnavailable(_failed) from exc
 
 
 if triton is not None:
@@ -101,4 +122,4 @@ if triton is not None:
     _INTERPRETED = isinstance(_turn, InterpretedFunction)  # TRITON_INTERPRET=1: on the CPU
 
 
-__all__ = ["available", "turn_rows"]
+__all__ = ["available", "turn_rows", "KernelUnavailable"]

@@ -71,6 +71,44 @@ def test_the_kernel_gives_the_torch_turns_bits_in_the_interpreter() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
 
 
+UNBUILDABLE = textwrap.dedent("""
+    import logging
+    from types import SimpleNamespace
+    import torch
+    from kvblend.dataplane.registration import RotaryConfig
+    from kvblend.engine import turn_kernel
+    from kvblend.engine.rotary import KTurn
+    from tests.engine.test_turn_kernel import step_by_step
+    logging.basicConfig(level=logging.WARNING)
+    # the gate opened on a CPU without the interpreter: Triton has no driver here, so the
+    # kernel's launch fails as it does on a GPU that Triton cannot build for
+    turn_kernel._INTERPRETED = True
+    cfg = RotaryConfig(head_dim=64, theta=10000.0)
+    kv = torch.randn(2, 2, 40, 3 * 64)
+    turn = KTurn(cfg, [SimpleNamespace(old_st=0, old_ed=8, cur_st=5, cur_ed=13)], 2, 3,
+                 torch.device("cpu"))
+    want = kv.clone()
+    for layer in (0, 1):
+        want[0, layer] = step_by_step(kv[0, layer], turn.rows, turn.cos, turn.sin, 3, cfg)
+    assert turn_kernel.available(kv)
+    turn.layer(kv, 0)
+    assert not turn_kernel.available(kv)
+    turn.layer(kv, 1)
+    print(torch.equal(kv, want))
+""")
+
+
+def test_kturn_falls_back_to_the_torch_turn_where_the_kernel_cannot_run() -> None:
+    """Triton there but unable to launch the kernel: K is turned step by step (the same bits),
+    the failure logged once, and the kernel not tried again."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA torch)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", UNBUILDABLE], capture_output=True, text=True,
+                         env=env, timeout=600, check=True)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr[-2000:]
+    assert out.stderr.count("the fused K turn cannot run on this device") == 1, out.stderr
+
+
 @pytest.mark.gpu
 def test_the_kernel_gives_the_torch_turns_bits_on_the_gpu() -> None:
     assert compare("cuda", [torch.bfloat16, torch.float16, torch.float32]) == []
