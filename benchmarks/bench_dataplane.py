@@ -2,7 +2,11 @@
 
 Each timed call goes client -> channel -> data plane (reserve/pin, one strided copy per chunk,
 wait for completion, commit/unpin) -> reply, for ``--chunks`` chunks; the ``x4`` ops send four
-calls back to back on one instance and wait for all (calls in flight). Side by side in the same run:
+calls back to back on one instance and wait for all (calls in flight). The ``ready`` ops time what
+an engine waits for instead of the reply: from the call until its copies completed (the client's
+``wait_queued``, then the stream synchronized), the retrieve's bytes readable or the store's
+buffer free again; the commits, unpins and reply that follow are not timed. Side by side in the
+same run:
 
 - CUDA: a plain pinned ``copy_`` of the same bytes each way (the PCIe limit), and both directions
   at once on two streams; and, for reference only, the same strided copies the data plane issues
@@ -82,6 +86,7 @@ class Case:
         self.nbytes = 2 * L * self.T * D * 2
         self.rng = np.random.default_rng(0)
         self.drawn: list[np.ndarray] = []  # tokens of the next stores (``draw``)
+        self.open: list = []  # ``ready`` calls not yet ended (``settle``)
         self.L, self.D = L, D
         self.kv = [self._buffer(L, D) for _ in range(2)]
         self.inst = [client.register_kv_cache(kv, model_name=model) for kv in self.kv]
@@ -124,6 +129,31 @@ class Case:
     def retrieve(self, inst: int = 0) -> None:
         with self.client.retrieve(self.inst[inst], self.tokens, self.matches) as t:
             assert t.wait().ok
+
+    def settle(self) -> None:
+        """Let the untimed rest of the ``ready`` calls end, and give their events back."""
+        while self.open:
+            t = self.open.pop()
+            assert t.wait().ok
+            t.release()
+
+    def store_ready(self) -> None:
+        """A store until the engine may reuse its buffer (its copies completed)."""
+        t = self.client.store_pre_computed(self.inst[1], self.take())
+        self.open.append(t)
+        assert not t.wait_queued()
+        self.sync()
+
+    def retrieve_ready(self) -> None:
+        """A retrieve until the engine may read the bytes (its copies completed)."""
+        t = self.client.retrieve(self.inst[0], self.tokens, self.matches)
+        self.open.append(t)
+        assert not t.wait_queued()
+        self.sync()
+
+    def sync(self) -> None:
+        if self.backend == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     def stores_in_flight(self) -> None:
         calls = [self.client.store_pre_computed(self.inst[1], self.take())
@@ -281,7 +311,14 @@ def main() -> None:
                        "retrieve": case.nbytes / median_time(case.retrieve, args.iters,
                                                              case.refill),
                        "both": 2 * case.nbytes / median_time(
-                           case.both, args.iters, lambda: (case.refill(), case.draw()))}
+                           case.both, args.iters, lambda: (case.refill(), case.draw())),
+                       "store ready": case.nbytes / median_time(
+                           case.store_ready, args.iters, lambda: (case.settle(), case.draw())),
+                       "retr. ready": case.nbytes / median_time(
+                           case.retrieve_ready, args.iters, lambda: (case.settle(),
+                                                                      case.refill()))}
+                case.settle()
+                limits["store ready"], limits["retr. ready"] = limits["store"], limits["retrieve"]
                 if IN_FLIGHT * case.nbytes <= args.storage_gib * (1 << 30) / 2:
                     x = f"x{IN_FLIGHT}"
                     got["store " + x] = IN_FLIGHT * case.nbytes / median_time(

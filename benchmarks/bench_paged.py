@@ -4,8 +4,11 @@ An engine's cache in the FlashAttention layout (per layer ``[2, blocks, 16, kv_h
 each layer its own allocation, as vLLM allocates them), Llama-3.1-8B shapes by default, ``--tokens``
 of documents placed by a shuffled block table. Side by side in the same run: a pinned ``copy_``
 of the same bytes each way (the PCIe limit) and the plain retrieve. Layer-wise: the time until
-layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed) and until
-the whole call completed. ``x4``: four calls sent back to back on one instance (calls in flight).
+layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed), until
+the last layer can be read (``last layer``) and until the whole call completed. ``store
+ready`` / ``retr. ready``: a call timed until its copies completed (``wait_queued``, then the
+stream synchronized: the engine's buffer free again, or its bytes readable), not until the
+reply; the commits, unpins and reply that follow are not timed. ``x4``: four calls sent back to back on one instance (calls in flight).
 ``turned``: the retrieve into a cache registered with Llama-3.1's rotary config, K turned to positions
 1000 further on (``dataplane.rotary``).
 
@@ -118,17 +121,44 @@ def main() -> None:
                                      first_position=1000) as t:
                     assert t.wait().ok
 
+            def sync() -> None:
+                if args.backend == "cuda":
+                    torch.cuda.current_stream().synchronize()
+
             firsts: list[float] = []
+            lasts: list[float] = []  # the layer-wise call's last layer readable
 
             def layerwise() -> None:
                 t0 = time.perf_counter()
                 with client.retrieve(reg[1], tokens, matches, block_table=tables[1],
                                      layer_groups=L) as t:
                     assert t.wait_layer(0) == []
-                    if args.backend == "cuda":
-                        torch.cuda.current_stream().synchronize()
+                    sync()
                     firsts.append(time.perf_counter() - t0)
+                    assert t.wait_layer(L - 1) == []
+                    sync()
+                    lasts.append(time.perf_counter() - t0)
                     assert t.wait().ok
+
+            open_calls: list = []  # "ready" calls whose untimed rest has not ended
+
+            def settle() -> None:
+                while open_calls:
+                    t = open_calls.pop()
+                    assert t.wait().ok
+                    t.release()
+
+            def store_ready() -> None:  # until the engine may reuse its buffer
+                t = client.store_pre_computed(reg[0], take(), block_table=tables[0])
+                open_calls.append(t)
+                assert not t.wait_queued()
+                sync()
+
+            def retrieve_ready() -> None:  # until the engine may read the bytes
+                t = client.retrieve(reg[1], tokens, matches, block_table=tables[1])
+                open_calls.append(t)
+                assert not t.wait_queued()
+                sync()
 
             def stores_in_flight() -> None:
                 calls = [client.store_pre_computed(reg[0], take(), block_table=tables[0])
@@ -145,16 +175,23 @@ def main() -> None:
                     c.release()
 
             store(), refill(), retrieve(), layerwise(), retrieve_turned()  # warm
-            firsts.clear()
+            firsts.clear(), lasts.clear()
             lim = (limits_cuda(nbytes, args.iters, L, H * Dh, N // CHUNK)
                    if args.backend == "cuda" else limits_cpu(nbytes, args.iters))
             lim_store, lim_retrieve = lim["store"], lim["retrieve"]
             got = {"store": nbytes / median_time(store, args.iters, draw),
                    "retrieve": nbytes / median_time(retrieve, args.iters, refill),
                    "layer-wise": nbytes / median_time(layerwise, args.iters, refill),
-                   "turned": nbytes / median_time(retrieve_turned, args.iters, refill)}
+                   "turned": nbytes / median_time(retrieve_turned, args.iters, refill),
+                   "store ready": nbytes / median_time(store_ready, args.iters,
+                                                       lambda: (settle(), draw())),
+                   "retr. ready": nbytes / median_time(retrieve_ready, args.iters,
+                                                       lambda: (settle(), refill()))}
+            settle()
+            got["last layer"] = nbytes / statistics.median(lasts)
             limit = {"store": lim_store, "retrieve": lim_retrieve, "layer-wise": lim_retrieve,
-                     "turned": lim_retrieve}
+                     "turned": lim_retrieve, "store ready": lim_store,
+                     "retr. ready": lim_retrieve, "last layer": lim_retrieve}
             if IN_FLIGHT * nbytes <= args.storage_gib * (1 << 30) * 3 / 4:
                 x = f"x{IN_FLIGHT}"
                 got["store " + x] = IN_FLIGHT * nbytes / median_time(
