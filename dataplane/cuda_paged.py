@@ -52,7 +52,7 @@ from kvblend.dataplane import paged
 from kvblend.dataplane.backend import Direction, LayerCopies
 from kvblend.dataplane.cuda import D2H, H2D, CudaBuffer
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.gather import SegmentCopier, Table
+from kvblend.dataplane.gather import PIECE, SegmentCopier, Table
 from kvblend.dataplane.registration import PagedBuffer
 from kvblend.shm.layout import KVLayout
 
@@ -86,6 +86,9 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         self._kv_at = np.array([spec.k.offset, spec.v.offset], np.int64) * isz
         self._block_b = np.array([spec.k.block, spec.v.block], np.int64) * isz
         self._token_b = spec.kv_heads * spec.head_dim * isz  # == self._row
+        # a row is one run of a chunk's tokens inside one block: when a block's tokens fit a
+        # piece of the copier, the rows need no splitting (nor its checks: none is empty)
+        self._pieces = spec.block_size * self._token_b <= PIECE
         self._staging: cupy.ndarray | None = None
         with cupy.cuda.Device(device):
             self._copier = SegmentCopier(device)
@@ -105,9 +108,9 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
     def _segments(self, token_starts: list[int], chunk_size: int, first: int, last: int,
                   chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
         assert self._table is not None, "bind() comes first"
-        at = self._table.chunk_slots(np.asarray(token_starts, np.int64), chunk_size)
-        return paged.run_segments(at, self._layers, self._kv_at, self._block_b, self._token_b,
-                                  self.layout.num_layers, first, last, chunk_at, to_slab)
+        return paged.table_segments(self._table, np.asarray(token_starts, np.int64), chunk_size,
+                                    self._layers, self._kv_at, self._block_b, self._token_b,
+                                    self.layout.num_layers, first, last, chunk_at, to_slab)
 
     def _staged(self, staging: int, count: int, chunk_size: int) -> np.ndarray:
         return staging + np.arange(count, dtype=np.int64) * (
@@ -131,7 +134,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             # a layer group: one scatter kernel reading the slots over PCIe (no DMA per chunk)
             slots = self._slab + np.asarray(slab_offsets, np.int64)
             self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots,
-                                             False), self.stream)
+                                             False), self.stream, pieces=self._pieces)
         else:
             self._retrieve_staged(slab_offsets, chunk_size, token_starts, first, last)
 
@@ -152,7 +155,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             starts, offs = token_starts[lo:lo + per], slab_offsets[lo:lo + per]
             self._copier.copy(self._segments(starts, chunk_size, 0, L,
                                              self._staged(base, len(starts), chunk_size), True),
-                              side)
+                              side, pieces=self._pieces)
             self.stream.wait_event(self._after(side))
             for j, off in enumerate(offs):
                 cupy.cuda.runtime.memcpyAsync(self._slab + off, base + j * n, n, D2H, stream)
@@ -172,7 +175,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         # a layer group: one gather kernel writing the slots over PCIe (no DMA per chunk)
         slots = self._slab + np.asarray(slab_offsets, np.int64)
         self._copier.copy(self._segments(token_starts, chunk_size, first, last, slots, True),
-                          self.stream)
+                          self.stream, pieces=self._pieces)
 
     def _retrieve_staged(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
                          first: int, last: int) -> None:
@@ -195,7 +198,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             batch = token_starts[lo:lo + per]
             self._copier.copy(self._segments(batch, chunk_size, first, last,
                                              self._staged(base, len(batch), chunk_size), False),
-                              self.stream)
+                              self.stream, pieces=self._pieces)
             freed[b % 2] = self._after(self.stream)
 
     def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,
@@ -248,7 +251,7 @@ class _DirectLayers(LayerCopies):
             slots = buf._slab + np.asarray(self.slab_offsets, np.int64)
             self._table = buf._copier.upload(
                 buf._segments(self.token_starts, self.chunk_size, first, first + 1, slots,
-                              self.to_slab), buf.stream)
+                              self.to_slab), buf.stream, pieces=buf._pieces)
             self._layer = first
         row = self.chunk_size * buf._row
         for layer in range(first, last):

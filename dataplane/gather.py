@@ -245,7 +245,7 @@ class SegmentCopier:
         self._tables: list[_Slot] = []  # released tables' buffers (``upload``)
         self._streams: dict[int, Any] = {}
 
-    def copy(self, segments: np.ndarray, stream: Any) -> None:
+    def copy(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> None:
         """Enqueue the copy of every segment on ``stream``; returns without waiting for it.
 
         Segments must not overlap each other's destinations; their order is not kept.
@@ -253,11 +253,13 @@ class SegmentCopier:
         Args:
             segments: int64 ``(n, 3)`` rows of ``(dst_ptr, src_ptr, nbytes)``.
             stream: a torch or cupy stream, or a raw ``cudaStream_t``.
+            pieces: the caller's rows are C-contiguous int64 ``(n, 3)``, each of 1 to ``PIECE``
+                bytes: taken as they are (``split_segments`` neither splits nor checks them).
 
         Raises:
             ValueError: the table is not ``(n, 3)`` or has a negative byte count.
         """
-        seg = split_segments(segments)
+        seg = segments if pieces else split_segments(segments)
         if not len(seg):
             return
         with cupy.cuda.Device(self.device):
@@ -265,15 +267,15 @@ class SegmentCopier:
             slot = self._ring.upload(seg.ravel(), ext)
             self._launch(slot, len(seg), 0, 0, ext)
 
-    def upload(self, segments: np.ndarray, stream: Any) -> "Table":
+    def upload(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> "Table":
         """Upload ``segments`` once, for any number of ``copy_table`` calls on ``stream`` (the
         groups of a layer-wise call: one table, shifted to each layer). ``release`` it after
-        the last.
+        the last. ``pieces``: as ``copy``'s.
 
         Raises:
             ValueError: the table is not ``(n, 3)`` or has a negative byte count.
         """
-        seg = split_segments(segments).ravel()
+        seg = (segments if pieces else split_segments(segments)).ravel()
         with cupy.cuda.Device(self.device):
             ext = self._stream(stream_handle(stream))
             # a held table is reused once its last kernel completed; else a new one

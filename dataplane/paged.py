@@ -205,6 +205,28 @@ def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: 
                     np.asarray(chunk_at, np.int64), bool(to_slab))
 
 
+def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np.ndarray,
+                   kv_at: np.ndarray, block_bytes: np.ndarray, token_bytes: int, num_layers: int,
+                   first: int, last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
+    """``run_segments(table.chunk_slots(starts, count), ...)`` in one compiled pass, without the
+    slots' ``[n, count]`` arrays made in numpy (a layer-wise call's first table: about 0.12 ms
+    of its layer 0 on an H100's host).
+
+    Raises:
+        OutOfRange: as ``BlockTable.chunk_slots``.
+    """
+    from kvblend.dataplane.segments import first_bad
+    from kvblend.dataplane.segments import table_segments as rows  # numba: the data plane's
+    starts = np.ascontiguousarray(starts, np.int64)
+    if first_bad(table.ids, table.block_size, table.num_blocks, starts, count) >= 0:
+        table.chunk_slots(starts, count)  # raises, naming what is wrong
+        raise AssertionError("first_bad and chunk_slots disagree")
+    return rows(table.ids, table.block_size, starts, int(count), np.asarray(layers, np.int64),
+                np.asarray(kv_at, np.int64), np.asarray(block_bytes, np.int64),
+                int(token_bytes), int(num_layers), int(first), int(last),
+                np.asarray(chunk_at, np.int64), bool(to_slab))
+
+
 class BlockTableCalls:
     """``bind`` and ``check`` of an ``InstanceBuffer`` over a paged cache (``_spec``)."""
 
@@ -226,6 +248,5 @@ class BlockTableCalls:
             raise AssertionError("first_bad and chunk_slots disagree")  # the test holds them equal
 
 
-__all__ = ["placements", "check", "buffer_extents", "run_segments", "BlockTable",
-           "BlockTableCalls", "Slots",
-           "LAYOUTS"]
+__all__ = ["placements", "check", "buffer_extents", "run_segments", "table_segments",
+           "BlockTable", "BlockTableCalls", "Slots", "LAYOUTS"]

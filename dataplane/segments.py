@@ -31,7 +31,9 @@ def segments(block, slot, layers, kv_at, block_bytes, token_bytes, num_layers, f
     runs = 0
     for i in range(n):
         for j in range(C):
-            if j == 0 or block[i, j] != block[i, j - 1]:
+            # a new run where the block or the slot's order changes: a table naming one block
+            # for two logical blocks in a row must not make one row run past that block's end
+            if j == 0 or block[i, j] != block[i, j - 1] or slot[i, j] != slot[i, j - 1] + 1:
                 chunk[runs], start[runs] = i, j
                 runs += 1
     out = np.empty((2 * (last - first) * runs, 3), np.int64)
@@ -48,6 +50,24 @@ def segments(block, slot, layers, kv_at, block_bytes, token_bytes, num_layers, f
                 out[k, 2] = (end - (i * C + j)) * token_bytes
                 k += 1
     return out
+
+
+@numba.njit(cache=True)
+def table_segments(ids, block_size, starts, C, layers, kv_at, block_bytes, token_bytes,
+                   num_layers, first, last, chunk_at, to_slab):
+    """``segments`` of the chunks at logical ``starts`` (``C`` tokens each), their slots read
+    from the block table ``ids`` here (``dataplane.paged.table_segments``: the starts passed
+    ``first_bad`` before)."""
+    n = len(starts)
+    block = np.empty((n, C), np.int64)
+    slot = np.empty((n, C), np.int64)
+    for i in range(n):
+        for j in range(C):
+            p = starts[i] + j
+            block[i, j] = ids[p // block_size]
+            slot[i, j] = p % block_size
+    return segments(block, slot, layers, kv_at, block_bytes, token_bytes, num_layers, first,
+                    last, chunk_at, to_slab)
 
 
 @numba.njit(cache=True)
@@ -72,7 +92,9 @@ def warm() -> None:
     one = np.zeros((1, 1), np.int64)
     two = np.zeros(2, np.int64)
     segments(one, one, np.zeros(1, np.int64), two, two, 2, 1, 0, 1, np.zeros(1, np.int64), True)
+    table_segments(np.zeros(1, np.int64), 1, np.zeros(1, np.int64), 1, np.zeros(1, np.int64), two,
+                   two, 2, 1, 0, 1, np.zeros(1, np.int64), True)
     first_bad(np.zeros(1, np.int64), 16, 1, np.zeros(1, np.int64), 16)
 
 
-__all__ = ["segments", "first_bad", "warm"]
+__all__ = ["segments", "table_segments", "first_bad", "warm"]

@@ -290,10 +290,11 @@ def spec_segments(at: paged.Slots, layers: np.ndarray, kv_at: np.ndarray,
                   block_bytes: np.ndarray, token_bytes: int, num_layers: int, first: int,
                   last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
     """``run_segments``' rows written with numpy: runs start at a chunk's first token and where
-    the block changes; rows K then V, layer by layer, run by run."""
+    the block changes or the slots stop following each other; rows K then V, layer by layer,
+    run by run."""
     n, C = at.block.shape
     new = np.ones(at.block.shape, bool)
-    new[:, 1:] = np.diff(at.block, axis=1) != 0
+    new[:, 1:] = (np.diff(at.block, axis=1) != 0) | (np.diff(at.slot, axis=1) != 1)
     chunk, start = np.nonzero(new)
     count = np.diff(np.append(chunk * C + start, n * C))
     layer = np.arange(first, last)[None, :, None]
@@ -313,7 +314,8 @@ def test_segment_rows_are_the_specification(seed: int) -> None:
     S, C, L = int(rng.choice([1, 16, 32])), int(rng.choice([16, 64, 256])), 6
     n = int(rng.integers(0, 6))
     blocks = (n + 2) * C // S + 4
-    ids = rng.permutation(blocks).astype("<i4")
+    # odd seeds: ids drawn with repeats (a block named for two logical blocks, in a row or not)
+    ids = (rng.integers(0, blocks, blocks) if seed % 2 else rng.permutation(blocks)).astype("<i4")
     table = paged.BlockTable(ids.tobytes(), S, blocks)
     starts = rng.integers(0, table.num_tokens - C, n)  # any offset, overlapping or not
     at = table.chunk_slots(starts, C)
@@ -326,6 +328,20 @@ def test_segment_rows_are_the_specification(seed: int) -> None:
         got = paged.run_segments(*args, to_slab=to_slab)
         want = spec_segments(*args, to_slab=to_slab)
         assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_no_row_runs_past_its_block_where_a_table_names_a_block_twice() -> None:
+    """Blocks 3, 3, 5 for logical blocks 0-2 (4 tokens each): a chunk of 12 tokens is three runs
+    a layer, each inside its block, never 8 tokens from block 3's start (past its end)."""
+    table = paged.BlockTable(np.array([3, 3, 5], "<i4").tobytes(), 4, 8)
+    block_bytes, token_bytes = 1000, 10
+    rows = paged.table_segments(table, np.array([0]), 12, np.array([0]), np.array([0, 50000]),
+                                np.array([block_bytes] * 2), token_bytes, 1, 0, 1,
+                                np.array([10**6]), to_slab=False)
+    assert rows[:, 2].tolist() == [40] * 6  # K and V, three runs of 4 tokens
+    for dst, _, n in rows.tolist():
+        start = dst % 50000 % block_bytes
+        assert start + n <= 4 * token_bytes, (dst, n)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -350,3 +366,30 @@ def test_the_compiled_check_refuses_exactly_what_chunk_slots_refuses(seed: int) 
             with pytest.raises(OutOfRange):
                 table.chunk_slots(starts[bad:bad + 1], count)
             table.chunk_slots(starts[:bad], count)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_table_pass_gives_run_segments_rows_and_refuses_alike(seed: int) -> None:
+    """``table_segments`` reads the slots from the block table itself: the rows of
+    ``run_segments`` over ``chunk_slots`` (ids repeated included: a run ends where the block id
+    changes), and the same refusals."""
+    from kvblend.dataplane.errors import OutOfRange
+    rng = np.random.default_rng(seed)
+    S, C, L = int(rng.choice([1, 16, 32])), int(rng.choice([16, 64, 256])), 5
+    n = int(rng.integers(0, 6))
+    blocks = (n + 2) * C // S + 4
+    ids = rng.integers(0, blocks, blocks) if seed % 2 else rng.permutation(blocks)
+    table = paged.BlockTable(ids.astype("<i4").tobytes(), S, blocks)
+    starts = rng.integers(0, table.num_tokens - C, n)
+    first = int(rng.integers(0, L))
+    last = int(rng.integers(first + 1, L + 1))
+    rest = (rng.integers(1 << 30, 1 << 40, L), rng.integers(0, 1 << 20, 2),
+            rng.integers(1, 1 << 16, 2), int(rng.integers(1, 4096)), L, first, last,
+            rng.integers(1 << 30, 1 << 40, n))
+    for to_slab in (True, False):
+        got = paged.table_segments(table, starts, C, *rest, to_slab=to_slab)
+        want = paged.run_segments(table.chunk_slots(starts, C), *rest, to_slab=to_slab)
+        assert got.shape == want.shape and np.array_equal(got, want)
+    for bad in (np.array([table.num_tokens - C + 1]), np.array([-1])):
+        with pytest.raises(OutOfRange):
+            paged.table_segments(table, bad, C, *rest[:-1], rest[-1][:1], to_slab=True)
