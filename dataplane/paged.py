@@ -209,8 +209,8 @@ def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np
                    kv_at: np.ndarray, block_bytes: np.ndarray, token_bytes: int, num_layers: int,
                    first: int, last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
     """``run_segments(table.chunk_slots(starts, count), ...)`` in one compiled pass, without the
-    slots' ``[n, count]`` arrays made in numpy (a layer-wise call's first table: about 0.12 ms
-    of its layer 0 on an H100's host).
+    slots' ``[n, count]`` arrays made in numpy (those took about 0.12 ms of a layer-wise call's
+    layer 0 on an H100's host: docs/benchmarks.md).
 
     Raises:
         OutOfRange: as ``BlockTable.chunk_slots``.
