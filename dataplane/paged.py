@@ -178,45 +178,33 @@ class BlockTable:
         return Slots(block, pos % self.block_size)
 
 
-def run_segments(at: Slots, layers: np.ndarray, kv_at: np.ndarray, block_bytes: np.ndarray,
-                 token_bytes: int, num_layers: int, first: int, last: int, chunk_at: np.ndarray,
-                 to_slab: bool) -> np.ndarray:
-    """``(dst, src, nbytes)`` rows between an engine's blocks and n chunks in the slab's layout
-    ``[2, L, C, token_bytes]`` (in a staging area or in their slab slots), for layers
-    ``[first, last)`` of every chunk at once (the CUDA data plane's gather and scatter).
+def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np.ndarray,
+                   kv_at: np.ndarray, block_bytes: np.ndarray, token_bytes: int, num_layers: int,
+                   first: int, last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
+    """``(dst, src, nbytes)`` rows between an engine's blocks and the chunks of ``count`` tokens
+    at logical ``starts`` of ``table``, in the slab's layout ``[2, L, C, token_bytes]`` (in a
+    staging area or in their slab slots), for layers ``[first, last)`` of every chunk at once
+    (the CUDA data plane's gather and scatter).
 
     A run is a stretch of a chunk's tokens in consecutive slots of one block; for a layout whose
     token is ``token_bytes`` contiguous bytes and whose slots follow each other, its K (or V) of
-    one layer is one byte range.
+    one layer is one byte range, so a row never passes its block's end. The rows are built in one
+    compiled pass that reads the slots from the block table itself (``dataplane.segments``: in
+    numpy the slots' ``[n, count]`` arrays alone took about 0.12 ms of a layer-wise call's layer 0
+    on an H100's host, docs/benchmarks.md).
 
     Args:
-        at: the chunks' slots, ``[n, C]`` (``BlockTable.chunk_slots``).
         layers: each layer's start address.
         kv_at: bytes from a layer's start to its K and its V.
         block_bytes: bytes between blocks, for K and for V.
         chunk_at: where each chunk's ``[2, L, C, token_bytes]`` starts.
         to_slab: gather (engine -> chunks) when True, else scatter.
-    """
-    from kvblend.dataplane.segments import segments  # numba: the data plane's alone
-    return segments(np.ascontiguousarray(at.block, np.int64),
-                    np.ascontiguousarray(at.slot, np.int64), np.asarray(layers, np.int64),
-                    np.asarray(kv_at, np.int64), np.asarray(block_bytes, np.int64),
-                    int(token_bytes), int(num_layers), int(first), int(last),
-                    np.asarray(chunk_at, np.int64), bool(to_slab))
-
-
-def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np.ndarray,
-                   kv_at: np.ndarray, block_bytes: np.ndarray, token_bytes: int, num_layers: int,
-                   first: int, last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
-    """``run_segments(table.chunk_slots(starts, count), ...)`` in one compiled pass, without the
-    slots' ``[n, count]`` arrays made in numpy (those took about 0.12 ms of a layer-wise call's
-    layer 0 on an H100's host: docs/benchmarks.md).
 
     Raises:
         OutOfRange: as ``BlockTable.chunk_slots``.
     """
-    from kvblend.dataplane.segments import first_bad
-    from kvblend.dataplane.segments import table_segments as rows  # numba: the data plane's
+    from kvblend.dataplane.segments import first_bad  # numba: the data plane's alone
+    from kvblend.dataplane.segments import table_segments as rows
     starts = np.ascontiguousarray(starts, np.int64)
     if first_bad(table.ids, table.block_size, table.num_blocks, starts, count) >= 0:
         table.chunk_slots(starts, count)  # raises, naming what is wrong
@@ -248,5 +236,5 @@ class BlockTableCalls:
             raise AssertionError("first_bad and chunk_slots disagree")  # the test holds them equal
 
 
-__all__ = ["placements", "check", "buffer_extents", "run_segments", "table_segments",
-           "BlockTable", "BlockTableCalls", "Slots", "LAYOUTS"]
+__all__ = ["placements", "check", "buffer_extents", "table_segments", "BlockTable",
+           "BlockTableCalls", "Slots", "LAYOUTS"]

@@ -2,8 +2,8 @@
 engine's blocks and chunks in the slab's layout, for a range of layers of every chunk at once; and
 the check that a call's chunks have slots in its block table.
 
-This module owns the loops that ``dataplane.paged.run_segments`` (which says what the rows are)
-runs; it is imported by the data plane only, when a paged CUDA call first needs a table, so an
+This module owns the loops that ``dataplane.paged.table_segments`` (which says what the rows
+are) runs; it is imported by the data plane only, when a paged CUDA call first needs a table, so an
 engine's process that reads ``dataplane.paged``'s placements never loads numba.
 
 Order of the rows: K of every layer, then V; inside each, layer by layer; inside a layer, run by run
@@ -24,7 +24,8 @@ import numpy as np
 @numba.njit(cache=True)
 def segments(block, slot, layers, kv_at, block_bytes, token_bytes, num_layers, first, last,
              chunk_at, to_slab):
-    """The rows of ``dataplane.paged.run_segments`` (its docstring has the arguments)."""
+    """The rows of ``dataplane.paged.table_segments`` for the chunks' slots ``block`` and
+    ``slot`` (``[n, C]`` each; its docstring has the other arguments)."""
     n, C = block.shape
     chunk = np.empty(n * C, np.int64)  # where each run starts: at most one per token
     start = np.empty(n * C, np.int64)

@@ -203,8 +203,7 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     k, v = paged.placements(layout, B, S, H, DH)
     table = paged.BlockTable(np.array([7, 2, 9, 0, 5, 11, 3, 14, 1], "<i4").tobytes(), S, B)
     starts = np.array([3, 3 + C, 3 + 2 * C])  # unaligned: chunks start inside blocks
-    at = table.chunk_slots(starts, C)
-    args = (at, layers_at, np.array([k.offset, v.offset]) * isz,
+    args = (table, starts, C, layers_at, np.array([k.offset, v.offset]) * isz,
             np.array([k.block, v.block]) * isz, H * DH * isz, L, 0, L,
             staging + np.arange(3) * 2 * L * C * H * DH * isz)
 
@@ -215,7 +214,7 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     views = [torch.from_numpy(space[a:a + layer_bytes]).view(torch.int16).view(
         (2, B, S, H, DH) if layout == "flash_attn" else (B, 2, S, H, DH)) for a in layers_at]
     engine_before = space[:staging].copy()
-    apply(paged.run_segments(*args, to_slab=True))
+    apply(paged.table_segments(*args, to_slab=True))
     stage = torch.from_numpy(space[staging:].copy()).view(torch.int16).view(3, 2, L, C, H, DH)
     assert np.array_equal(space[:staging], engine_before)  # a gather writes staging only
     for j, t0 in enumerate(starts.tolist()):
@@ -225,9 +224,9 @@ def test_the_gpu_segment_tables_gather_and_scatter_exactly(layout: str) -> None:
     # scatter into a scrambled engine: exactly the chunks' slots come back
     space[:staging] = rng.integers(0, 256, staging, dtype=np.uint8)
     scrambled = space[:staging].copy()
-    apply(paged.run_segments(*args, to_slab=False))
+    apply(paged.table_segments(*args, to_slab=False))
     written = np.zeros(staging, bool)
-    for dst, _, n in paged.run_segments(*args, to_slab=False).tolist():
+    for dst, _, n in paged.table_segments(*args, to_slab=False).tolist():
         written[dst:dst + n] = True
     assert np.array_equal(space[:staging][~written], scrambled[~written])
     assert np.array_equal(space[:staging][written], engine_before[written])
@@ -289,7 +288,7 @@ def _mapping_of(address: int) -> str:
 def spec_segments(at: paged.Slots, layers: np.ndarray, kv_at: np.ndarray,
                   block_bytes: np.ndarray, token_bytes: int, num_layers: int, first: int,
                   last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
-    """``run_segments``' rows written with numpy: runs start at a chunk's first token and where
+    """``table_segments``' rows written with numpy from the chunks' slots ``at``: runs start at a chunk's first token and where
     the block changes or the slots stop following each other; rows K then V, layer by layer,
     run by run."""
     n, C = at.block.shape
@@ -318,16 +317,18 @@ def test_segment_rows_are_the_specification(seed: int) -> None:
     ids = (rng.integers(0, blocks, blocks) if seed % 2 else rng.permutation(blocks)).astype("<i4")
     table = paged.BlockTable(ids.tobytes(), S, blocks)
     starts = rng.integers(0, table.num_tokens - C, n)  # any offset, overlapping or not
-    at = table.chunk_slots(starts, C)
     first = int(rng.integers(0, L))
     last = int(rng.integers(first + 1, L + 1))
-    args = (at, rng.integers(1 << 30, 1 << 40, L), rng.integers(0, 1 << 20, 2),
+    rest = (rng.integers(1 << 30, 1 << 40, L), rng.integers(0, 1 << 20, 2),
             rng.integers(1, 1 << 16, 2), int(rng.integers(1, 4096)), L, first, last,
             rng.integers(1 << 30, 1 << 40, n))
     for to_slab in (True, False):
-        got = paged.run_segments(*args, to_slab=to_slab)
-        want = spec_segments(*args, to_slab=to_slab)
+        got = paged.table_segments(table, starts, C, *rest, to_slab=to_slab)
+        want = spec_segments(table.chunk_slots(starts, C), *rest, to_slab=to_slab)
         assert got.shape == want.shape and np.array_equal(got, want)
+    for bad in (np.array([table.num_tokens - C + 1]), np.array([-1])):  # refused as chunk_slots
+        with pytest.raises(OutOfRange):
+            paged.table_segments(table, bad, C, *rest[:-1], rest[-1][:1], to_slab=True)
 
 
 def test_no_row_runs_past_its_block_where_a_table_names_a_block_twice() -> None:
@@ -366,30 +367,3 @@ def test_the_compiled_check_refuses_exactly_what_chunk_slots_refuses(seed: int) 
             with pytest.raises(OutOfRange):
                 table.chunk_slots(starts[bad:bad + 1], count)
             table.chunk_slots(starts[:bad], count)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_the_table_pass_gives_run_segments_rows_and_refuses_alike(seed: int) -> None:
-    """``table_segments`` reads the slots from the block table itself: the rows of
-    ``run_segments`` over ``chunk_slots`` (ids repeated included: a run ends where the block id
-    changes), and the same refusals."""
-    from kvblend.dataplane.errors import OutOfRange
-    rng = np.random.default_rng(seed)
-    S, C, L = int(rng.choice([1, 16, 32])), int(rng.choice([16, 64, 256])), 5
-    n = int(rng.integers(0, 6))
-    blocks = (n + 2) * C // S + 4
-    ids = rng.integers(0, blocks, blocks) if seed % 2 else rng.permutation(blocks)
-    table = paged.BlockTable(ids.astype("<i4").tobytes(), S, blocks)
-    starts = rng.integers(0, table.num_tokens - C, n)
-    first = int(rng.integers(0, L))
-    last = int(rng.integers(first + 1, L + 1))
-    rest = (rng.integers(1 << 30, 1 << 40, L), rng.integers(0, 1 << 20, 2),
-            rng.integers(1, 1 << 16, 2), int(rng.integers(1, 4096)), L, first, last,
-            rng.integers(1 << 30, 1 << 40, n))
-    for to_slab in (True, False):
-        got = paged.table_segments(table, starts, C, *rest, to_slab=to_slab)
-        want = paged.run_segments(table.chunk_slots(starts, C), *rest, to_slab=to_slab)
-        assert got.shape == want.shape and np.array_equal(got, want)
-    for bad in (np.array([table.num_tokens - C + 1]), np.array([-1])):
-        with pytest.raises(OutOfRange):
-            paged.table_segments(table, bad, C, *rest[:-1], rest[-1][:1], to_slab=True)
