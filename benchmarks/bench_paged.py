@@ -8,7 +8,8 @@ layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event comp
 the last layer can be read (``last layer``) and until the whole call completed. ``store
 ready`` / ``retr. ready``: a call timed until its copies completed (``wait_queued``, then the
 stream synchronized: the engine's buffer free again, or its bytes readable), not until the
-reply; the commits, unpins and reply that follow are not timed. ``x4``: four calls sent back to back on one instance (calls in flight).
+reply; the commits, unpins and reply that follow are not timed. ``x4``: four calls sent back to
+back on one instance (calls in flight).
 ``turned``: the retrieve into a cache registered with Llama-3.1's rotary config, K turned to positions
 1000 further on (``dataplane.rotary``).
 

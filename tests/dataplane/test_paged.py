@@ -288,9 +288,9 @@ def _mapping_of(address: int) -> str:
 def spec_segments(at: paged.Slots, layers: np.ndarray, kv_at: np.ndarray,
                   block_bytes: np.ndarray, token_bytes: int, num_layers: int, first: int,
                   last: int, chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
-    """``table_segments``' rows written with numpy from the chunks' slots ``at``: runs start at a chunk's first token and where
-    the block changes or the slots stop following each other; rows K then V, layer by layer,
-    run by run."""
+    """``table_segments``' rows written with numpy from the chunks' slots ``at``: runs start at
+    a chunk's first token and where the block changes or the slots stop following each other;
+    rows K then V, layer by layer, run by run."""
     n, C = at.block.shape
     new = np.ones(at.block.shape, bool)
     new[:, 1:] = (np.diff(at.block, axis=1) != 0) | (np.diff(at.slot, axis=1) != 1)
