@@ -177,6 +177,20 @@ class BlockTable:
                              f"cache has blocks [0, {self.num_blocks})")
         return Slots(block, pos % self.block_size)
 
+    def check(self, starts: np.ndarray, count: int) -> np.ndarray:
+        """``starts`` as int64, once every chunk of ``count`` tokens from them is checked to
+        have slots, in compiled code (``dataplane.segments.first_bad``).
+
+        Raises:
+            OutOfRange: as ``chunk_slots``, which words the error.
+        """
+        from kvblend.dataplane.segments import first_bad  # numba: the data plane's alone
+        starts = np.ascontiguousarray(starts, np.int64)
+        if first_bad(self.ids, self.block_size, self.num_blocks, starts, count) >= 0:
+            self.chunk_slots(starts, count)  # raises, naming what is wrong
+            raise AssertionError("first_bad and chunk_slots disagree")  # a test holds them equal
+        return starts
+
 
 def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np.ndarray,
                    kv_at: np.ndarray, block_bytes: np.ndarray, token_bytes: int, num_layers: int,
@@ -203,12 +217,8 @@ def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np
     Raises:
         OutOfRange: as ``BlockTable.chunk_slots``.
     """
-    from kvblend.dataplane.segments import first_bad  # numba: the data plane's alone
-    from kvblend.dataplane.segments import table_segments as rows
-    starts = np.ascontiguousarray(starts, np.int64)
-    if first_bad(table.ids, table.block_size, table.num_blocks, starts, count) >= 0:
-        table.chunk_slots(starts, count)  # raises, naming what is wrong
-        raise AssertionError("first_bad and chunk_slots disagree")
+    from kvblend.dataplane.segments import table_segments as rows  # numba: the data plane's
+    starts = table.check(starts, count)
     return rows(table.ids, table.block_size, starts, int(count), np.asarray(layers, np.int64),
                 np.asarray(kv_at, np.int64), np.asarray(block_bytes, np.int64),
                 int(token_bytes), int(num_layers), int(first), int(last),
@@ -228,12 +238,8 @@ class BlockTableCalls:
         return self._table.num_tokens
 
     def check(self, token_starts: np.ndarray, chunk_size: int) -> None:
-        from kvblend.dataplane.segments import first_bad  # numba: the data plane's alone
         assert self._table is not None, "bind() comes first"
-        t, starts = self._table, np.ascontiguousarray(token_starts, np.int64)
-        if first_bad(t.ids, t.block_size, t.num_blocks, starts, chunk_size) >= 0:
-            t.chunk_slots(starts, chunk_size)  # raises, naming what is wrong
-            raise AssertionError("first_bad and chunk_slots disagree")  # the test holds them equal
+        self._table.check(token_starts, chunk_size)
 
 
 __all__ = ["placements", "check", "buffer_extents", "table_segments", "BlockTable",
