@@ -1,8 +1,9 @@
-"""The engine's turn of loaded K, side by side in one run: the step by step torch version (what
-``engine.rotary.KTurn`` did before: gather the chunks' rows, ``dataplane.rotary.rotate``, scatter)
-against the fused Triton kernel (``engine.turn_kernel``), for the 32 layers of an 8B model's K
-(8 KV heads of 128, bf16, llama3 frequencies), prompts of 8k and 16k tokens whose chunks fill all
-but the last 256 rows. GPU time by CUDA events, the median of ``--iters``; prints the ratio.
+"""The engine's turn of loaded K, side by side in one run: the step by step torch version
+(``KTurn.steps``, where the kernel does not run: gather the chunks' rows, ``dataplane.rotary``'s
+turn, scatter) against the fused Triton kernel (``engine.turn_kernel``), for the 32 layers of an
+8B model's K (8 KV heads of 128, bf16, llama3 frequencies), prompts of 8k and 16k tokens whose
+chunks fill all but the last 256 rows. GPU time by CUDA events, the median of ``--iters``; prints
+the ratio.
 
     python benchmarks/bench_kturn.py [--lengths 8192,16384] [--iters 7]
 """
@@ -14,7 +15,6 @@ from types import SimpleNamespace
 
 import torch
 
-from kvblend.dataplane import rotary
 from kvblend.dataplane.registration import RotaryConfig
 from kvblend.engine import turn_kernel
 from kvblend.engine.rotary import KTurn
@@ -55,9 +55,7 @@ def main() -> None:
 
         def steps() -> None:
             for layer in range(LAYERS):
-                k = kv[0, layer, turn.rows]
-                rotary.rotate(k.view(len(turn.rows), HEADS, -1), turn.cos, turn.sin, cfg)
-                kv[0, layer, turn.rows] = k
+                turn.steps(kv, layer)
 
         def fused() -> None:
             for layer in range(LAYERS):

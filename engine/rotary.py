@@ -107,7 +107,11 @@ class KTurn:
                                       self.cfg.head_dim, self.cfg.dim, self.cfg.style == "gptj")
                 return
             except turn_kernel.KernelUnavailable:
-                pass  # logged once; the torch steps below turn it, now and later
+                pass  # logged once; the torch steps turn it, now and later
+        self.steps(kv, layer)
+
+    def steps(self, kv: torch.Tensor, layer: int) -> None:
+        """``layer``'s turn step by step in torch: gather the chunks' rows, turn, scatter."""
         k = kv[0, layer, self.rows]  # a copy of the chunks' rows
         rotary.rotate(k.view(len(self.rows), self.heads, -1), self.cos, self.sin, self.cfg)
         kv[0, layer, self.rows] = k
