@@ -46,6 +46,10 @@ Messages (``dataplane.messages``, msgspec tagged union, tag field ``type``)::
                    offset, cache_salt, event, done_event, token, request_id)
     any request may be answered               ErrorReply(kind: ErrorKind, message)
 
+    token_ids: little-endian uint32 bytes; matches: packed int64 rows (``MATCH_WORDS`` each:
+    old_st, old_ed, cur_st, cur_ed, the chunk hash as two words), built by
+    ``dataplane.client_transfer.match_bytes``; block_table: little-endian int32 block ids.
+
     ErrorKind -> exception (``dataplane.errors``) -> suggested HTTP status:
     unknown_instance UnknownInstance 404, forbidden Forbidden 403, too_many TooMany 429,
     bad_request BadRequest 422, out_of_range OutOfRange 422,

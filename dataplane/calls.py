@@ -9,12 +9,14 @@ import logging
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+import numba
 import numpy as np
 
-from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import TransferDone
+from kvblend.dataplane.errors import BadRequest, OutOfRange
+from kvblend.dataplane.messages import MATCH_BYTES, MATCH_WORDS, TransferDone
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.hashing import Namespace
@@ -71,6 +73,55 @@ def tokens_of(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, "<u4")
 
 
+MATCH_FIELDS = 1 << 62  # a match's positions are below it: their differences cannot overflow
+
+
+def match_rows(raw: bytes, n_tokens: int, C: int, offset: int = 0,
+               T: int | None = None) -> np.ndarray:
+    """A call's packed matches (``dataplane.messages.MatchBytes``) as int64 ``[n, MATCH_WORDS]``
+    rows (old_st, old_ed, cur_st, cur_ed, two hash words), each checked, in order, to span one
+    chunk of ``C`` tokens, to end inside the call's ``n_tokens`` and, with a buffer of ``T``
+    tokens, inside it from ``offset``.
+
+    Raises:
+        BadRequest: not whole rows, or a match that does not span one chunk.
+        OutOfRange: a match past the call's tokens or past the buffer.
+    """
+    if len(raw) % MATCH_BYTES:
+        raise BadRequest(f"matches must be rows of {MATCH_BYTES} bytes, got {len(raw)} bytes")
+    m = np.frombuffer(raw, "<i8").reshape(-1, MATCH_WORDS)
+    room = MATCH_FIELDS if T is None else max(T - offset, -MATCH_FIELDS)  # no offset + cur_ed:
+    j, why = _first_bad_match(m, C, n_tokens, room)                      # it could overflow
+    if why == _NOT_ONE_CHUNK:
+        raise BadRequest(f"match {j} does not span one chunk of {C} tokens: {m[j, :4].tolist()}")
+    if why == _PAST_PROMPT:
+        raise OutOfRange(f"match {j} ends at {m[j, 3]}, past the {n_tokens} prompt tokens")
+    if why == _PAST_BUFFER:
+        raise OutOfRange(f"match {j} at offset {offset} + {m[j, 3]} exceeds the buffer's {T} "
+                         "tokens")
+    return m
+
+
+_NOT_ONE_CHUNK, _PAST_PROMPT, _PAST_BUFFER = 1, 2, 3
+
+
+@numba.njit(cache=True)
+def _first_bad_match(m: np.ndarray, C: int, n_tokens: int, room: int) -> tuple[int, int]:
+    """The first row that ``match_rows`` refuses and why; ``(-1, 0)`` when none (one compiled
+    pass: a few µs for any number of rows, where array expressions cost a dozen calls)."""
+    for j in range(m.shape[0]):
+        for k in range(4):
+            if m[j, k] < 0 or m[j, k] >= MATCH_FIELDS:
+                return j, _NOT_ONE_CHUNK
+        if m[j, 1] - m[j, 0] != C or m[j, 3] - m[j, 2] != C:
+            return j, _NOT_ONE_CHUNK
+        if m[j, 3] > n_tokens:
+            return j, _PAST_PROMPT
+        if m[j, 3] > room:
+            return j, _PAST_BUFFER
+    return -1, 0
+
+
 def namespace_of(inst: "Instance", cache_salt: str) -> Namespace:
     return Namespace(inst.request.model_name, inst.request.world_size, cache_salt)
 
@@ -87,6 +138,20 @@ def batches(n: int, chunk_bytes: int, first_bytes: int, most: int | None = None
         lo += size
         size = min(2 * size, most or 2 * size)
     return out
+
+
+class StartOnce:
+    """A call's start event, logged once: right after its first copies are queued (so the log
+    write is off the path to them), or, for a call that fails before that, ahead of its error.
+    A call refused by its checks logs no start."""
+
+    def __init__(self, events: EventLog, event: Any) -> None:
+        self._events, self._event = events, event
+
+    def __call__(self) -> None:
+        if self._event is not None:
+            event, self._event = self._event, None
+            self._events.record(event)
 
 
 def chunk_keys(ns_id: int, hashes: list[bytes], rank: int) -> np.ndarray:
@@ -159,5 +224,6 @@ def forget_evicted(sh: Shared) -> int:
     return removed
 
 
-__all__ = ["Tuning", "Shared", "Call", "Gate", "tokens_of", "namespace_of", "batches",
-           "chunk_keys", "drain", "run_to_end", "forget_evicted", "log"]
+__all__ = ["Tuning", "Shared", "Call", "Gate", "StartOnce", "match_rows", "tokens_of",
+           "namespace_of", "batches", "chunk_keys", "drain", "run_to_end", "forget_evicted",
+           "log"]

@@ -65,11 +65,11 @@ from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client_buffers import TORCH_DTYPES, Buffers
 from kvblend.dataplane.client_instances import Instances, Registered
 from kvblend.dataplane.client_transfer import (Transfer, TransferResult, block_table_bytes,
-                                               call_events, tokens)
+                                               call_events, match_bytes, tokens)
 from kvblend.dataplane.control import Control, DirectControl, HttpControl
 from kvblend.dataplane.errors import BadRequest, DataPlaneError
 from kvblend.dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceList, LayersWritten,
-                                        ListInstances, MatchSpec, PagedBuffer, Ping, Pong,
+                                        ListInstances, PagedBuffer, Ping, Pong,
                                         Prefetching, PrefetchChunks, Registration,
                                         RetrieveChunks, RotaryConfig, ShmBuffer, StoreChunks,
                                         StoreKind, UnregisterInstance, WireDType)
@@ -295,10 +295,8 @@ class BlendClient:
         position of the prompt's token 0), unless ``rotate`` is False."""
         reg = self._registered(instance_id)
         events = call_events(reg, event, layer_groups)
-        specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
-                           bytes(m.chunk_hash)) for m in matches]
         msg = RetrieveChunks(instance_id=instance_id, token_ids=tokens(token_ids).tobytes(),
-                             matches=specs, offset=offset,
+                             matches=match_bytes(matches), offset=offset,
                              block_table=block_table_bytes(block_table),
                              layer_groups=layer_groups, layer_events=events.layer_handles,
                              first_position=first_position, rotate=rotate,
@@ -314,13 +312,12 @@ class BlendClient:
         them later waits for those fetches instead of fetching them itself. Call it as soon as
         the lookup answered, so the fetches overlap the engine's other work. Returns how many
         chunks are being fetched."""
-        specs = [MatchSpec(int(m.old_st), int(m.old_ed), int(m.cur_st), int(m.cur_ed),
-                           bytes(m.chunk_hash)) for m in matches
-                 if getattr(m, "location", "remote") == "remote"]
-        if not specs:
+        remote = [m for m in matches if getattr(m, "location", "remote") == "remote"]
+        if not remote:
             return 0
         reply: Prefetching = self._channel.call(PrefetchChunks(
-            instance_id=instance_id, token_ids=tokens(token_ids).tobytes(), matches=specs,
+            instance_id=instance_id, token_ids=tokens(token_ids).tobytes(),
+            matches=match_bytes(remote),
             cache_salt=cache_salt, token=self._token(instance_id), request_id=request_id),
             self._timeout)
         return reply.started

@@ -15,6 +15,8 @@ call's event until ``Transfer.release()`` gives it back to the instance's pool.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +26,8 @@ import torch
 from kvblend.dataplane.channel import Pending
 from kvblend.dataplane.client_instances import IpcEvent, Registered
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import ChunkFailure, TransferDone
-from kvblend.shm.hashing import as_tokens
+from kvblend.dataplane.messages import MATCH_BYTES, ChunkFailure, TransferDone
+from kvblend.shm.hashing import DIGEST_BYTES, as_tokens
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,32 @@ def _layer_groups(reg: Registered | None, layer_groups: int
     return bounds, []
 
 
+_MATCH_ROW = struct.Struct(f"<4q{DIGEST_BYTES}s")  # a row of messages.MATCH_WORDS int64 words
+assert _MATCH_ROW.size == MATCH_BYTES
+
+
+def match_bytes(matches: Sequence[Any]) -> bytes:
+    """Lookup matches (``shm.matches.Match`` or anything with its fields) as the wire's packed
+    rows (``dataplane.messages.MATCH_WORDS`` int64 words: old_st, old_ed, cur_st, cur_ed and the
+    chunk hash's bytes): one bytes object, not an object per match.
+
+    Raises:
+        BadRequest: a chunk hash that is not ``DIGEST_BYTES`` bytes long, or a position that is
+            not an int64 integer.
+    """
+    pack, n = _MATCH_ROW.pack, DIGEST_BYTES
+    try:  # the row format pads or cuts a hash to its length: those of another length are left out
+        rows = [pack(m.old_st, m.old_ed, m.cur_st, m.cur_ed, m.chunk_hash) for m in matches
+                if len(m.chunk_hash) == n]
+    except struct.error as exc:
+        raise BadRequest(f"a match is not four int64 positions and a hash: {exc}") from exc
+    if len(rows) != len(matches):
+        bad = next(j for j, m in enumerate(matches) if len(m.chunk_hash) != n)
+        raise BadRequest(f"match {bad} has a chunk_hash of {len(matches[bad].chunk_hash)} "
+                         f"bytes, not {n}")
+    return b"".join(rows)
+
+
 def block_table_bytes(table: Any) -> bytes | None:
     """Block ids as little-endian int32 bytes (None: a contiguous buffer's call)."""
     if table is None:
@@ -267,4 +295,5 @@ def tokens(token_ids: Any) -> np.ndarray:
     return as_tokens(token_ids)
 
 
-__all__ = ["CallEvents", "Transfer", "TransferResult", "block_table_bytes", "call_events", "tokens"]
+__all__ = ["CallEvents", "Transfer", "TransferResult", "block_table_bytes", "call_events",
+           "match_bytes", "tokens"]

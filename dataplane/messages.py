@@ -101,14 +101,12 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, frozen=True
 BlockTableBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)] | None
 
 
-class MatchSpec(msgspec.Struct, array_like=True, frozen=True):
-    """One lookup match: the chunk was computed at ``[old_st, old_ed)``, sits at ``[cur_st, cur_ed)``."""
-
-    old_st: U63
-    old_ed: U63
-    cur_st: U63
-    cur_ed: U63
-    chunk_hash: Annotated[bytes, msgspec.Meta(max_length=64)]
+MATCH_WORDS = 6  # a match on the wire: little-endian int64 old_st, old_ed, cur_st, cur_ed and
+                 # the chunk hash's 16 bytes as two words (``dataplane.client_transfer.match_bytes``)
+MATCH_BYTES = 8 * MATCH_WORDS
+MatchBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_MATCHES * MATCH_BYTES)]
+"""Lookup matches, packed: row j says the chunk was computed at ``[old_st, old_ed)`` and sits
+at ``[cur_st, cur_ed)`` of the call's tokens (one array, not an object per match)."""
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -206,7 +204,7 @@ class RetrieveChunks(_Msg):
 
     instance_id: U63
     token_ids: TokenBytes
-    matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
+    matches: MatchBytes
     offset: U63 = 0
     block_table: BlockTableBytes = None
     layer_groups: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_GROUPS)] = 0
@@ -228,7 +226,7 @@ class PrefetchChunks(_Msg):
 
     instance_id: U63
     token_ids: TokenBytes
-    matches: Annotated[list[MatchSpec], msgspec.Meta(max_length=MAX_MATCHES)]
+    matches: MatchBytes
     cache_salt: Label = ""
     token: InstanceToken = ""
     request_id: RequestId = None
@@ -354,8 +352,9 @@ def frame(call_id: int, msg: _Msg) -> bytes:
     return HEADER.pack(len(payload), call_id) + payload
 
 
-__all__ = ["Backend", "StoreKind", "ErrorKind", "MatchSpec", "Ping", "RegisterInstance",
-           "UnregisterInstance", "RenewLease", "ListInstances", "LeaseRenewed", "MAX_CALL_TOKENS",
+__all__ = ["Backend", "StoreKind", "ErrorKind", "MATCH_WORDS", "MATCH_BYTES", "MatchBytes",
+           "Ping", "RegisterInstance", "UnregisterInstance", "RenewLease", "ListInstances",
+           "LeaseRenewed", "MAX_CALL_TOKENS",
            "MAX_MATCHES", "TOKEN_HEX", "StoreChunks", "RetrieveChunks", "LayersWritten",
            "PrefetchChunks", "Prefetching", "Request", "Pong", "InstanceInfo", "Registered",
            "Unregistered", "InstanceList", "TransferDone", "ErrorReply", "Reply", "frame",

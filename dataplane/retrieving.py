@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (Call, Shared, batches, chunk_keys, drain, namespace_of,
-                                     tokens_of)
-from kvblend.dataplane.errors import BadRequest, OutOfRange
+from kvblend.dataplane.calls import (Call, Shared, StartOnce, batches, drain, match_rows,
+                                     namespace_of, tokens_of)
+from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, PrefetchChunks, RetrieveChunks,
                                         TransferDone)
 from kvblend.shm.errors import CapacityError
-from kvblend.shm.hashing import DIGEST_BYTES
-from kvblend.shm.keys import keys_of
+from kvblend.shm.keys import hash_keys, keys_of
 from kvblend.shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
 from kvblend.shm.store import Store
 from kvblend.shm.telemetry import RETRIEVE_SECONDS, Counter, RetrieveEnd, RetrieveStart
@@ -32,29 +31,16 @@ if TYPE_CHECKING:
 PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
 
 
-def _check_matches(msg: RetrieveChunks, n_tokens: int, C: int, T: int) -> None:
-    for j, m in enumerate(msg.matches):
-        if m.cur_ed - m.cur_st != C or m.old_ed - m.old_st != C or m.cur_st < 0 or m.old_st < 0:
-            raise BadRequest(f"match {j} does not span one chunk of {C} tokens: {m}")
-        if m.cur_ed > n_tokens:
-            raise OutOfRange(f"match {j} ends at {m.cur_ed}, past the {n_tokens} prompt tokens")
-        if msg.offset < 0 or msg.offset + m.cur_ed > T:
-            raise OutOfRange(f"match {j} at offset {msg.offset} + {m.cur_ed} exceeds the "
-                             f"buffer's {T} tokens")
-        if len(m.chunk_hash) != DIGEST_BYTES:
-            raise BadRequest(f"match {j} has a chunk_hash of {len(m.chunk_hash)} bytes")
-
-
-def _check_layerwise(msg: RetrieveChunks, buf: "InstanceBuffer") -> None:
+def _check_layerwise(msg: RetrieveChunks, n: int, buf: "InstanceBuffer") -> None:
     if not msg.layer_groups:
         if msg.layer_events:
             raise BadRequest("layer_events were given for a retrieve that is not layer-wise")
         return
     if msg.layer_groups > buf.layout.num_layers:
         raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
-    if len(msg.matches) > MAX_LAYER_GROUP_MATCHES:
+    if n > MAX_LAYER_GROUP_MATCHES:
         raise BadRequest(f"a layer-wise retrieve takes at most {MAX_LAYER_GROUP_MATCHES} matches, "
-                         f"got {len(msg.matches)}: split it")
+                         f"got {n}: split it")
     if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
                              not buf.records_events):
         raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
@@ -66,12 +52,12 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     of layers through ``progress`` (``dataplane.messages.RetrieveChunks``), any other once every
     copy is queued and the done event recorded. Its phases are ``_RetrieveCall``'s, in order."""
     call = _RetrieveCall(sh, inst, msg)  # every check, before any side effect
-    sh.events.record(RetrieveStart(**call.base))
-    call.promote()
     buf = inst.buffer
     try:
+        call.promote()
         buf.begin(msg.event)
-        call.copy(progress)
+        call.copy(progress)  # logs the call's start once its first copies are queued
+        call.started()
         marker = buf.end(msg.done_event)
         if progress is not None and not msg.layer_groups:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
@@ -79,6 +65,7 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
         yield
         buf.wait(marker)
     except BaseException:
+        call.started()  # ahead of the error that the caller logs
         drain(buf)
         raise
     finally:
@@ -102,19 +89,19 @@ class _RetrieveCall:
         self.sh, self.inst, self.msg = sh, inst, msg
         self.tokens = tokens_of(msg.token_ids)
         buf, C = inst.buffer, sh.chunk_size
-        _check_matches(msg, len(self.tokens), C, buf.bind(msg.block_table))
-        _check_layerwise(msg, buf)
-        n = len(msg.matches)
+        m = match_rows(msg.matches, len(self.tokens), C, msg.offset, buf.bind(msg.block_table))
+        n = len(m)
+        _check_layerwise(msg, n, buf)
         self.C, self.n = C, n
-        self.cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, n)
+        self.cur = m[:, 2]
         self.turn = _Turn.of(inst, msg, self.cur, C)
-        self.old = (np.fromiter((m.old_st for m in msg.matches), np.int64, n)
-                    if inst.request.rotary is not None and not msg.rotate else None)
+        self.old = m[:, 0] if inst.request.rotary is not None and not msg.rotate else None
         buf.check(msg.offset + self.cur, C)
         self.ns = namespace_of(inst, msg.cache_salt)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
                          tokens=len(self.tokens), chunks=n)
-        self.keys = chunk_keys(self.ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
+        self.keys = hash_keys(self.ns.id, m[:, 4:], inst.rank)
+        self.started = StartOnce(sh.events, RetrieveStart(**self.base))
         self.slots = np.full(n, -1, np.int64)
         self.why = np.full(n, NOT_PINNED, np.int8)
         self.held: list[tuple[int, int, Any]] = []
@@ -162,6 +149,7 @@ class _RetrieveCall:
                     buf.turn_k(at, C, turn.of_batch(idx, store.positions(self.slots[idx])),
                                turn.cfg, 0, self.inst.layout.num_layers)
             self.held[-1] = (lo, hi, buf.mark())
+            self.started()
             if len(self.held) > 1:  # the batch before this one: unpin once its copies completed
                 _release(store, buf, self.slots, self.held.pop(0))
 
@@ -188,6 +176,7 @@ class _RetrieveCall:
                     buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
                 progress(LayersReady(instance_id=self.inst.id, layers=bounds[g + 1],
                                      failed=failed))
+                self.started()
                 if g == 0 and msg.layer_events and msg.layer_groups > 1:
                     # Layer 0 alone before the rest is queued: the engine waits on its event
                     # from another CUDA context, which the GPU serves at a context switch; behind
@@ -284,17 +273,13 @@ def prefetch(sh: Shared, inst: "Instance", msg: PrefetchChunks) -> int:
     return at once; a retrieve of them later waits for those promotions. Returns how many
     chunks are being promoted (0 without a remote tier)."""
     tokens = tokens_of(msg.token_ids)
-    C = sh.chunk_size
-    for j, m in enumerate(msg.matches):
-        if m.cur_ed - m.cur_st != C or m.cur_ed > len(tokens) or len(m.chunk_hash) != DIGEST_BYTES:
-            raise BadRequest(f"match {j} is not one chunk of {C} tokens inside the prompt: {m}")
-    if sh.promoter is None or not msg.matches:
+    m = match_rows(msg.matches, len(tokens), sh.chunk_size)
+    if sh.promoter is None or not len(m):
         return 0
     ns = namespace_of(inst, msg.cache_salt)
-    keys = chunk_keys(ns.id, [m.chunk_hash for m in msg.matches], inst.rank)
-    cur = np.fromiter((m.cur_st for m in msg.matches), np.int64, len(msg.matches))
-    return len(sh.promoter.start(inst.class_id, ns.root, keys_of(keys),
-                                 tokens[cur[:, None] + np.arange(C)]))
+    keys = keys_of(hash_keys(ns.id, m[:, 4:], inst.rank))
+    rows = tokens[m[:, 2, None] + np.arange(sh.chunk_size)]
+    return len(sh.promoter.start(inst.class_id, ns.root, keys, rows))
 
 
 __all__ = ["retrieve_call", "prefetch", "PIN_BATCH"]

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (Call, Gate, Shared, batches, chunk_keys, drain,
-                                     forget_evicted, log, namespace_of, tokens_of)
+from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, chunk_keys,
+                                     drain, forget_evicted, log, namespace_of, tokens_of)
 from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, StoreChunks, StoreKind, TransferDone)
@@ -38,9 +38,9 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     then copies each group of layers once ``gate`` has it announced. Its phases are
     ``_StoreCall``'s, in order."""
     call = _StoreCall(sh, inst, msg, gate)  # every check, before any side effect
-    sh.events.record(StoreStart(**call.base))
     try:
-        call.copy()
+        call.copy()  # logs the call's start once its first copies are queued
+        call.started()
         if progress is not None:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
                                  failed=np.flatnonzero(call.slots == FULL).tolist()))
@@ -49,6 +49,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
         yield
         call.commit()
     except BaseException:
+        call.started()  # ahead of the error that the caller logs
         call.abort()
         raise
     return call.report()
@@ -89,6 +90,7 @@ class _StoreCall:
         self.chunk_bytes = inst.layout.chunk_bytes(C)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
                          store_kind=msg.kind.value, tokens=len(tokens), chunks=self.n)
+        self.started = StartOnce(sh.events, StoreStart(**self.base))
         self.origin = ORIGIN_STANDALONE if msg.kind is StoreKind.PRE_COMPUTED else ORIGIN_FINAL
         self.rows = tokens[:self.n * C].reshape(self.n, C)
         self.slots = np.full(self.n, EXISTS, np.int64)
@@ -110,12 +112,14 @@ class _StoreCall:
             ours = self._reserve(lo, hi)
             if msg.layer_groups:
                 assert self.gate is not None, "checked by _check_layerwise_store"
+                self.started()  # before waiting for the engine's first layers
                 _store_layer_groups(buf, msg, self.gate, self.starts[ours].tolist(),
                                     self.sh.store.kv_offsets(self.slots[ours]).tolist(), self.C,
                                     self.inst.layout.num_layers)
                 self.groups.append((0, n, buf.end(msg.done_event)))
             else:
                 self._queue(lo, hi)
+                self.started()
         if not self.groups:
             self.groups.append((0, 0, buf.end(msg.done_event)))
 

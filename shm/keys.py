@@ -70,8 +70,14 @@ def key_words(keys: Keys) -> np.ndarray:
 
 def batch_words(namespace_id: int, chunk_hashes: Sequence[bytes], rank: int) -> np.ndarray:
     """The words of the keys ``(namespace_id, h, rank)`` of every hash, without key objects."""
-    words = np.empty((len(chunk_hashes), 4), np.int64)
-    words[:, :2] = np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(-1, 2)
+    return hash_keys(namespace_id, np.frombuffer(b"".join(chunk_hashes), "<i8").reshape(-1, 2),
+                     rank)
+
+
+def hash_keys(namespace_id: int, hash_words: np.ndarray, rank: int) -> np.ndarray:
+    """``batch_words`` of hashes given as their two little-endian int64 words, ``[n, 2]``."""
+    words = np.empty((len(hash_words), 4), np.int64)
+    words[:, :2] = hash_words
     words[:, 2], words[:, 3] = signed64(namespace_id), rank
     return words
 
@@ -110,5 +116,5 @@ def signed64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-__all__ = ["ChunkKey", "Keys", "key_words", "batch_words", "keys_of", "shard_words",
+__all__ = ["ChunkKey", "Keys", "key_words", "batch_words", "hash_keys", "keys_of", "shard_words",
            "hashes_among", "signed64"]

@@ -13,7 +13,8 @@ from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.instance import MAX_IN_FLIGHT
-from kvblend.dataplane.messages import MatchSpec, RegisterInstance
+from kvblend.dataplane.messages import RegisterInstance
+from kvblend.shm.matches import Match
 from kvblend.dataplane.registration import Registration
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
@@ -123,11 +124,11 @@ def test_calls_in_flight_and_buffers_freed_once_queued(cuda_dataplane: DataPlane
         for _ in range(2):
             for i, (doc, h) in enumerate(zip(docs, hashes)):
                 calls.append(client.store_pre_computed(a, doc, offset=i * CHUNK))
-                calls.append(client.retrieve(a, doc, [MatchSpec(0, CHUNK, 0, CHUNK, h)],
+                calls.append(client.retrieve(a, doc, [Match(0, CHUNK, 0, CHUNK, h)],
                                              offset=i * CHUNK))
         assert len(calls) > MAX_IN_FLIGHT and all(c.wait(timeout=60).ok for c in calls)
         prompt = np.concatenate(docs)
-        r = client.retrieve(b, prompt, [MatchSpec(0, CHUNK, i * CHUNK, (i + 1) * CHUNK, h)
+        r = client.retrieve(b, prompt, [Match(0, CHUNK, i * CHUNK, (i + 1) * CHUNK, h)
                                         for i, h in enumerate(hashes)])
         assert r.wait(timeout=60).copied == len(docs)
         torch.cuda.current_stream().wait_event(r.cuda_event)

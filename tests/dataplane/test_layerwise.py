@@ -11,10 +11,12 @@ import torch
 
 from kvblend.dataplane.channel import Channel, recv_frame
 from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.client_transfer import match_bytes
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, ChunkFailure, LayersReady,
-                                        MatchSpec, RetrieveChunks, TransferDone, frame,
+                                        RetrieveChunks, TransferDone, frame,
                                         reply_decoder)
+from kvblend.shm.matches import Match
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 pytestmark = pytest.mark.slow
@@ -45,7 +47,7 @@ def test_groups_arrive_in_order_and_each_is_readable_when_announced(
     doc = np.random.default_rng(1).integers(0, 50_000, 4 * CHUNK)
     with BlendClient(dataplane_address=dataplane.address) as client:
         src, matches = stored(client, "lw", doc, 1)
-        bad = MatchSpec(0, CHUNK, 2 * CHUNK, 3 * CHUNK, matches[0].chunk_hash)  # wrong tokens there
+        bad = Match(0, CHUNK, 2 * CHUNK, 3 * CHUNK, matches[0].chunk_hash)  # wrong tokens there
         dst = client.cpu_kv_buffer(L, T, D, torch.float16)
         inst2 = client.register_kv_cache(dst, model_name="lw")
         t = client.retrieve(inst2, doc, [*matches, bad], offset=10, layer_groups=4)
@@ -61,8 +63,7 @@ def test_groups_arrive_in_order_and_each_is_readable_when_announced(
 
         # the frames themselves, read off the socket: one per group, in order, then the reply
         msg = RetrieveChunks(instance_id=inst2, token_ids=doc.astype("<u4").tobytes(),
-                             matches=[MatchSpec(m.old_st, m.old_ed, m.cur_st, m.cur_ed,
-                                                m.chunk_hash) for m in matches],
+                             matches=match_bytes(matches),
                              layer_groups=3, token=client._token(inst2))
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(60)
@@ -105,16 +106,15 @@ def test_bad_layerwise_requests_are_refused(dataplane: DataPlaneProc) -> None:
         m = client.lookup(doc, model_name="lwb").matches
         with pytest.raises(BadRequest, match="layer groups"):
             client.retrieve(inst, doc, m, layer_groups=L + 1).wait(timeout=60)
-        spec = MatchSpec(m[0].old_st, m[0].old_ed, m[0].cur_st, m[0].cur_ed, m[0].chunk_hash)
         with Channel(dataplane.address) as ch:
             base = dict(instance_id=inst, token_ids=doc.astype("<u4").tobytes(),
                         token=client._token(inst))
             with pytest.raises(BadRequest, match="CUDA buffer"):
-                ch.call(RetrieveChunks(**base, matches=[spec], layer_groups=2,
+                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1]), layer_groups=2,
                                        layer_events=[b"\0" * 64] * 2), timeout=60)
             with pytest.raises(BadRequest, match="not layer-wise"):
-                ch.call(RetrieveChunks(**base, matches=[spec], layer_events=[b"\0" * 64]),
+                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1]), layer_events=[b"\0" * 64]),
                         timeout=60)
             with pytest.raises(BadRequest, match="at most"):
-                ch.call(RetrieveChunks(**base, matches=[spec] * (MAX_LAYER_GROUP_MATCHES + 1),
+                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1] * (MAX_LAYER_GROUP_MATCHES + 1)),
                                        layer_groups=2), timeout=60)

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.client_transfer import match_bytes
 from kvblend.dataplane.errors import BadRequest, LayersNotWritten, Timeout
-from kvblend.dataplane.messages import LayersWritten
+from kvblend.dataplane.messages import LayersWritten, RetrieveChunks, StoreChunks
+from kvblend.shm.events import EventLog
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 pytestmark = pytest.mark.slow
@@ -97,3 +99,41 @@ def test_groups_never_announced_fail_the_store_and_free_its_chunks(
         assert again.ok and again.copied == 2  # the failed store's reservations were given back
         with pytest.raises(BadRequest, match="7 layer groups for 6 layers"):
             client.store_pre_computed(a, doc, layer_groups=L + 1).wait(timeout=60)
+
+
+def test_each_call_logs_its_start_once_before_its_end_or_error(
+        dataplane: DataPlaneProc) -> None:
+    # the start is logged after the first copies are queued (off the path to them): it still
+    # comes once per call, ahead of its end, and ahead of the error of a call that failed
+    doc = np.random.default_rng(5).integers(0, 50_000, 3 * CHUNK)
+    with BlendClient(dataplane_address=dataplane.address) as client:
+        src = client.cpu_kv_buffer(L, T, D, torch.float16)
+        a = client.register_kv_cache(src, model_name="lwse")
+        assert client.store_pre_computed(a, doc[:CHUNK], request_id="s-ok").wait(60).ok
+        matches = client.lookup(doc[:CHUNK], "lwse").matches
+        assert client.retrieve(a, doc[:CHUNK], matches, request_id="r-ok").wait(60).ok
+        assert client.retrieve(a, doc[:CHUNK], [], request_id="r-none").wait(60).ok
+        t = client.store_pre_computed(a, doc, layer_groups=2, layer_wait_s=0.5,
+                                      request_id="s-bad")
+        t.layers_written(3)  # the first group only: the call fails
+        with pytest.raises(LayersNotWritten):
+            t.wait(timeout=60)
+        # past its checks, a call that fails before any copy (a CUDA event for a CPU buffer,
+        # sent raw: the client refuses it) logs its start too, ahead of its error
+        token, tok = client._token(a), doc[:CHUNK].astype("<u4").tobytes()
+        for msg in (StoreChunks(instance_id=a, token_ids=tok, event=b"e" * 64, token=token,
+                                request_id="s-early"),
+                    RetrieveChunks(instance_id=a, token_ids=tok, matches=match_bytes(matches), token=token,
+                                   event=b"e" * 64, request_id="r-early")):
+            with pytest.raises(BadRequest, match="takes no CUDA event"):
+                client._channel.call(msg, 60)
+    with EventLog.open(dataplane.prefix) as log:
+        kinds: dict[str, list[str]] = {}
+        for e in log.recent():
+            kinds.setdefault(e.get("request_id") or "", []).append(e["kind"])
+    assert kinds["s-ok"] == ["store_start", "store_end"]
+    assert kinds["r-ok"] == ["retrieve_start", "retrieve_end"]
+    assert kinds["r-none"] == ["retrieve_start", "retrieve_end"]
+    assert kinds["s-bad"] == ["store_start", "store_error"]
+    assert kinds["s-early"] == ["store_start", "store_error"]
+    assert kinds["r-early"] == ["retrieve_start", "retrieve_error"]

@@ -11,7 +11,7 @@ import torch
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.instance import MAX_IN_FLIGHT
-from kvblend.dataplane.messages import MatchSpec
+from kvblend.shm.matches import Match
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
@@ -26,10 +26,10 @@ def fill(t: torch.Tensor, seed: int) -> None:
                                             dtype=torch.int16))
 
 
-def matches_of(doc: np.ndarray, model: str) -> list[MatchSpec]:
+def matches_of(doc: np.ndarray, model: str) -> list[Match]:
     """The matches a lookup would give once ``doc`` is stored, computed here (no lookup)."""
     hashes = chunk_hashes(Namespace(model, 1, ""), doc, CHUNK)
-    return [MatchSpec(i * CHUNK, (i + 1) * CHUNK, i * CHUNK, (i + 1) * CHUNK, h)
+    return [Match(i * CHUNK, (i + 1) * CHUNK, i * CHUNK, (i + 1) * CHUNK, h)
             for i, h in enumerate(hashes)]
 
 
@@ -56,7 +56,7 @@ def test_a_retrieve_queued_behind_stores_sees_them(dataplane: DataPlaneProc) -> 
             # and another instance retrieves all of them, bit-exact
             prompt = np.concatenate(docs)
             got = client.retrieve(b, prompt, [
-                MatchSpec(0, CHUNK, i * CHUNK, (i + 1) * CHUNK, matches_of(doc, "pipe")[0].chunk_hash)
+                Match(0, CHUNK, i * CHUNK, (i + 1) * CHUNK, matches_of(doc, "pipe")[0].chunk_hash)
                 for i, doc in enumerate(docs)])
             assert got.wait(timeout=60).copied == docs_per_round
             assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
@@ -94,6 +94,6 @@ def test_a_store_frees_its_buffer_once_queued(dataplane: DataPlaneProc) -> None:
         assert torch.equal(dst.view(torch.int16), want.view(torch.int16))  # CPU: copied
         assert r.wait(timeout=60).ok
         # a call that ends in an error raises from wait_queued too
-        bad = client.retrieve(b, doc, [MatchSpec(0, CHUNK, 0, CHUNK + 1, b"x" * 16)])
+        bad = client.retrieve(b, doc, [Match(0, CHUNK, 0, CHUNK + 1, b"x" * 16)])
         with pytest.raises(BadRequest, match="does not span one chunk"):
             bad.wait_queued(timeout=60)

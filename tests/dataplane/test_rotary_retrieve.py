@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaModel
 
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import ChunkFailure, MatchSpec
+from kvblend.dataplane.messages import ChunkFailure
+from kvblend.shm.matches import Match
 from kvblend.dataplane.registration import RotaryConfig
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
@@ -162,7 +163,7 @@ def test_configs_that_do_not_fit_are_refused(dataplane: DataPlaneProc) -> None:
         with pytest.raises(BadRequest, match="does not fit the buffer"):
             client.register_kv_cache(kv, model_name="rope-x", rotary=RotaryConfig(head_dim=12))
         b = client.register_kv_cache(kv, model_name="rope-x", rotary=ROTARY)
-        far = MatchSpec(0, CHUNK, 0, CHUNK, b"\0" * 16)
+        far = Match(0, CHUNK, 0, CHUNK, b"\0" * 16)
         with pytest.raises(BadRequest, match="cannot be turned"):
             client.retrieve(b, np.arange(CHUNK), [far], first_position=(1 << 24) - 1).wait(60)
         with pytest.raises(BadRequest, match="passes the largest position"):

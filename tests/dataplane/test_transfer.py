@@ -13,13 +13,15 @@ import pytest
 
 import kvblend.dataplane.transfer as tr
 from kvblend.dataplane.backend import Direction, InstanceBuffer
-from kvblend.dataplane.messages import (ChunkFailure, MatchSpec, RetrieveChunks, StoreChunks,
+from kvblend.dataplane.client_transfer import match_bytes
+from kvblend.dataplane.messages import (ChunkFailure, RetrieveChunks, StoreChunks,
                                         StoreKind)
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.keys import keys_of
 from kvblend.shm.layout import ChunkClass, DType, KVLayout
+from kvblend.shm.matches import Match
 from kvblend.shm.store import ChunkKey, Store
 from tests.dataplane.conftest import CHUNK, create_store
 
@@ -153,7 +155,7 @@ def test_a_failed_copy_aborts_every_reservation(grouped: tr.Shared) -> None:
 
 def _retrieve(sh: tr.Shared, inst: FakeInst, prompt: np.ndarray, hashes: list[bytes],
               at: list[int]) -> Any:
-    specs = [MatchSpec(0, CHUNK, s, s + CHUNK, h) for s, h in zip(at, hashes)]
+    specs = match_bytes([Match(0, CHUNK, s, s + CHUNK, h) for s, h in zip(at, hashes)])
     msg = RetrieveChunks(instance_id=1, token_ids=prompt.astype("<u4").tobytes(), matches=specs,
                          offset=0, cache_salt="", event=None, done_event=None, request_id="q")
     return tr.run_retrieve(sh, inst, msg)  # type: ignore[arg-type]

@@ -200,7 +200,7 @@ refused = 0
 with Channel(address) as ch:
     for token in ("", "0" * 32, "guess"):
         for msg in (StoreChunks(instance_id=victim, token_ids=tokens, token=token),
-                    RetrieveChunks(instance_id=victim, token_ids=tokens, matches=[], token=token),
+                    RetrieveChunks(instance_id=victim, token_ids=tokens, matches=b"", token=token),
                     RenewLease(instance_id=victim, token=token),
                     UnregisterInstance(instance_id=victim, token=token)):
             try:
