@@ -195,16 +195,25 @@ class Case:
         r.release(), s.release()
 
 
-def ping_round_trips(client: BlendClient, n: int) -> None:
-    """Empty-call round trip over the channel (client -> data plane -> client)."""
+IDLE_GAP_MS = 4.0  # about one small transfer's copies: every thread sleeps that long between calls
+
+
+def ping_round_trips(client: BlendClient, n: int, gap_ms: float = 0.0) -> float:
+    """Empty-call round trip over the channel (client -> data plane -> client), the calls back to
+    back or each after the client slept ``gap_ms`` (every thread of both processes idle, as
+    between the transfers of a real engine); prints and returns the median in µs."""
     times = []
     for _ in range(n):
+        if gap_ms:
+            time.sleep(gap_ms / 1e3)
         t0 = time.perf_counter()
         client._channel.call(Ping())
         times.append(time.perf_counter() - t0)
     us = np.array(times) * 1e6
-    print(f"# empty call (Ping) round trip over {n}: p50 {np.median(us):.0f} us, "
-          f"p99 {np.percentile(us, 99):.0f} us")
+    after = f" each after {gap_ms:g} ms idle" if gap_ms else " back to back"
+    print(f"# empty call (Ping) round trip{after}, {n} calls: p50 {np.median(us):.0f} us, "
+          f"p99 {np.percentile(us, 99):.0f} us", flush=True)
+    return float(np.median(us))
 
 
 def limits_cuda(nbytes: int, iters: int, L: int, D: int, chunks: int) -> dict[str, float]:
@@ -300,7 +309,10 @@ def main() -> None:
     events = EventLog.open(prefix)
     try:
         with BlendClient(dataplane_address=default_address(prefix)) as client:
-            ping_round_trips(client, 5000)
+            hot = ping_round_trips(client, 5000)
+            idle = ping_round_trips(client, 300, IDLE_GAP_MS)
+            print(f"#   {idle / hot:.1f}x after idleness: threads that slept wake slowly (a "
+                  "transfer wakes four or five)", flush=True)
             for name in args.layouts.split(","):
                 L, D = LAYOUTS[name]
                 case = Case(client, args.backend, L, D, args.chunks, f"bench-{name}")
