@@ -101,8 +101,9 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, frozen=True
 BlockTableBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)] | None
 
 
-MATCH_WORDS = 6  # a match on the wire: little-endian int64 old_st, old_ed, cur_st, cur_ed and
-                 # the chunk hash's 16 bytes as two words (``dataplane.client_transfer.match_bytes``)
+# a match on the wire (``dataplane.client_transfer.match_bytes``): little-endian int64 old_st,
+# old_ed, cur_st, cur_ed and the chunk hash's 16 bytes as two words
+MATCH_WORDS = 6
 MATCH_BYTES = 8 * MATCH_WORDS
 MatchBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_MATCHES * MATCH_BYTES)]
 """Lookup matches, packed: row j says the chunk was computed at ``[old_st, old_ed)`` and sits

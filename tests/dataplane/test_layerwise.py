@@ -113,8 +113,8 @@ def test_bad_layerwise_requests_are_refused(dataplane: DataPlaneProc) -> None:
                 ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1]), layer_groups=2,
                                        layer_events=[b"\0" * 64] * 2), timeout=60)
             with pytest.raises(BadRequest, match="not layer-wise"):
-                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1]), layer_events=[b"\0" * 64]),
-                        timeout=60)
+                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1]),
+                                       layer_events=[b"\0" * 64]), timeout=60)
             with pytest.raises(BadRequest, match="at most"):
-                ch.call(RetrieveChunks(**base, matches=match_bytes(m[:1] * (MAX_LAYER_GROUP_MATCHES + 1)),
-                                       layer_groups=2), timeout=60)
+                many = match_bytes(m[:1] * (MAX_LAYER_GROUP_MATCHES + 1))
+                ch.call(RetrieveChunks(**base, matches=many, layer_groups=2), timeout=60)

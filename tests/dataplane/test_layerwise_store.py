@@ -123,8 +123,8 @@ def test_each_call_logs_its_start_once_before_its_end_or_error(
         token, tok = client._token(a), doc[:CHUNK].astype("<u4").tobytes()
         for msg in (StoreChunks(instance_id=a, token_ids=tok, event=b"e" * 64, token=token,
                                 request_id="s-early"),
-                    RetrieveChunks(instance_id=a, token_ids=tok, matches=match_bytes(matches), token=token,
-                                   event=b"e" * 64, request_id="r-early")):
+                    RetrieveChunks(instance_id=a, token_ids=tok, matches=match_bytes(matches),
+                                   token=token, event=b"e" * 64, request_id="r-early")):
             with pytest.raises(BadRequest, match="takes no CUDA event"):
                 client._channel.call(msg, 60)
     with EventLog.open(dataplane.prefix) as log:
