@@ -14,6 +14,9 @@ same run:
   buffer), from this process with nothing else around them: the DMA's own cost of the layout;
 - CPU: ``numpy.copyto`` of the same bytes (memcpy).
 
+Before the table, an empty call's round trip back to back and after 4 ms of idleness (every
+thread asleep, as between an engine's transfers): what waking sleeping threads costs a call.
+
 Usage::
 
     python benchmarks/bench_dataplane.py --backend cuda          # Llama-3-8B-like and small layouts
