@@ -90,8 +90,9 @@ def match_rows(raw: bytes, n_tokens: int, C: int, offset: int = 0,
     if len(raw) % MATCH_BYTES:
         raise BadRequest(f"matches must be rows of {MATCH_BYTES} bytes, got {len(raw)} bytes")
     m = np.frombuffer(raw, "<i8").reshape(-1, MATCH_WORDS)
-    room = MATCH_FIELDS if T is None else max(T - offset, -MATCH_FIELDS)  # no offset + cur_ed:
-    j, why = _first_bad_match(m, C, n_tokens, room)                      # it could overflow
+    # the buffer's room past the offset, within int64 (not offset + cur_ed: that could overflow)
+    room = MATCH_FIELDS if T is None else min(max(T - offset, -MATCH_FIELDS), MATCH_FIELDS)
+    j, why = _first_bad_match(m, C, n_tokens, room)
     if why == _NOT_ONE_CHUNK:
         raise BadRequest(f"match {j} does not span one chunk of {C} tokens: {m[j, :4].tolist()}")
     if why == _PAST_PROMPT:

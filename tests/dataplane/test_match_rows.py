@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvblend.dataplane.calls import MATCH_FIELDS, match_rows
 from kvblend.dataplane.channel import Channel
@@ -86,3 +88,47 @@ def test_the_data_plane_refuses_torn_rows_and_serves_packed_ones(
                 ch.call(RetrieveChunks(**base, matches=match_bytes(matches), offset=CHUNK), 60)
         done = client.retrieve(inst, doc, matches).wait(60)
         assert done.ok and done.copied == 2
+
+
+def specification(rows: list[tuple[int, int, int, int]], n_tokens: int, C: int, offset: int,
+                  T: int) -> tuple[type, int] | None:
+    """What ``match_rows`` must answer, in Python's unbounded integers: the first refused row
+    and its error, or None."""
+    for j, (old_st, old_ed, cur_st, cur_ed) in enumerate(rows):
+        if any(not 0 <= x < MATCH_FIELDS for x in (old_st, old_ed, cur_st, cur_ed)):
+            return BadRequest, j
+        if old_ed - old_st != C or cur_ed - cur_st != C:
+            return BadRequest, j
+        if cur_ed > n_tokens:
+            return OutOfRange, j
+        if offset + cur_ed > T:
+            return OutOfRange, j
+    return None
+
+
+edges = st.sampled_from([0, 1, C, 2 * C, 7, MATCH_FIELDS - C, MATCH_FIELDS - 1, MATCH_FIELDS,
+                         2**63 - 1, -1, -(2**63), -(2**63) + C])
+position = st.one_of(st.integers(0, 4 * C), edges)
+start = st.one_of(st.integers(0, 4 * C), st.sampled_from(  # a chunk from here fits int64
+    [MATCH_FIELDS - C, MATCH_FIELDS - C + 1, MATCH_FIELDS, -C, -(2**63)]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(rows=st.lists(st.one_of(
+    st.tuples(position, position, position, position),
+    st.builds(lambda o, c: (o, o + C, c, c + C), start, start)),
+    max_size=6),
+    n_tokens=st.integers(0, 4 * C), offset=st.one_of(st.integers(0, 4 * C), edges),
+    T=st.integers(0, 6 * C))
+def test_the_compiled_checks_answer_as_the_specification(
+        rows: list[tuple[int, int, int, int]], n_tokens: int, offset: int, T: int) -> None:
+    raw = np.array([(*r, 0, 0) for r in rows], "<i8").reshape(-1, 6).tobytes()
+    want = specification(rows, n_tokens, C, offset, T)
+    if want is None:
+        m = match_rows(raw, n_tokens, C, offset, T)
+        assert m[:, :4].tolist() == [list(r) for r in rows]
+    else:
+        error, j = want
+        with pytest.raises(BadRequest, match=f"^match {j} ") as got:
+            match_rows(raw, n_tokens, C, offset, T)
+        assert got.type is error  # OutOfRange is a BadRequest: the exact kind
