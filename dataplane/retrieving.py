@@ -65,8 +65,8 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
         yield
         buf.wait(marker)
     except BaseException:
+        drain(buf)  # first: nothing may keep the copies in flight past the unpins
         call.started()  # ahead of the error that the caller logs
-        drain(buf)
         raise
     finally:
         call.unpin()

@@ -49,8 +49,8 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
         yield
         call.commit()
     except BaseException:
+        call.abort()  # first: nothing may keep the reservations from being given back
         call.started()  # ahead of the error that the caller logs
-        call.abort()
         raise
     return call.report()
 

@@ -153,6 +153,44 @@ def test_a_failed_copy_aborts_every_reservation(grouped: tr.Shared) -> None:
     assert isinstance(inst.buffer, Recorder) and inst.buffer.log[-1][0] == "wait"  # drained
 
 
+def test_a_call_that_fails_first_cleans_up_even_where_its_start_cannot_be_logged(
+        grouped: tr.Shared, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a call that failed before its first copies logs its start on the way out; a log that
+    # fails then must not keep the reservations or the drain from happening first
+    shared = grouped
+    inst = make_inst(shared, fail_at=0)  # the first copy fails: no start logged before
+    tokens = np.arange(4 * CHUNK) + 3
+    real = shared.events.record
+
+    def record(event: Any) -> int:
+        if type(event).__name__ in ("StoreStart", "RetrieveStart"):
+            raise OSError("event log unavailable")
+        return real(event)
+
+    monkeypatch.setattr(shared.events, "record", record)
+    with pytest.raises(OSError, match="event log unavailable"):
+        tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
+    stats = shared.store.stats()
+    assert stats.num_reserved == 0 and stats.num_objects == 0  # given back all the same
+    monkeypatch.setattr(shared.events, "record", real)
+    ok = make_inst(shared)
+    assert tr.run_store(shared, ok, store_msg(tokens)).copied == 4  # type: ignore[arg-type]
+    hashes = chunk_hashes(Namespace("m", 1, ""), tokens, CHUNK)
+    buf = ok.buffer
+    assert isinstance(buf, Recorder)
+
+    def copy(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(buf, "copy", copy)
+    monkeypatch.setattr(shared.events, "record", record)
+    buf.log.clear()
+    with pytest.raises(OSError, match="event log unavailable"):
+        _retrieve(shared, ok, tokens, hashes, [0, CHUNK])
+    assert buf.log[-1][0] == "wait"  # drained before the start was tried
+    assert shared.store.stats().num_pinned == 0
+
+
 def _retrieve(sh: tr.Shared, inst: FakeInst, prompt: np.ndarray, hashes: list[bytes],
               at: list[int]) -> Any:
     specs = match_bytes([Match(0, CHUNK, s, s + CHUNK, h) for s, h in zip(at, hashes)])
