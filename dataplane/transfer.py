@@ -34,7 +34,10 @@ one is reserved or pinned; each batch is twice the one before, so the copies alr
 the GPU busy while the next batch is reserved or pinned (measured on a 2-core VM: hashing and
 reserving the other 504 chunks of a 512-chunk call at once took 5 ms or more, while the first
 batch's 16 MiB take 0.3 ms to cross PCIe). No per-chunk Python object is built: a call's keys are
-the store's int64 words (``shm.keys.batch_words``), made into objects only for the remote tier.
+the store's int64 words (``shm.keys.batch_words``), made into objects only for the remote tier,
+and a retrieve's matches arrive as packed rows, checked in one compiled pass
+(``dataplane.calls.match_rows``). A call's start event is logged once its first copies are queued
+(``dataplane.calls.StartOnce``): the log write is not on the path to them.
 
 It does not own threads or sockets (``dataplane.server``) or how bytes move (``dataplane.backend``).
 It is the door to the calls; their steps live in ``dataplane.storing`` (a store),
