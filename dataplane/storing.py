@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, chunk_keys,
-                                     drain, forget_evicted, log, namespace_of, tokens_of)
+from kvblend.dataplane.calls import (HAND_OFF, Call, Gate, Shared, StartOnce, batches,
+                                     chunk_keys, drain, forget_evicted, log, namespace_of,
+                                     tokens_of)
 from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, StoreChunks, StoreKind, TransferDone)
@@ -39,7 +40,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     ``_StoreCall``'s, in order."""
     call = _StoreCall(sh, inst, msg, gate)  # every check, before any side effect
     try:
-        call.copy()  # logs the call's start once its first copies are queued
+        yield from call.copy()  # logs the call's start once its first copies are queued
         call.started()
         if progress is not None:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
@@ -100,10 +101,11 @@ class _StoreCall:
         self.done = self.reserved = 0
         self.prepared: Any = None
 
-    def copy(self) -> None:
+    def copy(self) -> Generator[str, None, None]:
         """Reserve the chunks batch by batch and queue the copies of the ones reserved, a
         completion marker after each group (a layer-wise store: every chunk at once, then its
-        groups of layers as the gate announces them)."""
+        groups of layers as the gate announces them); yields ``HAND_OFF`` once the first
+        batch's copies are queued."""
         msg, buf, n = self.msg, self.inst.buffer, self.n
         buf.begin(msg.event)
         todo = [(0, n)] if msg.layer_groups else batches(n, self.chunk_bytes,
@@ -120,6 +122,8 @@ class _StoreCall:
             else:
                 self._queue(lo, hi)
                 self.started()
+                if lo == 0:
+                    yield HAND_OFF
         if not self.groups:
             self.groups.append((0, 0, buf.end(msg.done_event)))
 
