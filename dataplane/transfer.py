@@ -23,12 +23,9 @@ This module owns the order of operations that keeps the store consistent whateve
 - a paged buffer maps a call's logical token positions to slots through its block table
   (``InstanceBuffer.bind``); every chunk is checked to have slots before any side effect.
 
-Each call is a generator (``Call``) whose last ``yield`` comes once every copy is queued: the
-instance's worker runs it that far, its completion thread (``dataplane.instance``) the rest, so
-the next call is prepared while these copies run. An earlier ``yield`` of ``HAND_OFF``, once the
-first batch's copies (a layer-wise retrieve: layer 0's) are queued, lets a call begun on the
-connection's thread hand the rest of its start to the worker; a retrieve that may promote
-remote matches yields it before anything else (a fetch may wait on the network). Before the ``yield`` a store or plain retrieve sends one
+Each call is a generator (``Call``) with one ``yield``, once every copy is queued: the instance's
+worker runs it that far, its completion thread (``dataplane.instance``) the rest, so the next call
+is prepared while these copies run. Before the ``yield`` a store or plain retrieve sends one
 ``LayersReady`` of every layer: the engine may reuse (store) or read (retrieve) its buffer after
 the done event from then on, without waiting for the commits and the reply.
 
