@@ -29,11 +29,12 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvblend.dataplane.backend import InstanceBuffer
+from kvblend.dataplane.calls import HAND_OFF, Call
 from kvblend.dataplane.errors import TooMany
 from kvblend.dataplane.messages import InstanceInfo
 from kvblend.dataplane.registration import BufferKind, Registration
@@ -45,7 +46,6 @@ Job = Callable[["Instance"], bool]  # returns False to stop the worker
 MAX_QUEUED = 64  # calls waiting on one instance; more are refused with TooMany
 MAX_IN_FLIGHT = 4  # calls of one instance started and not yet ended (reservations or pins held)
 Done = Callable[[Any, "BaseException | None"], None]  # a call's result or its error
-Call = Generator[Any, None, Any]  # dataplane.calls.Call: yields HAND_OFF (not None), then None
 
 
 @dataclass(eq=False)
@@ -150,7 +150,7 @@ class Instance:
             self._inline = True
         rest: Job | None = None
         try:
-            last = next(call) is None
+            last = next(call) is not HAND_OFF
             rest = functools.partial(Instance._go_on, call=call, done=done, store=store,
                                      last=last)
         except StopIteration as stop:  # ended without waiting for anything
@@ -174,7 +174,7 @@ class Instance:
         here when no call waits behind it, else on the completion thread."""
         try:
             while not last:
-                last = next(call) is None
+                last = next(call) is not HAND_OFF
         except StopIteration as stop:  # ended without waiting for anything
             self._ended(done, stop.value, None, store)
         except BaseException as exc:
