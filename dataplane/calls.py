@@ -169,16 +169,10 @@ def drain(buf: "InstanceBuffer") -> None:
         pass
 
 
-HAND_OFF = "hand off"
-"""What a call yields before its last ``yield`` once its first copies are queued (or before a step
-that may wait on more than the GPU, such as a remote fetch): a call begun on the thread that read
-it hands the rest of its start to the instance's worker there (``dataplane.instance``)."""
-
-Call = Generator["str | None", None, TransferDone]
-"""A store or retrieve in two parts: up to its last ``yield`` (of None) it checks, reserves or
-pins and queues every copy (the instance's worker, or the connection's thread up to a
-``HAND_OFF``); the rest waits for the copies and commits or unpins (the instance's completion
-thread, ``dataplane.instance``)."""
+Call = Generator[None, None, TransferDone]
+"""A store or retrieve in two parts: up to its one ``yield`` it checks, reserves or pins and
+queues every copy (the instance's worker); the rest waits for the copies and commits or unpins
+(the instance's completion thread, ``dataplane.instance``)."""
 
 
 def run_to_end(call: Call) -> TransferDone:
@@ -231,6 +225,6 @@ def forget_evicted(sh: Shared) -> int:
     return removed
 
 
-__all__ = ["Tuning", "Shared", "Call", "HAND_OFF", "Gate", "StartOnce", "match_rows",
-           "tokens_of", "namespace_of", "batches", "chunk_keys", "drain", "run_to_end", "forget_evicted",
+__all__ = ["Tuning", "Shared", "Call", "Gate", "StartOnce", "match_rows", "tokens_of",
+           "namespace_of", "batches", "chunk_keys", "drain", "run_to_end", "forget_evicted",
            "log"]

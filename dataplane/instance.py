@@ -10,12 +10,7 @@ A call runs in two parts (``dataplane.transfer.Call``): its start (checks, reser
 every copy queued) on the worker, its end (wait for the copies, commit or unpin, reply) on the
 instance's completion thread, so the worker prepares the next call while the GPU still copies
 the previous ones. When no call waits behind it, the worker ends the call itself (one thread
-hand-off fewer). A call that finds its instance idle (nothing queued or in flight) begins on the
-connection's thread that read it, up to its first copies queued (``dataplane.calls.HAND_OFF``),
-and the worker runs the rest, ahead of any call submitted meanwhile: the first copies of a lone
-call wait for no thread hand-off. A layer-wise store never begins there (its layers are announced
-on that thread), nor does a retrieve's promotion from the remote tier run there. Calls of one
-instance in flight (started, not ended)::
+hand-off fewer). Calls of one instance in flight (started, not ended)::
 
     worker starts a call      when fewer than MAX_IN_FLIGHT are in flight; a retrieve also
                               waits until no store is in flight (it sees their commits)
@@ -29,12 +24,11 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvblend.dataplane.backend import InstanceBuffer
-from kvblend.dataplane.calls import HAND_OFF, Call
 from kvblend.dataplane.errors import TooMany
 from kvblend.dataplane.messages import InstanceInfo
 from kvblend.dataplane.registration import BufferKind, Registration
@@ -68,10 +62,7 @@ class Instance:
     dropping: bool = False
     _queued: int = 0
     _qlock: threading.Lock = field(default_factory=threading.Lock)
-    _inline: bool = False  # a call begun on its connection's thread, not yet handed over
-    _deferred: list[Job] = field(default_factory=list)  # submitted meanwhile, queued behind it
-    _stopped: bool = False  # the worker returned
-    _ends: "queue.SimpleQueue[tuple[Call, Done, bool] | None]" = field(
+    _ends: "queue.SimpleQueue[tuple[Generator[None, None, Any], Done, bool] | None]" = field(
         default_factory=queue.SimpleQueue)
     _ender: threading.Thread | None = None
     _flight: threading.Condition = field(default_factory=threading.Condition)
@@ -108,9 +99,6 @@ class Instance:
             if bounded and self._queued >= MAX_QUEUED:
                 raise TooMany(f"instance {self.id} has {MAX_QUEUED} calls queued: wait for some")
             self._queued += 1
-            if self._inline:  # queued behind the rest of the call begun inline
-                self._deferred.append(job)
-                return
         self.jobs.put(job)
 
     def start(self) -> None:
@@ -121,60 +109,16 @@ class Instance:
         self._ender.start()
         self.thread.start()
 
-    def run_call(self, call: Call, done: Done, *, store: bool) -> None:
-        """On the worker: start ``call`` (up to its last ``yield``), then end it here when no
-        call waits behind it, else on the completion thread; ``done`` gets its result or
-        error."""
+    def run_call(self, call: Generator[None, None, Any], done: Done, *, store: bool) -> None:
+        """On the worker: start ``call`` (up to its ``yield``), then end it here when no call
+        waits behind it, else on the completion thread; ``done`` gets its result or error."""
         with self._flight:
             self._flight.wait_for(lambda: self._in_flight < MAX_IN_FLIGHT and
                                   (store or not self._stores))
             self._in_flight += 1
             self._stores += store
-        self._go_on(call, done, store, False)
-
-    def run_inline(self, call: Call, done: Done, *, store: bool) -> bool:
-        """On the thread that read the call (its connection's), when the instance is idle (no
-        call queued, in flight or begun on another thread, not dropping or stopped): start
-        ``call`` here up to its ``HAND_OFF`` (its first copies queued), then hand the rest to
-        the worker, ahead of any call submitted meanwhile. The first copies then wait for no
-        thread hand-off. False, with nothing done, when the instance is not idle."""
-        with self._qlock:
-            if self._queued or self._inline or self.dropping or self._stopped:
-                return False
-            with self._flight:
-                if self._in_flight:
-                    return False
-                self._in_flight += 1
-                self._stores += store
-            self._queued += 1  # the rest's place in the queue, held until the worker ran it
-            self._inline = True
-        rest: Job | None = None
         try:
-            last = next(call) is not HAND_OFF
-            rest = functools.partial(Instance._go_on, call=call, done=done, store=store,
-                                     last=last)
-        except StopIteration as stop:  # ended without waiting for anything
-            self._ended(done, stop.value, None, store)
-        except BaseException as exc:
-            self._ended(done, None, exc, store)
-        finally:
-            with self._qlock:
-                if rest is None:
-                    self._queued -= 1
-                else:
-                    self.jobs.put(rest)
-                for job in self._deferred:
-                    self.jobs.put(job)
-                self._deferred.clear()
-                self._inline = False
-        return True
-
-    def _go_on(self, call: Call, done: Done, store: bool, last: bool) -> bool:
-        """Run ``call`` on to its last ``yield`` (unless it is there: ``last``), then end it
-        here when no call waits behind it, else on the completion thread."""
-        try:
-            while not last:
-                last = next(call) is not HAND_OFF
+            next(call)
         except StopIteration as stop:  # ended without waiting for anything
             self._ended(done, stop.value, None, store)
         except BaseException as exc:
@@ -184,14 +128,13 @@ class Instance:
                 self._end(call, done, store)
             else:
                 self._ends.put((call, done, store))
-        return True
 
     def settle(self) -> None:
         """Block until every call in flight ended (not on the completion thread)."""
         with self._flight:
             self._flight.wait_for(lambda: self._in_flight == 0)
 
-    def _end(self, call: Call, done: Done, store: bool) -> None:
+    def _end(self, call: Generator[None, None, Any], done: Done, store: bool) -> None:
         try:
             next(call)
         except StopIteration as stop:
@@ -229,8 +172,6 @@ class Instance:
                     with self._qlock:
                         self._queued -= 1
         finally:
-            with self._qlock:
-                self._stopped = True
             self.settle()
             self._ends.put(None)
 

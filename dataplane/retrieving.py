@@ -5,14 +5,14 @@ order and why)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (HAND_OFF, Call, Shared, StartOnce, batches, drain,
-                                     match_rows, namespace_of, tokens_of)
+from kvblend.dataplane.calls import (Call, Shared, StartOnce, batches, drain, match_rows,
+                                     namespace_of, tokens_of)
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, PrefetchChunks, RetrieveChunks,
@@ -54,11 +54,9 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     call = _RetrieveCall(sh, inst, msg)  # every check, before any side effect
     buf = inst.buffer
     try:
-        if sh.promoter is not None:
-            yield HAND_OFF  # a promotion may wait on the remote tier: not on the connection
         call.promote()
         buf.begin(msg.event)
-        yield from call.copy(progress)  # logs the call's start once its first copies are queued
+        call.copy(progress)  # logs the call's start once its first copies are queued
         call.started()
         marker = buf.end(msg.done_event)
         if progress is not None and not msg.layer_groups:
@@ -114,12 +112,11 @@ class _RetrieveCall:
             self.sh.promoter.ensure(self.inst.class_id, self.ns.root, keys_of(self.keys),
                                     self.tokens[self.cur[:, None] + np.arange(self.C)])
 
-    def copy(self, progress: Callable[[LayersReady], None] | None) -> Generator[str, None, None]:
-        """Queue every copy; yields ``HAND_OFF`` once the first ones are queued."""
+    def copy(self, progress: Callable[[LayersReady], None] | None) -> None:
         if self.msg.layer_groups:
-            yield from self._copy_layerwise(progress or (lambda _: None))
+            self._copy_layerwise(progress or (lambda _: None))
         else:
-            yield from self._copy_batches()
+            self._copy_batches()
 
     def _pin_and_check(self, lo: int, hi: int) -> np.ndarray:
         """Pin matches ``[lo, hi)`` as a batch held by this call and check them against the
@@ -138,7 +135,7 @@ class _RetrieveCall:
             ok = ok[~moved]
         return ok
 
-    def _copy_batches(self) -> Generator[str, None, None]:
+    def _copy_batches(self) -> None:
         """Pin, check and copy batch by batch; a batch is unpinned once the next one is
         copying."""
         sh, store, buf, C, turn = self.sh, self.sh.store, self.inst.buffer, self.C, self.turn
@@ -153,13 +150,10 @@ class _RetrieveCall:
                                turn.cfg, 0, self.inst.layout.num_layers)
             self.held[-1] = (lo, hi, buf.mark())
             self.started()
-            if lo == 0:
-                yield HAND_OFF
             if len(self.held) > 1:  # the batch before this one: unpin once its copies completed
                 _release(store, buf, self.slots, self.held.pop(0))
 
-    def _copy_layerwise(self, progress: Callable[[LayersReady], None]
-                        ) -> Generator[str, None, None]:
+    def _copy_layerwise(self, progress: Callable[[LayersReady], None]) -> None:
         """Pin every match (one batch), then copy group by group of layers, announcing each."""
         msg, store, buf, C, turn = self.msg, self.sh.store, self.inst.buffer, self.C, self.turn
         L = self.inst.layout.num_layers
@@ -183,8 +177,6 @@ class _RetrieveCall:
                 progress(LayersReady(instance_id=self.inst.id, layers=bounds[g + 1],
                                      failed=failed))
                 self.started()
-                if g == 0:
-                    yield HAND_OFF
                 if g == 0 and msg.layer_events and msg.layer_groups > 1:
                     # Layer 0 alone before the rest is queued: the engine waits on its event
                     # from another CUDA context, which the GPU serves at a context switch; behind

@@ -6,10 +6,8 @@ This module owns the process's threads::
                          of another uid (``SO_PEERCRED``) or past ``max_connections``
     connection threads   one per client connection: read frames, answer control calls inline
                          (Ping, ListInstances, RegisterInstance, RenewLease), queue transfers on
-                         their instance once its token checked out (or begin one whose instance
-                         is idle up to its first copies: ``Instance.run_inline``), pass
-                         LayersWritten frames to their layer-wise store
-                         (``dataplane.transfer.Gate``)
+                         their instance once its token checked out, pass LayersWritten frames
+                         to their layer-wise store (``dataplane.transfer.Gate``)
     instance workers     one per instance: StoreChunks / RetrieveChunks / UnregisterInstance
                          started in arrival order (``dataplane.instance``)
     completion threads   one per instance: the end of its calls (wait for the copies, commit or
@@ -20,9 +18,7 @@ This module owns the process's threads::
                          (then removing their engine's shm segments once ``shm.kvbufs`` proves
                          the owner gone)
 
-Control calls never queue behind a copy: they are answered on the connection's own thread
-(after the start of a call begun there: its checks and first copies queued; on a CPU buffer,
-those copies done).
+Control calls never queue behind a copy: they are answered on the connection's own thread.
 A client that disconnects mid-call changes nothing: its queued calls still run to their end
 (committing or aborting every reservation, dropping every pin); only the reply is discarded.
 
@@ -255,9 +251,19 @@ class DataPlane:
                 if isinstance(msg, UnregisterInstance):
                     if not self.registry.claim_drop(inst):
                         raise BadRequest(f"instance {inst.id} is being unregistered already")
-                    inst.submit(_unregister_job(self, conn, call_id), bounded=False)
+                    inst.submit(_transfer_job(self, conn, call_id, msg), bounded=False)
                     return
-                self._transfer(conn, call_id, msg, inst)
+                gate = None
+                if isinstance(msg, StoreChunks) and msg.layer_groups:
+                    # before it is queued: its announcements follow on this thread
+                    gate = Gate(inst.id)
+                    with self._gates_lock:
+                        self._gates[(conn.id, call_id)] = gate
+                try:
+                    inst.submit(_transfer_job(self, conn, call_id, msg, gate))
+                except BaseException:
+                    self.forget_gate(conn, call_id)
+                    raise
                 return
             conn.reply(call_id, self._control(conn, msg))
         except Exception as exc:
@@ -266,26 +272,6 @@ class DataPlane:
                 log.exception("call %s failed (request_id=%s)", type(msg).__name__,
                               getattr(msg, "request_id", None))
             conn.reply(call_id, reply_for(err))
-
-    def _transfer(self, conn: Connection, call_id: int, msg: StoreChunks | RetrieveChunks,
-                  inst: Instance) -> None:
-        """Begin a store or retrieve here when its instance is idle (``Instance.run_inline``),
-        else queue it on the instance's worker."""
-        gate = None
-        if isinstance(msg, StoreChunks) and msg.layer_groups:
-            # before it is queued: its announcements follow on this thread
-            gate = Gate(inst.id)
-            with self._gates_lock:
-                self._gates[(conn.id, call_id)] = gate
-        call, done = _transfer(self, conn, call_id, msg, inst, gate)
-        store = isinstance(msg, StoreChunks)
-        if gate is None and inst.run_inline(call, done, store=store):
-            return  # begun here, up to its first copies; the worker runs the rest
-        try:
-            inst.submit(_call_job(call, done, store))
-        except BaseException:
-            self.forget_gate(conn, call_id)
-            raise
 
     def _announce(self, conn: Connection, msg: LayersWritten) -> None:
         """Pass a ``LayersWritten`` to its store; one that names no layer-wise store of this
@@ -351,31 +337,23 @@ class DataPlane:
         return err
 
 
-def _unregister_job(dp: DataPlane, conn: Connection, call_id: int) -> Any:
+def _transfer_job(dp: DataPlane, conn: Connection, call_id: int, msg: Any,
+                  gate: Gate | None = None) -> Any:
     def job(inst: Instance) -> bool:
-        dp.registry.remove(inst)  # after every call in flight ended
-        conn.reply(call_id, Unregistered(instance_id=inst.id))
-        return False
-    return job
+        if isinstance(msg, UnregisterInstance):
+            dp.registry.remove(inst)  # after every call in flight ended
+            conn.reply(call_id, Unregistered(instance_id=inst.id))
+            return False
 
+        def done(reply: Any, error: BaseException | None) -> None:
+            if gate is not None:
+                dp.forget_gate(conn, call_id)
+            conn.reply(call_id, reply if error is None else reply_for(dp.failed(inst, msg, error)))
 
-def _call_job(call: Call, done: Any, store: bool) -> Any:
-    def job(inst: Instance) -> bool:
-        inst.run_call(call, done, store=store)
+        inst.run_call(dp.transfer_call(inst, msg, lambda p: conn.reply(call_id, p), gate), done,
+                      store=isinstance(msg, StoreChunks))
         return True
     return job
-
-
-def _transfer(dp: DataPlane, conn: Connection, call_id: int,
-              msg: StoreChunks | RetrieveChunks, inst: Instance, gate: Gate | None
-              ) -> tuple[Call, Any]:
-    """The call of ``msg`` (nothing run yet) and what answers its result or error."""
-    def done(reply: Any, error: BaseException | None) -> None:
-        if gate is not None:
-            dp.forget_gate(conn, call_id)
-        conn.reply(call_id, reply if error is None else reply_for(dp.failed(inst, msg, error)))
-
-    return dp.transfer_call(inst, msg, lambda p: conn.reply(call_id, p), gate), done
 
 
 def _drop_job(registry: Registry) -> Any:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (HAND_OFF, Call, Gate, Shared, StartOnce, batches,
-                                     chunk_keys, drain, forget_evicted, log, namespace_of,
-                                     tokens_of)
+from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, chunk_keys,
+                                     drain, forget_evicted, log, namespace_of, tokens_of)
 from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, StoreChunks, StoreKind, TransferDone)
@@ -40,7 +39,7 @@ def store_call(sh: Shared, inst: "Instance", msg: StoreChunks,
     ``_StoreCall``'s, in order."""
     call = _StoreCall(sh, inst, msg, gate)  # every check, before any side effect
     try:
-        yield from call.copy()  # logs the call's start once its first copies are queued
+        call.copy()  # logs the call's start once its first copies are queued
         call.started()
         if progress is not None:
             progress(LayersReady(instance_id=inst.id, layers=inst.layout.num_layers,
@@ -101,11 +100,10 @@ class _StoreCall:
         self.done = self.reserved = 0
         self.prepared: Any = None
 
-    def copy(self) -> Generator[str, None, None]:
+    def copy(self) -> None:
         """Reserve the chunks batch by batch and queue the copies of the ones reserved, a
         completion marker after each group (a layer-wise store: every chunk at once, then its
-        groups of layers as the gate announces them); yields ``HAND_OFF`` once the first
-        batch's copies are queued."""
+        groups of layers as the gate announces them)."""
         msg, buf, n = self.msg, self.inst.buffer, self.n
         buf.begin(msg.event)
         todo = [(0, n)] if msg.layer_groups else batches(n, self.chunk_bytes,
@@ -122,8 +120,6 @@ class _StoreCall:
             else:
                 self._queue(lo, hi)
                 self.started()
-                if lo == 0:
-                    yield HAND_OFF
         if not self.groups:
             self.groups.append((0, 0, buf.end(msg.done_event)))
 
