@@ -16,12 +16,17 @@ same run:
 
 Before the table, an empty call's round trip back to back and after 4 ms of idleness (every
 thread asleep, as between an engine's transfers): what waking sleeping threads costs a call.
+``--fixed-cost`` also times one caller's retrieves of 8, 16, 32 and 64 chunks and fits a line
+through them: its intercept is what a call costs besides its bytes (the client, the channel, the
+data plane's steps before the first copy and after the last), printed beside what 0.92 of the
+limit leaves a call of ``--chunks`` chunks for all of that.
 
 Usage::
 
     python benchmarks/bench_dataplane.py --backend cuda          # Llama-3-8B-like and small layouts
     python benchmarks/bench_dataplane.py --backend cpu --layouts small
     python benchmarks/bench_dataplane.py --backend cpu --layouts tiny   # the per-call work alone
+    python benchmarks/bench_dataplane.py --layouts small --fixed-cost   # a call's fixed cost
 """
 
 from __future__ import annotations
@@ -133,6 +138,19 @@ class Case:
         with self.client.retrieve(self.inst[inst], self.tokens, self.matches) as t:
             assert t.wait().ok
 
+    def first(self, k: int, ready: bool) -> Callable[[], None]:
+        """A retrieve of the first ``k`` matches, until its reply or (``ready``) until its copies
+        completed."""
+        def run() -> None:
+            t = self.client.retrieve(self.inst[0], self.tokens, self.matches[:k])
+            self.open.append(t)
+            if ready:
+                assert not t.wait_queued()
+                self.sync()
+            else:
+                assert t.wait().ok
+        return run
+
     def settle(self) -> None:
         """Let the untimed rest of the ``ready`` calls end, and give their events back."""
         while self.open:
@@ -196,6 +214,28 @@ class Case:
         s = self.client.store_pre_computed(self.inst[1], self.take())
         assert r.wait().ok and s.wait().ok
         r.release(), s.release()
+
+
+FIT_CHUNKS = (8, 16, 32, 64)  # chunks a call in the fit of --fixed-cost
+TARGET = 0.92  # the share of copy_ that one caller's small chunks are to reach
+
+
+def fixed_cost(case: Case, name: str, iters: int, limit: float) -> None:
+    """Time one caller's retrieves of 8 to 64 chunks and fit time = fixed + per_chunk x chunks
+    (least squares): what a call costs besides its bytes, printed beside what ``TARGET`` of
+    ``limit`` (bytes/s) leaves a call of ``--chunks`` chunks for everything but its copies."""
+    ks = [k for k in FIT_CHUNKS if k <= case.chunks]
+    per = case.nbytes / case.chunks
+    allowed = (1 / TARGET - 1) * case.nbytes / limit
+    for label, ready in (("retrieve", False), ("retr. ready", True)):
+        times = [median_time(case.first(k, ready), iters, lambda: (case.settle(), case.refill()))
+                 for k in ks]
+        case.settle()
+        slope, fixed = np.polyfit(ks, times, 1)
+        print(f"#   {name} {label}: a call costs {1e6 * fixed:.0f} us besides its bytes (fit of "
+              f"{ks[0]}-{ks[-1]} chunks: {1e6 * slope:.1f} us a chunk, {per / slope / 1e9:.2f} "
+              f"GB/s); {TARGET} of the limit at {case.chunks} chunks leaves "
+              f"{1e6 * allowed:.0f} us", flush=True)
 
 
 IDLE_GAP_MS = 4.0  # about one small transfer's copies: every thread sleeps that long between calls
@@ -292,6 +332,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--storage-gib", type=float, default=7.0)
     p.add_argument("--page-mib", type=int, default=256)
+    p.add_argument("--fixed-cost", action="store_true",
+                   help="also fit one caller's retrieve time against its chunk count: a call's "
+                        "cost besides its bytes, beside what the target share leaves it")
     p.add_argument("--rotary", action="store_true",
                    help="also retrieve into a buffer that turns K (Llama-3.1 rotary, "
                         "head dim 128) and print its time against the same retrieve unturned")
@@ -364,6 +407,8 @@ def main() -> None:
                     ms = [1e3 * e["duration_s"] for e in ends if e["kind"] == kind]
                     print(f"#   {name} {kind}: in-data-plane median {statistics.median(ms):.2f} ms"
                           f" over the last timed calls")
+                if args.fixed_cost:
+                    fixed_cost(case, name, args.iters, limits["retrieve"])
                 for i in case.inst:
                     client.unregister(i)
                 del case
