@@ -228,10 +228,12 @@ def fixed_cost(case: Case, name: str, iters: int, limit: float) -> None:
     per = case.nbytes / case.chunks
     allowed = (1 / TARGET - 1) * case.nbytes / limit
     for label, ready in (("retrieve", False), ("retr. ready", True)):
-        times = [median_time(case.first(k, ready), iters, lambda: (case.settle(), case.refill()))
-                 for k in ks]
+        # the sizes in turn, iteration by iteration: a machine drifting in speed moves them all
+        times = np.array([[median_time(case.first(k, ready), 1,
+                                       lambda: (case.settle(), case.refill())) for k in ks]
+                          for _ in range(iters)])
         case.settle()
-        slope, fixed = np.polyfit(ks, times, 1)
+        slope, fixed = np.polyfit(ks, np.median(times, axis=0), 1)
         print(f"#   {name} {label}: a call costs {1e6 * fixed:.0f} us besides its bytes (fit of "
               f"{ks[0]}-{ks[-1]} chunks: {1e6 * slope:.1f} us a chunk, {per / slope / 1e9:.2f} "
               f"GB/s); {TARGET} of the limit at {case.chunks} chunks leaves "
