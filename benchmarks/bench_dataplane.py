@@ -167,10 +167,7 @@ class Case:
 
     def retrieve_ready(self) -> None:
         """A retrieve until the engine may read the bytes (its copies completed)."""
-        t = self.client.retrieve(self.inst[0], self.tokens, self.matches)
-        self.open.append(t)
-        assert not t.wait_queued()
-        self.sync()
+        self.first(self.chunks, True)()
 
     def sync(self) -> None:
         if self.backend == "cuda":
