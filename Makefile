@@ -3,6 +3,8 @@
 #   make test    install, then run the whole test suite
 # and, in a venv of its own (vLLM pins its own torch and transformers):
 #   make test-vllm   install vLLM for CPU, then run the vLLM connector's tests
+# and on a GPU host:
+#   make bench       the copy targets of the data plane, measured (benchmarks/copy_targets.py)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
@@ -70,6 +72,12 @@ test: install
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# The copy targets (benchmarks/copy_targets.py): three runs of the transfer and blend benchmarks
+# in turn, one table of medians against the targets; on a GPU, about 8 minutes. Without a GPU a
+# smoke run of small shapes. BENCH_ARGS="--runs 5 --log bench.log" passes options.
+bench: install
+	$(PY) benchmarks/copy_targets.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache
