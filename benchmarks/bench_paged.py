@@ -46,10 +46,10 @@ from kvblend.shm.store import Store, StoreConfig  # noqa: E402
 S = 16
 
 
-def layers_of(client: BlendClient, backend: str, L: int, B: int, H: int, Dh: int
-              ) -> list[torch.Tensor]:
+def layers_of(client: BlendClient, backend: str, L: int, B: int, H: int, Dh: int,
+              layout: str = "flash_attn") -> list[torch.Tensor]:
     if backend == "cpu":
-        layers = client.cpu_paged_kv_cache(L, B, S, H, Dh, torch.bfloat16, layout="flash_attn")
+        layers = client.cpu_paged_kv_cache(L, B, S, H, Dh, torch.bfloat16, layout=layout)
         for t in layers:
             t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16))
         return layers
@@ -65,7 +65,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--storage-gib", type=float, default=6.0)
+    p.add_argument("--layout", choices=("flash_attn", "cpu_kt"), default="flash_attn",
+                   help="cpu_kt (vLLM's CPU cache, K transposed): the CPU backend only")
     args = p.parse_args()
+    if args.layout == "cpu_kt" and args.backend != "cpu":
+        p.error("--layout cpu_kt needs --backend cpu (the CUDA data plane refuses it)")
     L, H, Dh, N = args.layers, args.kv_heads, args.head_dim, args.tokens
     B = N // S + 64
     nbytes = 2 * L * N * H * Dh * 2
@@ -81,12 +85,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     try:
         with BlendClient(dataplane_address=default_address(prefix)) as client:
-            src, dst = (layers_of(client, args.backend, L, B, H, Dh) for _ in range(2))
-            reg = [client.register_paged_kv_cache(x, "flash_attn", S, H, Dh, model_name="bench")
+            src, dst = (layers_of(client, args.backend, L, B, H, Dh, args.layout)
+                        for _ in range(2))
+            reg = [client.register_paged_kv_cache(x, args.layout, S, H, Dh, model_name="bench")
                    for x in (src, dst)]
             # the same cache registered with Llama-3.1's rotary config: its retrieves turn K
             turned = client.register_paged_kv_cache(
-                layers_of(client, args.backend, L, B, H, Dh), "flash_attn", S, H, Dh,
+                layers_of(client, args.backend, L, B, H, Dh, args.layout), args.layout, S, H, Dh,
                 model_name="bench", rotary=RotaryConfig(
                     head_dim=Dh, theta=500000.0, scaling="llama3", factor=8.0,
                     low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))

@@ -101,14 +101,24 @@ class CpuBuffer(InstanceBuffer):
 
 
 class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
-    """A paged cache in shm buffers: per layer, strided views of K and V ``[blocks, slots, heads,
-    dims]`` (numpy checks each view lies inside its mapping); chunks gathered by fancy indexing."""
+    """A paged cache in shm buffers: per layer, its raw elements and strided views of K and V
+    ``[blocks, slots, heads, dims]`` (numpy checks each lies inside its mapping). A layout whose
+    dims are contiguous is copied by one compiled pass a layer (``dataplane.cpu_paged``); cpu_kt,
+    whose K is transposed, by numpy's fancy indexing a chunk at a time (a compiled pass was
+    slower there, docs/benchmarks.md)."""
 
     def __init__(self, mappings: list[mmap.mmap], spec: PagedBuffer, layout: KVLayout,
                  slab: np.ndarray) -> None:
         self.layout = layout
-        self._mmaps, self._slab, self._spec = mappings, slab, spec
+        self._mmaps, self._spec = mappings, spec
         self._raw = np.dtype(f"u{layout.dtype.itemsize}")  # copies move bits, never values
+        isz = self._raw.itemsize
+        self._slab = slab[:len(slab) // isz * isz].view(self._raw)
+        self._flat = [np.frombuffer(mappings[ly.buffer], self._raw, spec.layer_bytes // isz,
+                                    ly.offset) for ly in spec.layers]
+        self._place = np.array([[p.offset, p.block, p.token, p.head, p.dim]
+                                for p in (spec.k, spec.v)], np.int64)
+        self._compiled = spec.k.dim == spec.v.dim == 1  # else cpu_kt: K transposed
         self._k = [self._view(mappings[ly.buffer], ly.offset, spec.k) for ly in spec.layers]
         self._v = [self._view(mappings[ly.buffer], ly.offset, spec.v) for ly in spec.layers]
         self._table: paged.BlockTable | None = None
@@ -119,12 +129,6 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
                           offset + p.offset * isz,
                           strides=(p.block * isz, p.token * isz, p.head * isz, p.dim * isz))
 
-    def _slot(self, slab_offset: int, chunk_size: int) -> np.ndarray:
-        s, L = self._spec, self.layout.num_layers
-        n = 2 * L * chunk_size * s.kv_heads * s.head_dim * self._raw.itemsize
-        return self._slab[slab_offset:slab_offset + n].view(self._raw).reshape(
-            2, L, chunk_size, s.kv_heads, s.head_dim)
-
     def begin(self, engine_event: bytes | None) -> None:
         if engine_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
@@ -132,8 +136,12 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
     def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
              slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
         assert self._table is not None, "bind() comes first"
-        first, last = layers or (0, len(self._k))
-        for t, off in zip(token_starts, slab_offsets):
+        first, last = layers or (0, self.layout.num_layers)
+        if self._compiled:
+            self._copy_compiled(direction is Direction.TO_SLAB, token_starts, chunk_size,
+                                slab_offsets, first, last)
+            return
+        for t, off in zip(token_starts, slab_offsets):  # numpy's fancy indexing, a chunk at a time
             at = self._table.slots(t, chunk_size)
             chunk = self._slot(off, chunk_size)
             for layer in range(first, last):
@@ -143,6 +151,26 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
                 else:
                     self._k[layer][at.block, at.slot] = chunk[0, layer]
                     self._v[layer][at.block, at.slot] = chunk[1, layer]
+
+    def _slot(self, slab_offset: int, chunk_size: int) -> np.ndarray:
+        s, L, isz = self._spec, self.layout.num_layers, self._raw.itemsize
+        n = 2 * L * chunk_size * s.kv_heads * s.head_dim
+        return self._slab[slab_offset // isz:slab_offset // isz + n].reshape(
+            2, L, chunk_size, s.kv_heads, s.head_dim)
+
+    def _copy_compiled(self, to_slab: bool, token_starts: list[int], chunk_size: int,
+                       slab_offsets: list[int], first: int, last: int) -> None:
+        from kvblend.dataplane.cpu_paged import copy_layer  # numba: the data plane's alone
+        assert self._table is not None, "bind() comes first"
+        s, L = self._spec, self.layout.num_layers
+        starts = np.asarray(token_starts, np.int64)
+        slots = np.asarray(slab_offsets, np.int64) // self._raw.itemsize
+        for layer in range(first, last):
+            bad = copy_layer(self._flat[layer], self._slab, self._table.ids, s.block_size,
+                             s.num_blocks, starts, chunk_size, slots, layer, L, self._place,
+                             s.kv_heads, s.head_dim, to_slab)
+            assert bad < 0, (f"token {bad} of layer {layer} passes its block table, layer or "
+                             "slot: BlockTable.check or paged.check let it through")
 
     def turn_k(self, token_starts: list[int], chunk_size: int, turn: Any, cfg: Any,
                first: int, last: int) -> None:
@@ -168,8 +196,8 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
             raise BadRequest("a CPU buffer takes no CUDA event")
 
     def close(self) -> None:
-        self.__dict__.pop("_k", None)
-        self.__dict__.pop("_v", None)
+        for views in ("_k", "_v", "_flat"):
+            self.__dict__.pop(views, None)
         for m in self._mmaps:
             try:
                 m.close()

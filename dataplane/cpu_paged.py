@@ -1,0 +1,87 @@
+"""The CPU backend's paged copies in one compiled pass: a numba kernel per layer, every chunk.
+
+This module owns the kernel that moves a layer's K and V between an engine's paged cache in shm
+and the chunks' slab slots; ``dataplane.cpu`` (``CpuPagedBuffer``) hands it raw element views and
+the placement (``dataplane.paged``: offsets and strides in elements), and checks everything first.
+A chunk goes run by run (its tokens in consecutive slots of one block, as read from the block
+table): where a token's heads follow each other and so do its tokens (flash_attn, flashinfer) a
+run is one range, else a range a token and head. A layout's
+dims must be contiguous: cpu_kt's transposed K stays with numpy's fancy indexing, which a
+compiled gather did not beat (docs/benchmarks.md). Copies are loops over views, which LLVM
+vectorizes: numba's slice assignment copies through a temporary where the two may overlap.
+
+NOTE: raw elements (uint16 for bf16 and fp16, uint32 for float32: bits are moved, never values),
+one thread without the GIL (``nogil``) as ``dataplane.cpu_rotary``, for the same reason: each
+instance copies on its own worker thread. Every run's block and ends are checked against their
+arrays before it moves (``copy_layer`` returns the first bad token): the caller's checks
+(``paged.check``, ``BlockTable.check``) already prove them in range, so one means a bug there.
+"""
+
+from __future__ import annotations
+
+import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
+
+from numba import njit
+
+
+@njit(nogil=True, cache=True)
+def _run(dst, d, src, s, n):  # pragma: no cover (compiled)
+    """``dst[d:d + n] = src[s:s + n]``, as a loop over views (the module's docstring says
+    why)."""
+    to, of = dst[d:d + n], src[s:s + n]
+    for k in range(n):
+        to[k] = of[k]
+
+
+@njit(nogil=True, cache=True)
+def _move(eng, slab, e, c, n, place, row, heads, head_dim, to_slab):  # pragma: no cover
+    """A run of ``n`` tokens in consecutive slots of one block, its K or V (``place``: offset,
+    block, token, head and dim strides, dims contiguous): from ``eng[e]`` to ``slab[c]`` (``n``
+    rows of ``row`` contiguous elements), or back."""
+    tok, hs = place[2], place[3]
+    if hs == head_dim and tok == row:  # the whole run is one range (flash_attn)
+        if to_slab:
+            _run(slab, c, eng, e, n * row)
+        else:
+            _run(eng, e, slab, c, n * row)
+    else:  # a range a token and head
+        for t in range(n):
+            for h in range(heads):
+                if to_slab:
+                    _run(slab, c + t * row + h * head_dim, eng, e + t * tok + h * hs, head_dim)
+                else:
+                    _run(eng, e + t * tok + h * hs, slab, c + t * row + h * head_dim, head_dim)
+
+
+@njit(nogil=True, cache=True)
+def copy_layer(eng, slab, ids, block_size, num_blocks, starts, count, slot_at, layer,
+               num_layers, place, heads, head_dim, to_slab):  # pragma: no cover (compiled)
+    """Copy layer ``layer``'s K and V of the chunks of ``count`` tokens at logical ``starts``
+    between ``eng`` (the layer's raw elements) and ``slab`` (chunk ``j`` at element
+    ``slot_at[j]``, shaped ``[2, num_layers, count, heads, head_dim]``); ``place[kv]`` is
+    (offset, block, token, head, dim) in elements, K then V. A chunk goes run by run: tokens in
+    consecutive slots of one block. Returns -1, or the index of the first token (chunk ``j``,
+    token ``i``: ``j * count + i``) of a run whose block or elements would pass an array; the
+    copy stops there."""
+    row = heads * head_dim
+    for j in range(starts.shape[0]):
+        i = 0
+        while i < count:
+            p = starts[j] + i
+            q, s = p // block_size, p % block_size
+            if p < 0 or q >= ids.shape[0] or ids[q] < 0 or ids[q] >= num_blocks:
+                return j * count + i
+            n = min(block_size - s, count - i)
+            for kv in range(2):
+                pl = place[kv]
+                e = pl[0] + ids[q] * pl[1] + s * pl[2]
+                c = slot_at[j] + ((kv * num_layers + layer) * count + i) * row
+                last = e + (n - 1) * pl[2] + (heads - 1) * pl[3] + (head_dim - 1) * pl[4]
+                if e < 0 or last >= eng.shape[0] or c < 0 or c + n * row > slab.shape[0]:
+                    return j * count + i
+                _move(eng, slab, e, c, n, pl, row, heads, head_dim, to_slab)
+            i += n
+    return -1
+
+
+__all__ = ["copy_layer"]

@@ -1,0 +1,103 @@
+"""The CPU backend's compiled paged copy (``dataplane.cpu_paged.copy_layer``) against a slow
+reference that addresses every element by the placement's formula, on Hypothesis-drawn shapes,
+layouts and block tables; and its guard, which stops at the first run that would pass an array."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblend.dataplane import paged
+from kvblend.dataplane.cpu_paged import copy_layer
+from kvblend.dataplane.registration import KVPlacement
+
+
+def heads_apart(B: int, S: int, H: int, Dh: int) -> tuple[KVPlacement, KVPlacement]:
+    """``[2, B, H, S, Dh]``: a token's heads are not adjacent (a range a token and head)."""
+    k = KVPlacement(0, H * S * Dh, Dh, S * Dh, 1)
+    return k, KVPlacement(B * H * S * Dh, H * S * Dh, Dh, S * Dh, 1)
+
+
+def placement(layout: str, B: int, S: int, H: int, Dh: int) -> np.ndarray:
+    kv = heads_apart(B, S, H, Dh) if layout == "heads_apart" else paged.placements(
+        layout, B, S, H, Dh)
+    return np.array([[p.offset, p.block, p.token, p.head, p.dim] for p in kv], np.int64)
+
+
+def reference(eng: np.ndarray, slab: np.ndarray, ids: np.ndarray, S: int, starts: np.ndarray,
+              C: int, slot_at: np.ndarray, layer: int, L: int, place: np.ndarray, H: int,
+              Dh: int, to_slab: bool) -> None:
+    for j, start in enumerate(starts):
+        for i in range(C):
+            b, s = ids[(start + i) // S], (start + i) % S
+            for kv in range(2):
+                off, blk, tok, hs, ds = place[kv]
+                for h in range(H):
+                    for d in range(Dh):
+                        e = off + b * blk + s * tok + h * hs + d * ds
+                        c = slot_at[j] + (((kv * L + layer) * C + i) * H + h) * Dh + d
+                        if to_slab:
+                            slab[c] = eng[e]
+                        else:
+                            eng[e] = slab[c]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    S, H, Dh = draw(st.sampled_from([1, 4, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    C = S * draw(st.integers(1, 3)) + draw(st.sampled_from([0, S // 2]))  # runs split by blocks
+    n, L = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    table_blocks = -(-(n * C + C) // S)
+    B = table_blocks + draw(st.integers(0, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return dict(S=S, H=H, Dh=Dh, C=C, n=n, L=L, B=B, rng=rng,
+                layout=draw(st.sampled_from(["flash_attn", "flashinfer", "heads_apart"])),
+                dtype=draw(st.sampled_from([np.uint16, np.uint32])),
+                ids=rng.permutation(B)[:table_blocks].astype(np.int64),
+                starts=np.sort(rng.choice(np.arange(0, table_blocks * S - C + 1), n)),
+                layer=draw(st.integers(0, L - 1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_the_kernel_moves_what_the_reference_moves(c: dict) -> None:
+    S, H, Dh, C, n, L, B, rng = (c[k] for k in ("S", "H", "Dh", "C", "n", "L", "B", "rng"))
+    place = placement(c["layout"], B, S, H, Dh)
+    info = np.iinfo(c["dtype"])
+    eng = rng.integers(0, info.max, 2 * B * S * H * Dh, dtype=c["dtype"], endpoint=True)
+    chunk = 2 * L * C * H * Dh
+    slab = rng.integers(0, info.max, n * chunk + 7, dtype=c["dtype"], endpoint=True)
+    slot_at = rng.permutation(n).astype(np.int64) * chunk + 7 * (n > 0)  # slots not at 0
+    args = (c["ids"], S, c["starts"], C, slot_at, c["layer"], L, place, H, Dh)
+    for to_slab in (True, False):
+        got_eng, got_slab, want_eng, want_slab = eng.copy(), slab.copy(), eng.copy(), slab.copy()
+        reference(want_eng, want_slab, *args, to_slab)
+        assert copy_layer(got_eng, got_slab, c["ids"], S, B, c["starts"], C, slot_at,
+                          c["layer"], L, place, H, Dh, to_slab) == -1
+        assert np.array_equal(got_eng, want_eng) and np.array_equal(got_slab, want_slab), to_slab
+
+
+def test_it_stops_at_the_first_run_that_would_pass_an_array() -> None:
+    S, H, Dh, C, L, B = 4, 2, 8, 8, 2, 6
+    place = placement("flash_attn", B, S, H, Dh)
+    eng = np.arange(2 * B * S * H * Dh, dtype=np.uint16)
+    chunk = 2 * L * C * H * Dh
+    ids = np.array([0, 1, 2, B, 4, 5], np.int64)  # block B is past the cache
+    starts = np.array([0, 8], np.int64)
+
+    def run(ids: np.ndarray, slab: np.ndarray, slot_at: np.ndarray, layer: int = 0,
+            cache: np.ndarray = eng) -> int:
+        return copy_layer(cache, slab, ids, S, B, starts, C, slot_at, layer, L, place, H, Dh,
+                          True)
+
+    slab, slots, every = np.zeros(2 * chunk, np.uint16), np.array([0, chunk], np.int64), \
+        np.arange(6, dtype=np.int64)
+    assert run(ids, slab, slots) == C + 4  # chunk 1, its second run
+    assert slab[chunk:].any() and not slab[chunk:].reshape(2, L, C, H * Dh)[:, 0, 4:].any()
+    short = np.zeros(2 * chunk - 1, np.uint16)  # the last layer's V of chunk 1 ends past it
+    assert run(every, short, slots, layer=L - 1) == C + 4
+    assert run(every, slab, slots, layer=L - 1) == -1
+    assert run(np.array([0, 1, 2, 5, 4, 5]), slab, slots, cache=eng[:-1]) == C + 4  # block 5
+    assert run(every, slab, np.array([-1, chunk], np.int64)) == 0
+    assert run(np.array([0, 1, -1, 3, 4, 5]), slab, slots) == C
