@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads)
 
+import numpy as np
 from numba import njit
 
 
@@ -84,4 +85,17 @@ def copy_layer(eng, slab, ids, block_size, num_blocks, starts, count, slot_at, l
     return -1
 
 
-__all__ = ["copy_layer"]
+def warm() -> None:
+    """Compile (or load from numba's cache) the kernel for the raw element types the CPU data
+    plane passes (``CpuPagedBuffer``: uint16 and uint32), each way, before the first paged call."""
+    place = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], np.int64)
+    one = np.zeros(1, np.int64)
+    for raw in (np.uint16, np.uint32):
+        eng = np.frombuffer(bytearray(2 * np.dtype(raw).itemsize), raw)  # as over an mmap
+        slab = np.frombuffer(bytearray(2 * np.dtype(raw).itemsize), np.uint8).view(raw)
+        for to_slab in (True, False):
+            assert copy_layer(eng, slab, one, 1, 1, one, 1, one, 0, 1, place, 1, 1,
+                              to_slab) == -1
+
+
+__all__ = ["copy_layer", "warm"]

@@ -4,7 +4,12 @@ layouts and block tables; and its guard, which stops at the first run that would
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,3 +106,44 @@ def test_it_stops_at_the_first_run_that_would_pass_an_array() -> None:
     assert run(np.array([0, 1, 2, 5, 4, 5]), slab, slots, cache=eng[:-1]) == C + 4  # block 5
     assert run(every, slab, np.array([-1, chunk], np.int64)) == 0
     assert run(np.array([0, 1, -1, 3, 4, 5]), slab, slots) == C
+
+
+WARM_CHECK = """
+import mmap
+import numpy as np
+from kvblend.dataplane import cpu_paged, paged
+from kvblend.dataplane.backend import Direction
+from kvblend.dataplane.cpu import CpuPagedBuffer
+from kvblend.dataplane.registration import PagedBuffer, PagedLayer, ShmBuffer
+from kvblend.shm.layout import KVLayout
+cpu_paged.warm()
+before = len(cpu_paged.copy_layer.signatures)
+B, S, H, D, L, C = 4, 4, 2, 8, 2, 8
+for dtype in ("bfloat16", "float32"):
+    isz = 2 if dtype == "bfloat16" else 4
+    k, v = paged.placements("flashinfer", B, S, H, D)
+    spec = PagedBuffer(block_size=S, num_blocks=B, kv_heads=H, head_dim=D, k=k, v=v,
+                       layer_bytes=2 * B * S * H * D * isz,
+                       buffers=[ShmBuffer(name="kvb_kvbuf_" + "0" * 32)],
+                       layers=[PagedLayer(buffer=0, offset=i * 2 * B * S * H * D * isz)
+                               for i in range(L)])
+    cache = mmap.mmap(-1, L * 2 * B * S * H * D * isz)
+    slab = np.frombuffer(mmap.mmap(-1, 1 << 16), np.uint8)  # as shm.store's slab
+    buf = CpuPagedBuffer([cache], spec, KVLayout(L, B * S, H * D, dtype), slab)
+    buf.bind(np.array([3, 1], "<i4").tobytes())
+    for way in (Direction.TO_SLAB, Direction.FROM_SLAB):
+        buf.copy(way, [0], C, [4096])
+        buf.copy(way, [0], C, [4096], layers=(1, 2))
+print(len(cpu_paged.copy_layer.signatures) - before, before)
+"""
+
+
+@pytest.mark.slow
+def test_warm_compiles_every_kind_of_copy_the_cpu_data_plane_makes() -> None:
+    """In a fresh interpreter: after ``warm``, the copies of a real ``CpuPagedBuffer`` (bf16 and
+    float32, each way, whole and layer-wise) compile no new signature."""
+    out = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    new, warmed = map(int, out.stdout.split())
+    assert (new, warmed) == (0, 2)
