@@ -17,8 +17,8 @@ each instance's worker thread, so several turns run at once, and numba's default
 (workqueue, where OpenMP or TBB is missing) aborts the process when parallel kernels are launched
 from two threads at a time. Each head's pairs are two 1-D views of its row, widened into one
 float32 scratch per call (read and written through integer views of it), turned, and rounded back;
-loops over 1-D views, one per step, vectorize where indexing a 2-D row per element did not (a
-head's turn 20-35 % faster, docs/benchmarks.md).
+loops over 1-D views, one per step, run faster than indexing a 2-D row per element did
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
