@@ -74,7 +74,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 # The copy targets (benchmarks/copy_targets.py): three runs of the transfer and blend benchmarks
-# in turn, one table of medians against the targets; on a GPU, about 8 minutes. Without a GPU a
+# in turn, one table of medians against the targets; on a GPU, about 5 minutes. Without a GPU a
 # smoke run of small shapes. BENCH_ARGS="--runs 5 --log bench.log" passes options.
 bench: install
 	$(PY) benchmarks/copy_targets.py $(BENCH_ARGS)

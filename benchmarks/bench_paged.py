@@ -1,7 +1,8 @@
 """Paged caches through the whole call path: store, retrieve and layer-wise retrieve GB/s.
 
 An engine's cache in the FlashAttention layout (per layer ``[2, blocks, 16, kv_heads, head_dim]``,
-each layer its own allocation, as vLLM allocates them), Llama-3.1-8B shapes by default, ``--tokens``
+each layer its own allocation, as vLLM allocates them; ``--layout cpu_kt``, CPU only: vLLM's CPU
+cache, ``[blocks, kv_heads, 16, 2 * head_dim]``), Llama-3.1-8B shapes by default, ``--tokens``
 of documents placed by a shuffled block table. Side by side in the same run: a pinned ``copy_``
 of the same bytes each way (the PCIe limit) and the plain retrieve. Layer-wise: the time until
 layer 0 can be read (``wait_layer(0)``, then the stream's wait on its event completed), until
@@ -17,6 +18,7 @@ Usage::
 
     python benchmarks/bench_paged.py                       # CUDA, 32 layers, 8k tokens
     python benchmarks/bench_paged.py --backend cpu --layers 4 --tokens 2048
+    python benchmarks/bench_paged.py --backend cpu --layout cpu_kt   # vLLM's CPU cache
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ progress goes to stderr.
 
 Usage::
 
-    python benchmarks/copy_targets.py                 # on a GPU: three runs of each, about 8 min
+    python benchmarks/copy_targets.py                 # on a GPU: three runs of each, about 5 min
     python benchmarks/copy_targets.py --runs 5 --log /tmp/copy_targets.log
     python benchmarks/copy_targets.py --backend cpu   # a smoke run (no GPU: the default there)
 """

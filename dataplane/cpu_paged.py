@@ -5,10 +5,10 @@ and the chunks' slab slots; ``dataplane.cpu`` (``CpuPagedBuffer``) hands it raw 
 the placement (``dataplane.paged``: offsets and strides in elements), and checks everything first.
 A chunk goes run by run (its tokens in consecutive slots of one block, as read from the block
 table): where a token's heads follow each other and so do its tokens (flash_attn, flashinfer) a
-run is one range, else a range a token and head. A layout's
-dims must be contiguous: cpu_kt's transposed K stays with numpy's fancy indexing, which a
-compiled gather did not beat (docs/benchmarks.md). Copies are loops over views, which LLVM
-vectorizes: numba's slice assignment copies through a temporary where the two may overlap.
+run is one range, else a range a token and head. A layout's dims must be contiguous: cpu_kt's
+transposed K stays with numpy's fancy indexing, which a compiled gather did not beat
+(docs/benchmarks.md). Copies are loops over views, which LLVM vectorizes: numba's slice
+assignment copies through a temporary where the two may overlap.
 
 NOTE: raw elements (uint16 for bf16 and fp16, uint32 for float32: bits are moved, never values),
 one thread without the GIL (``nogil``) as ``dataplane.cpu_rotary``, for the same reason: each
@@ -40,7 +40,7 @@ def _move(eng, slab, e, c, n, place, row, heads, head_dim, to_slab):  # pragma: 
     block, token, head and dim strides, dims contiguous): from ``eng[e]`` to ``slab[c]`` (``n``
     rows of ``row`` contiguous elements), or back."""
     tok, hs = place[2], place[3]
-    if hs == head_dim and tok == row:  # the whole run is one range (flash_attn)
+    if hs == head_dim and tok == row:  # the whole run is one range (flash_attn, flashinfer)
         if to_slab:
             _run(slab, c, eng, e, n * row)
         else:

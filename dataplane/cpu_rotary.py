@@ -28,6 +28,7 @@ import kvblend.shm._jit  # noqa: F401  (numba's cache folder, before numba loads
 import numpy as np
 from numba import njit
 
+
 @njit(nogil=True, cache=True)
 def turn_raw(k, i0, i1, cos, sin, d, gptj, bf16):  # pragma: no cover (compiled)
     """Turn the first ``d`` dims of every head of token ``t``'s K row ``k[i0[t], i1[t]]`` by
