@@ -101,11 +101,10 @@ class CpuBuffer(InstanceBuffer):
 
 
 class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
-    """A paged cache in shm buffers: per layer, its raw elements and strided views of K and V
-    ``[blocks, slots, heads, dims]`` (numpy checks each lies inside its mapping). A layout whose
-    dims are contiguous is copied by one compiled pass a layer (``dataplane.cpu_paged``); cpu_kt,
-    whose K is transposed, by numpy's fancy indexing a chunk at a time (a compiled pass was
-    slower there, docs/benchmarks.md)."""
+    """A paged cache in shm buffers: per layer, its raw elements (numpy checks each layer lies
+    inside its mapping), copied to and from the chunks by one compiled pass a layer
+    (``dataplane.cpu_paged``), and a strided view of its K ``[blocks, slots, heads, dims]`` for
+    turning K."""
 
     def __init__(self, mappings: list[mmap.mmap], spec: PagedBuffer, layout: KVLayout,
                  slab: np.ndarray) -> None:
@@ -118,9 +117,7 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
                                     ly.offset) for ly in spec.layers]
         self._place = np.array([[p.offset, p.block, p.token, p.head, p.dim]
                                 for p in (spec.k, spec.v)], np.int64)
-        self._compiled = spec.k.dim == spec.v.dim == 1  # else cpu_kt: K transposed
         self._k = [self._view(mappings[ly.buffer], ly.offset, spec.k) for ly in spec.layers]
-        self._v = [self._view(mappings[ly.buffer], ly.offset, spec.v) for ly in spec.layers]
         self._table: paged.BlockTable | None = None
 
     def _view(self, mapping: mmap.mmap, offset: int, p: KVPlacement) -> np.ndarray:
@@ -135,40 +132,16 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
 
     def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
              slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
-        assert self._table is not None, "bind() comes first"
-        first, last = layers or (0, self.layout.num_layers)
-        if self._compiled:
-            self._copy_compiled(direction is Direction.TO_SLAB, token_starts, chunk_size,
-                                slab_offsets, first, last)
-            return
-        for t, off in zip(token_starts, slab_offsets):  # numpy's fancy indexing, a chunk at a time
-            at = self._table.slots(t, chunk_size)
-            chunk = self._slot(off, chunk_size)
-            for layer in range(first, last):
-                if direction is Direction.TO_SLAB:
-                    chunk[0, layer] = self._k[layer][at.block, at.slot]
-                    chunk[1, layer] = self._v[layer][at.block, at.slot]
-                else:
-                    self._k[layer][at.block, at.slot] = chunk[0, layer]
-                    self._v[layer][at.block, at.slot] = chunk[1, layer]
-
-    def _slot(self, slab_offset: int, chunk_size: int) -> np.ndarray:
-        s, L, isz = self._spec, self.layout.num_layers, self._raw.itemsize
-        n = 2 * L * chunk_size * s.kv_heads * s.head_dim
-        return self._slab[slab_offset // isz:slab_offset // isz + n].reshape(
-            2, L, chunk_size, s.kv_heads, s.head_dim)
-
-    def _copy_compiled(self, to_slab: bool, token_starts: list[int], chunk_size: int,
-                       slab_offsets: list[int], first: int, last: int) -> None:
         from kvblend.dataplane.cpu_paged import copy_layer  # numba: the data plane's alone
         assert self._table is not None, "bind() comes first"
         s, L = self._spec, self.layout.num_layers
+        first, last = layers or (0, L)
         starts = np.asarray(token_starts, np.int64)
         slots = np.asarray(slab_offsets, np.int64) // self._raw.itemsize
         for layer in range(first, last):
             bad = copy_layer(self._flat[layer], self._slab, self._table.ids, s.block_size,
                              s.num_blocks, starts, chunk_size, slots, layer, L, self._place,
-                             s.kv_heads, s.head_dim, to_slab)
+                             s.kv_heads, s.head_dim, direction is Direction.TO_SLAB)
             assert bad < 0, (f"token {bad} of layer {layer} passes its block table, layer or "
                              "slot: BlockTable.check or paged.check let it through")
 
@@ -196,7 +169,7 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
             raise BadRequest("a CPU buffer takes no CUDA event")
 
     def close(self) -> None:
-        for views in ("_k", "_v", "_flat"):
+        for views in ("_k", "_flat"):
             self.__dict__.pop(views, None)
         for m in self._mmaps:
             try:

@@ -4,11 +4,11 @@ This module owns the kernel that moves a layer's K and V between an engine's pag
 and the chunks' slab slots; ``dataplane.cpu`` (``CpuPagedBuffer``) hands it raw element views and
 the placement (``dataplane.paged``: offsets and strides in elements), and checks everything first.
 A chunk goes run by run (its tokens in consecutive slots of one block, as read from the block
-table): where a token's heads follow each other and so do its tokens (flash_attn, flashinfer) a
-run is one range, else a range a token and head. A layout's dims must be contiguous: cpu_kt's
-transposed K stays with numpy's fancy indexing, which a compiled gather did not beat
-(docs/benchmarks.md). Copies are loops over views, which LLVM vectorizes: numba's slice
-assignment copies through a temporary where the two may overlap.
+table): where a token's dims, its heads and the tokens follow each other (flash_attn, flashinfer)
+a run is one range; where only the dims do (cpu_kt's V), a range a token and head; else (cpu_kt's
+K, transposed) element by element. Copies are loops over views or with unsigned indices, which
+run at memcpy's pace for ranges: numba's slice assignment copies through a temporary where the
+two may overlap, and checks every signed index for a negative value.
 
 NOTE: raw elements (uint16 for bf16 and fp16, uint32 for float32: bits are moved, never values),
 one thread without the GIL (``nogil``) as ``dataplane.cpu_rotary``, for the same reason: each
@@ -37,21 +37,40 @@ def _run(dst, d, src, s, n):  # pragma: no cover (compiled)
 @njit(nogil=True, cache=True)
 def _move(eng, slab, e, c, n, place, row, heads, head_dim, to_slab):  # pragma: no cover
     """A run of ``n`` tokens in consecutive slots of one block, its K or V (``place``: offset,
-    block, token, head and dim strides, dims contiguous): from ``eng[e]`` to ``slab[c]`` (``n``
-    rows of ``row`` contiguous elements), or back."""
-    tok, hs = place[2], place[3]
-    if hs == head_dim and tok == row:  # the whole run is one range (flash_attn, flashinfer)
+    block, token, head and dim strides): from ``eng[e]`` to ``slab[c]`` (``n`` rows of ``row``
+    contiguous elements), or back."""
+    tok, hs, ds = place[2], place[3], place[4]
+    if ds == 1 and hs == head_dim and tok == row:  # one range (flash_attn, flashinfer)
         if to_slab:
             _run(slab, c, eng, e, n * row)
         else:
             _run(eng, e, slab, c, n * row)
-    else:  # a range a token and head
+    elif ds == 1:  # a range a token and head (cpu_kt's V)
         for t in range(n):
             for h in range(heads):
                 if to_slab:
                     _run(slab, c + t * row + h * head_dim, eng, e + t * tok + h * hs, head_dim)
                 else:
                     _run(eng, e + t * tok + h * hs, slab, c + t * row + h * head_dim, head_dim)
+    else:  # dims strided (cpu_kt's K): element by element
+        _strided(eng, slab, e, c, n, tok, hs, ds, row, heads, head_dim, to_slab)
+
+
+@njit(nogil=True, cache=True)
+def _strided(eng, slab, e, c, n, tok, hs, ds, row, heads, head_dim, to_slab):  # pragma: no cover
+    """``_move`` where a head's dims are ``ds`` elements apart. Unsigned indices: numba checks a
+    signed index for a negative value at every access, which halved this loop's speed."""
+    u = np.uint64
+    for t in range(n):
+        for h in range(heads):
+            x = u(e) + u(t) * u(tok) + u(h) * u(hs)
+            y = u(c) + u(t) * u(row) + u(h) * u(head_dim)
+            if to_slab:
+                for d in range(head_dim):
+                    slab[y + u(d)] = eng[x + u(d) * u(ds)]
+            else:
+                for d in range(head_dim):
+                    eng[x + u(d) * u(ds)] = slab[y + u(d)]
 
 
 @njit(nogil=True, cache=True)

@@ -24,9 +24,16 @@ def heads_apart(B: int, S: int, H: int, Dh: int) -> tuple[KVPlacement, KVPlaceme
     return k, KVPlacement(B * H * S * Dh, H * S * Dh, Dh, S * Dh, 1)
 
 
+def dims_alike(B: int, S: int, H: int, Dh: int) -> tuple[KVPlacement, KVPlacement]:
+    """flash_attn's strides but a dim stride of 0 (every dim one element): a descriptor that
+    passes ``paged.check``, whose rows are not ranges."""
+    k = KVPlacement(0, S * H * Dh, H * Dh, Dh, 0)
+    return k, KVPlacement(B * S * H * Dh, S * H * Dh, H * Dh, Dh, 0)
+
+
 def placement(layout: str, B: int, S: int, H: int, Dh: int) -> np.ndarray:
-    kv = heads_apart(B, S, H, Dh) if layout == "heads_apart" else paged.placements(
-        layout, B, S, H, Dh)
+    made = {"heads_apart": heads_apart, "dims_alike": dims_alike}
+    kv = made[layout](B, S, H, Dh) if layout in made else paged.placements(layout, B, S, H, Dh)
     return np.array([[p.offset, p.block, p.token, p.head, p.dim] for p in kv], np.int64)
 
 
@@ -57,7 +64,8 @@ def cases(draw: st.DrawFn) -> dict:
     B = table_blocks + draw(st.integers(0, 4))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     return dict(S=S, H=H, Dh=Dh, C=C, n=n, L=L, B=B, rng=rng,
-                layout=draw(st.sampled_from(["flash_attn", "flashinfer", "heads_apart"])),
+                layout=draw(st.sampled_from(["flash_attn", "flashinfer", "cpu_kt", "heads_apart",
+                                             "dims_alike"])),
                 dtype=draw(st.sampled_from([np.uint16, np.uint32])),
                 ids=rng.permutation(B)[:table_blocks].astype(np.int64),
                 starts=np.sort(rng.choice(np.arange(0, table_blocks * S - C + 1), n)),
