@@ -1,8 +1,9 @@
-"""The CPU copy engine: engine buffers in POSIX shared memory, copies with memcpy (numpy).
+"""The CPU copy engine: engine buffers in POSIX shared memory, copies with memcpy (numpy) and,
+for paged caches, one compiled pass a layer (``dataplane.cpu_paged``).
 
 This module owns opening a ``ShmBuffer`` and the copies; it serves CPU-only engines, tests and CI
-with the same semantics as the CUDA engine. numpy releases the GIL inside large copies, so the
-worker threads of different instances copy in parallel.
+with the same semantics as the CUDA engine. numpy releases the GIL inside large copies and the
+compiled kernels run without it, so the worker threads of different instances copy in parallel.
 
 A buffer is opened only when the client proves it is its own (docs/security.md): its name is
 ``<prefix>_kvbuf_<32 lowercase hex>`` (a form no segment of kvblend's has), it is opened with
