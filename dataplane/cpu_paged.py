@@ -35,42 +35,28 @@ def _run(dst, d, src, s, n):  # pragma: no cover (compiled)
 
 
 @njit(nogil=True, cache=True)
-def _move(eng, slab, e, c, n, place, row, heads, head_dim, to_slab):  # pragma: no cover
-    """A run of ``n`` tokens in consecutive slots of one block, its K or V (``place``: offset,
-    block, token, head and dim strides): from ``eng[e]`` to ``slab[c]`` (``n`` rows of ``row``
-    contiguous elements), or back."""
-    tok, hs, ds = place[2], place[3], place[4]
-    if ds == 1 and hs == head_dim and tok == row:  # one range (flash_attn, flashinfer)
-        if to_slab:
-            _run(slab, c, eng, e, n * row)
-        else:
-            _run(eng, e, slab, c, n * row)
-    elif ds == 1:  # a range a token and head (cpu_kt's V)
+def _move(dst, d, dst_at, src, s, src_at, n, heads, head_dim):  # pragma: no cover (compiled)
+    """A run of ``n`` tokens' K or V from ``src[s]`` to ``dst[d]``, each side's (token, head,
+    dim) strides in ``*_at``: one range where both sides hold the run contiguously (flash_attn,
+    flashinfer), a range a token and head where both sides' dims are (cpu_kt's V), else element
+    by element (cpu_kt's K) with unsigned indices: numba checks a signed index for a negative
+    value at every access, which halved that loop's speed."""
+    row = heads * head_dim
+    if dst_at == src_at == (row, head_dim, 1):
+        _run(dst, d, src, s, n * row)
+    elif dst_at[2] == src_at[2] == 1:
         for t in range(n):
             for h in range(heads):
-                if to_slab:
-                    _run(slab, c + t * row + h * head_dim, eng, e + t * tok + h * hs, head_dim)
-                else:
-                    _run(eng, e + t * tok + h * hs, slab, c + t * row + h * head_dim, head_dim)
-    else:  # dims strided (cpu_kt's K): element by element
-        _strided(eng, slab, e, c, n, tok, hs, ds, row, heads, head_dim, to_slab)
-
-
-@njit(nogil=True, cache=True)
-def _strided(eng, slab, e, c, n, tok, hs, ds, row, heads, head_dim, to_slab):  # pragma: no cover
-    """``_move`` where a head's dims are ``ds`` elements apart. Unsigned indices: numba checks a
-    signed index for a negative value at every access, which halved this loop's speed."""
-    u = np.uint64
-    for t in range(n):
-        for h in range(heads):
-            x = u(e) + u(t) * u(tok) + u(h) * u(hs)
-            y = u(c) + u(t) * u(row) + u(h) * u(head_dim)
-            if to_slab:
-                for d in range(head_dim):
-                    slab[y + u(d)] = eng[x + u(d) * u(ds)]
-            else:
-                for d in range(head_dim):
-                    eng[x + u(d) * u(ds)] = slab[y + u(d)]
+                _run(dst, d + t * dst_at[0] + h * dst_at[1], src,
+                     s + t * src_at[0] + h * src_at[1], head_dim)
+    else:
+        u = np.uint64
+        for t in range(n):
+            for h in range(heads):
+                x = u(d) + u(t) * u(dst_at[0]) + u(h) * u(dst_at[1])
+                y = u(s) + u(t) * u(src_at[0]) + u(h) * u(src_at[1])
+                for k in range(head_dim):
+                    dst[x + u(k) * u(dst_at[2])] = src[y + u(k) * u(src_at[2])]
 
 
 @njit(nogil=True, cache=True)
@@ -99,7 +85,11 @@ def copy_layer(eng, slab, ids, block_size, num_blocks, starts, count, slot_at, l
                 last = e + (n - 1) * pl[2] + (heads - 1) * pl[3] + (head_dim - 1) * pl[4]
                 if e < 0 or last >= eng.shape[0] or c < 0 or c + n * row > slab.shape[0]:
                     return j * count + i
-                _move(eng, slab, e, c, n, pl, row, heads, head_dim, to_slab)
+                at = (pl[2], pl[3], pl[4])
+                if to_slab:
+                    _move(slab, c, (row, head_dim, 1), eng, e, at, n, heads, head_dim)
+                else:
+                    _move(eng, e, at, slab, c, (row, head_dim, 1), n, heads, head_dim)
             i += n
     return -1
 
