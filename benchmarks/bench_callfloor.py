@@ -50,6 +50,10 @@ ROW_WORDS = 6  # a chunk's row in the frame: 48 bytes (slot, token start, four s
 WAITALL = 0x100  # MSG_WAITALL
 H2D_TYPES = (1, 2)  # CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE
 P_STREAM, P_ENGINE, P_DONE, P_SLAB, P_BUF, P_PITCH, P_CUDA = range(7)
+# a call's probes (the header's second word): the server skips its wait for the engine's event,
+# or its own event's record and wait, or asks the engine's event first and waits only if it has
+# not completed; the caller skips recording the engine's event
+NO_WAIT, NO_SYNC, QUERY, NO_RECORD = 1, 2, 4, 8
 
 
 def _fn(lib: ctypes.CDLL, name: str, args: list, res: type = ctypes.c_int) -> Callable:
@@ -59,32 +63,35 @@ def _fn(lib: ctypes.CDLL, name: str, args: list, res: type = ctypes.c_int) -> Ca
 
 
 def _libs(cuda: bool) -> tuple[Callable, ...]:
-    """libc's send, recv and memcpy; the driver's stream wait, event record, event wait and
-    2-D copy (without CUDA: ``getpid`` under their signatures, never called)."""
+    """libc's send, recv and memcpy; the driver's stream wait, event record, event wait, 2-D
+    copy and event query (without CUDA: ``getpid`` under their signatures, never called)."""
     u64, i32, sz = ctypes.c_uint64, ctypes.c_int, ctypes.c_size_t
     libc = ctypes.CDLL(None)
     send = _fn(libc, "send", [i32, u64, sz, i32], ctypes.c_int64)
     recv = _fn(libc, "recv", [i32, u64, sz, i32], ctypes.c_int64)
     memcpy = _fn(libc, "memcpy", [u64, u64, sz], u64)
     if not cuda:
-        drv, names = libc, ("getpid",) * 4
+        drv, names = libc, ("getpid",) * 5
     else:
         drv = ctypes.CDLL("libcuda.so.1")
-        names = ("cuStreamWaitEvent", "cuEventRecord", "cuEventSynchronize", "cuMemcpy2DAsync_v2")
-    sigs = ([u64, u64, ctypes.c_uint], [u64, u64], [u64], [u64, u64])
+        names = ("cuStreamWaitEvent", "cuEventRecord", "cuEventSynchronize", "cuMemcpy2DAsync_v2",
+                 "cuEventQuery")
+    sigs = ([u64, u64, ctypes.c_uint], [u64, u64], [u64], [u64, u64], [u64])
     return (send, recv, memcpy) + tuple(_fn(drv, n, a) for n, a in zip(names, sigs))
 
 
 def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
     """The compiled ``copies``, ``serve`` and ``call``; each one's ``py_func`` is the same code
     run by Python."""
-    send, recv, memcpy, wait_event, record, synchronize, copy2d = _libs(cuda)
+    send, recv, memcpy, wait_event, record, synchronize, copy2d, query = _libs(cuda)
     width, height = CHUNK * D * ISZ, 2 * L
 
     @numba.njit(nogil=True)
-    def copies(words: np.ndarray, n: int, desc: np.ndarray, p: np.ndarray) -> int:
-        # words[2 + 6 i]: chunk i's slab slot, words[3 + 6 i]: its first token in the buffer
-        if p[P_CUDA]:
+    def copies(words: np.ndarray, n: int, desc: np.ndarray, p: np.ndarray, how: int) -> int:
+        # words[2 + 6 i]: chunk i's slab slot, words[3 + 6 i]: its first token in the buffer;
+        # how (the probes): NO_WAIT, NO_SYNC, QUERY (the engine's event asked on the host first)
+        cuda = p[P_CUDA] != 0
+        if cuda and not how & NO_WAIT and not (how & QUERY and query(p[P_ENGINE]) == 0):
             wait_event(p[P_STREAM], p[P_ENGINE], 0)
         for i in range(n):
             src = p[P_SLAB] + words[2 + ROW_WORDS * i] * width * height
@@ -95,7 +102,7 @@ def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
             else:
                 for r in range(height):
                     memcpy(dst + r * p[P_PITCH], src + r * width, width)
-        if p[P_CUDA]:
+        if cuda and not how & NO_SYNC:
             record(p[P_DONE], p[P_STREAM])
             synchronize(p[P_DONE])
         return n
@@ -112,13 +119,13 @@ def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
                 return words[1]
             if n and recv(fd, at + 16, n * ROW_WORDS * 8, WAITALL) != n * ROW_WORDS * 8:
                 return -1
-            words[1] = copies(words, n, desc, p)
+            words[1] = copies(words, n, desc, p, words[1])
             if send(fd, at + 8, 8, 0) != 8:
                 return -1
 
     @numba.njit(nogil=True)
     def call(fd: int, frame: np.ndarray, nbytes: int, reply: np.ndarray, p: np.ndarray) -> int:
-        if p[P_CUDA]:
+        if p[P_CUDA] and not frame[1] & NO_RECORD:
             record(p[P_ENGINE], p[P_STREAM])
         if send(fd, frame.ctypes.data, nbytes, 0) != nbytes:
             return -1
@@ -244,9 +251,9 @@ class Caller:
             self.sock.sendall(np.array([-1, mode], np.int64).tobytes())
             self.mode = mode
 
-    def call(self, n: int) -> None:
+    def call(self, n: int, how: int = 0) -> None:
         fn = self.call_fn if self.mode == 0 else self.call_fn.py_func
-        self.frame[0] = n
+        self.frame[0], self.frame[1] = n, how
         if fn(self.fd, self.frame, 16 + n * ROW_WORDS * 8, self.reply, self.p) != n:
             raise RuntimeError("the serving process failed a call")
 
@@ -287,7 +294,7 @@ def limits(c: Caller, iters: int) -> tuple[float, float]:
             torch.cuda.synchronize()
         p[P_SLAB], p[P_STREAM] = host.data_ptr(), torch.cuda.current_stream().cuda_stream
         p[P_DONE] = cupy.cuda.runtime.eventCreateWithFlags(2)
-        c.copies(c.frame, 0, descriptor(c.pitch), c.p)  # the engine's event recorded once
+        c.copies(c.frame, 0, descriptor(c.pitch), c.p, 0)  # the engine's event recorded once
     else:
         host, dev = np.ones(n, np.uint8), np.zeros(n, np.uint8)
         buf = np.zeros(2 * L * c.pitch, np.uint8)
@@ -296,17 +303,17 @@ def limits(c: Caller, iters: int) -> tuple[float, float]:
             np.copyto(dev, host)
         p[P_SLAB], p[P_BUF] = host.ctypes.data, buf.ctypes.data
     desc = descriptor(c.pitch)
-    alone = median_ms(lambda: c.copies(c.frame, c.chunks, desc, p), iters)
+    alone = median_ms(lambda: c.copies(c.frame, c.chunks, desc, p, 0), iters)
     return median_ms(limit, iters), alone
 
 
-def timed_calls(c: Caller, n: int, iters: int, idle_s: float = 0.0) -> list[float]:
+def timed_calls(c: Caller, n: int, iters: int, idle_s: float = 0.0, how: int = 0) -> list[float]:
     times = []
     for _ in range(iters):
         if idle_s:
             time.sleep(idle_s)
         t0 = time.perf_counter()
-        c.call(n)
+        c.call(n, how)
         times.append((time.perf_counter() - t0) * 1e3)
     return times
 
@@ -338,10 +345,20 @@ def _has_cuda() -> bool:
         return False
 
 
-def report(c: Caller, args: argparse.Namespace) -> None:
-    names = ("compiled", "Python")
-    full: dict[int, list[float]] = {0: [], 1: []}
-    empty: dict[tuple[int, float], list[float]] = {}
+PROBES = (  # (what, chunks: 0 or all, how); compiled, back to back
+    ("empty: the socket alone", 0, NO_RECORD | NO_WAIT | NO_SYNC),
+    ("empty: + the server's own event recorded and waited for", 0, NO_RECORD | NO_WAIT),
+    ("empty: + its stream waits for the engine's event, completed long before", 0, NO_RECORD),
+    ("empty: + the engine records its event first (the floor)", 0, 0),
+    ("empty: the floor, the engine's event asked first on the host", 0, QUERY),
+    ("all chunks: the floor, the engine's event asked first on the host", -1, QUERY),
+    ("all chunks: the floor without waiting for the engine's event", -1, NO_WAIT),
+)
+
+
+def measure(c: Caller, args: argparse.Namespace) -> dict:
+    """Every row's times (ms), blocks of each mode and of the probes alternating."""
+    times: dict = {}
     for mode in (0, 1):
         c.use(mode)
         c.call(c.chunks)
@@ -350,28 +367,44 @@ def report(c: Caller, args: argparse.Namespace) -> None:
         for mode in (0, 1):
             c.use(mode)
             timed_calls(c, c.chunks, 3)
-            full[mode] += timed_calls(c, c.chunks, args.iters)
+            times.setdefault(("full", mode), []).extend(timed_calls(c, c.chunks, args.iters))
             for idle in (0.0, 0.004):
-                empty.setdefault((mode, idle), []).extend(timed_calls(c, 0, 20, idle))
+                times.setdefault(("empty", mode, idle), []).extend(timed_calls(c, 0, 20, idle))
+        if c.cuda:
+            c.use(0)
+            for what, n, how in PROBES:
+                n = c.chunks if n < 0 else n
+                timed_calls(c, n, 3, how=how)
+                times.setdefault(what, []).extend(timed_calls(c, n, args.iters, how=how))
+    return times
+
+
+def report(c: Caller, args: argparse.Namespace) -> None:
+    names = ("compiled", "Python")
+    times = measure(c, args)
+    med = {k: statistics.median(v) for k, v in times.items()}
     limit, alone = limits(c, args.iters)
     kind = "pinned copy_" if c.cuda else "memcpy"
     mib = c.chunks * c.chunk / 2**20
     print(f"# {c.chunks} chunks of {c.chunk / 2**20:.0f} MiB ({mib:.0f} MiB) a call, "
           f"{'CUDA' if c.cuda else 'CPU'}; {args.blocks} blocks of {args.iters} calls a mode")
     for mode in (0, 1):
-        print(f"# empty call, {names[mode]}: back to back "
-              f"{statistics.median(empty[(mode, 0.0)]) * 1e3:.0f} us, after 4 ms idle "
-              f"{statistics.median(empty[(mode, 0.004)]) * 1e3:.0f} us")
+        print(f"# empty call, {names[mode]}: back to back {med[('empty', mode, 0.0)] * 1e3:.0f} "
+              f"us, after 4 ms idle {med[('empty', mode, 0.004)] * 1e3:.0f} us")
     print("| what | ms a call | share of the limit | besides the strided copies (us) |")
     print("|---|---:|---:|---:|")
     print(f"| limit: {kind} of the same bytes | {limit:.3f} | 1.000 | |")
     print(f"| the strided copies alone, this process | {alone:.3f} | {limit / alone:.3f} | 0 |")
-    for mode in (0, 1):
-        ms = statistics.median(full[mode])
-        print(f"| the floor call, {names[mode]} | {ms:.3f} | {limit / ms:.3f} | "
-              f"{(ms - alone) * 1e3:.0f} |")
+    rows = [(f"the floor call, {names[m]}", med[("full", m)]) for m in (0, 1)]
+    for what, n, _ in PROBES:
+        rows += [(what, med[what])] if n < 0 and what in med else []
+    for what, ms in rows:
+        print(f"| {what} | {ms:.3f} | {limit / ms:.3f} | {(ms - alone) * 1e3:.0f} |")
     print(f"# 0.92 of the limit leaves a call {(limit / 0.92 - alone) * 1e3:.0f} us besides its "
           "strided copies")
+    for what, n, _ in PROBES:
+        if not n and what in med:
+            print(f"# {what}: {med[what] * 1e3:.0f} us")
 
 
 if __name__ == "__main__":
