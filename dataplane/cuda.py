@@ -14,6 +14,13 @@ in the slab it is contiguous ``[2, L, C, D]``. One strided copy moves it::
 A retrieve into an instance registered with a rotary config then turns K of its chunks with one
 kernel on the same stream (``dataplane.cuda_rotary``), before the call's events are recorded.
 
+NOTE: the engine's event is asked on the host (``cudaEventQuery``) before the stream is made to
+wait for it, and one that completed already is not waited for: nothing is left to order after.
+An event recorded just before the call is mostly not complete yet and is waited for as before:
+on an H100 a freshly recorded interprocess event was seen complete by this process about 0.27 ms
+after its record, even on an idle stream, which no ordering by that event avoids
+(``benchmarks/bench_callfloor.py``; docs/benchmarks.md, "A call's floor").
+
 The engine that registers the slab and opens the buffers is ``dataplane.cuda_engine``'s. cupy and
 torch are imported lazily by ``dataplane.engines.make_engine``: CPU machines have no cupy.
 """
@@ -70,7 +77,9 @@ class CudaBuffer(InstanceBuffer):
     def begin(self, engine_event: bytes | None) -> None:
         cupy.cuda.runtime.setDevice(self.device)
         if engine_event is not None:
-            self.stream.wait_event(self._event(engine_event))
+            ev = self._event(engine_event)
+            if not ev.query():  # completed already: nothing to order after (the NOTE)
+                self.stream.wait_event(ev)
 
     def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
              slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
