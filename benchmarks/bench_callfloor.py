@@ -19,6 +19,12 @@ blocks. Side by side in the same run: a pinned ``copy_`` of the same bytes (the 
 same strided copies issued in this process with nothing around them. Before the table, an empty
 call (no chunks) back to back and after 4 ms of idleness, each way.
 
+With CUDA, probes take the call apart (compiled, back to back, in the same blocks; ``PROBES``):
+the empty call with the socket alone, with the other process's own event, with its stream
+waiting for an engine event that completed long before, with the engine recording it just
+before it sends (the floor); the floor with the engine's event asked on the host first
+(``cuEventQuery``, waited for only if not complete), and without waiting for it at all.
+
 ``--backend cpu`` (no GPU): the other process memcpy's each chunk's rows from its slab into its
 own buffer, with no events: the protocol and the processes' wake-ups alone, against memcpy.
 
