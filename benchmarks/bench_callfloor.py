@@ -24,6 +24,8 @@ the empty call with the socket alone, with the other process's own event, with i
 waiting for an engine event that completed long before, with the engine recording it just
 before it sends (the floor); the floor with the engine's event asked on the host first
 (``cuEventQuery``, waited for only if not complete), and without waiting for it at all.
+``--values`` adds the call ordered instead by a word of shared host memory that the engine's
+stream writes (``cuStreamWriteValue32``) and the other stream waits for (``cuStreamWaitValue32``).
 
 ``--backend cpu`` (no GPU): the other process memcpy's each chunk's rows from its slab into its
 own buffer, with no events: the protocol and the processes' wake-ups alone, against memcpy.
@@ -48,6 +50,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from multiprocessing import shared_memory
+
 import numba
 import numpy as np
 
@@ -55,11 +59,13 @@ L, D, CHUNK, ISZ = 24, 128, 256, 2  # the small layout: 48 rows of 64 KiB a chun
 ROW_WORDS = 6  # a chunk's row in the frame: 48 bytes (slot, token start, four spare words)
 WAITALL = 0x100  # MSG_WAITALL
 H2D_TYPES = (1, 2)  # CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE
-P_STREAM, P_ENGINE, P_DONE, P_SLAB, P_BUF, P_PITCH, P_CUDA = range(7)
+P_STREAM, P_ENGINE, P_DONE, P_SLAB, P_BUF, P_PITCH, P_CUDA, P_WORD = range(8)
 # a call's probes (the header's second word): the server skips its wait for the engine's event,
 # or its own event's record and wait, or asks the engine's event first and waits only if it has
-# not completed; the caller skips recording the engine's event
-NO_WAIT, NO_SYNC, QUERY, NO_RECORD = 1, 2, 4, 8
+# not completed; the caller skips recording the engine's event; VALUES (``--values``): instead
+# of the event, the engine's stream writes the call's number (the word's bits 8 and up) into a
+# word of shared host memory and the other stream waits until the word reaches it
+NO_WAIT, NO_SYNC, QUERY, NO_RECORD, VALUES = 1, 2, 4, 8, 16
 
 
 def _fn(lib: ctypes.CDLL, name: str, args: list, res: type = ctypes.c_int) -> Callable:
@@ -70,26 +76,28 @@ def _fn(lib: ctypes.CDLL, name: str, args: list, res: type = ctypes.c_int) -> Ca
 
 def _libs(cuda: bool) -> tuple[Callable, ...]:
     """libc's send, recv and memcpy; the driver's stream wait, event record, event wait, 2-D
-    copy and event query (without CUDA: ``getpid`` under their signatures, never called)."""
+    copy, event query, and a stream's write of and wait for a word (without CUDA: ``getpid``
+    under their signatures, never called)."""
     u64, i32, sz = ctypes.c_uint64, ctypes.c_int, ctypes.c_size_t
     libc = ctypes.CDLL(None)
     send = _fn(libc, "send", [i32, u64, sz, i32], ctypes.c_int64)
     recv = _fn(libc, "recv", [i32, u64, sz, i32], ctypes.c_int64)
     memcpy = _fn(libc, "memcpy", [u64, u64, sz], u64)
     if not cuda:
-        drv, names = libc, ("getpid",) * 5
+        drv, names = libc, ("getpid",) * 7
     else:
         drv = ctypes.CDLL("libcuda.so.1")
         names = ("cuStreamWaitEvent", "cuEventRecord", "cuEventSynchronize", "cuMemcpy2DAsync_v2",
-                 "cuEventQuery")
-    sigs = ([u64, u64, ctypes.c_uint], [u64, u64], [u64], [u64, u64], [u64])
+                 "cuEventQuery", "cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2")
+    word = [u64, u64, ctypes.c_uint32, ctypes.c_uint]
+    sigs = ([u64, u64, ctypes.c_uint], [u64, u64], [u64], [u64, u64], [u64], word, word)
     return (send, recv, memcpy) + tuple(_fn(drv, n, a) for n, a in zip(names, sigs))
 
 
 def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
     """The compiled ``copies``, ``serve`` and ``call``; each one's ``py_func`` is the same code
     run by Python."""
-    send, recv, memcpy, wait_event, record, synchronize, copy2d, query = _libs(cuda)
+    send, recv, memcpy, wait_event, record, synchronize, copy2d, query, put, wait_word = _libs(cuda)
     width, height = CHUNK * D * ISZ, 2 * L
 
     @numba.njit(nogil=True)
@@ -97,7 +105,9 @@ def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
         # words[2 + 6 i]: chunk i's slab slot, words[3 + 6 i]: its first token in the buffer;
         # how (the probes): NO_WAIT, NO_SYNC, QUERY (the engine's event asked on the host first)
         cuda = p[P_CUDA] != 0
-        if cuda and not how & NO_WAIT and not (how & QUERY and query(p[P_ENGINE]) == 0):
+        if cuda and how & VALUES:
+            wait_word(p[P_STREAM], p[P_WORD], how >> 8, 0)  # CU_STREAM_WAIT_VALUE_GEQ
+        elif cuda and not how & NO_WAIT and not (how & QUERY and query(p[P_ENGINE]) == 0):
             wait_event(p[P_STREAM], p[P_ENGINE], 0)
         for i in range(n):
             src = p[P_SLAB] + words[2 + ROW_WORDS * i] * width * height
@@ -131,7 +141,9 @@ def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
 
     @numba.njit(nogil=True)
     def call(fd: int, frame: np.ndarray, nbytes: int, reply: np.ndarray, p: np.ndarray) -> int:
-        if p[P_CUDA] and not frame[1] & NO_RECORD:
+        if p[P_CUDA] and frame[1] & VALUES:
+            put(p[P_STREAM], p[P_WORD], frame[1] >> 8, 0)
+        elif p[P_CUDA] and not frame[1] & NO_RECORD:
             record(p[P_ENGINE], p[P_STREAM])
         if send(fd, frame.ctypes.data, nbytes, 0) != nbytes:
             return -1
@@ -150,6 +162,18 @@ def descriptor(pitch: int) -> np.ndarray:
     desc[6], desc[13] = CHUNK * D * ISZ, pitch
     desc[14], desc[15] = CHUNK * D * ISZ, 2 * L
     return desc
+
+
+def device_word(shm: shared_memory.SharedMemory) -> int:
+    """The device address of the first word of ``shm``, registered mapped and portable."""
+    import cupy
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+    cupy.cuda.runtime.hostRegister(ptr, shm.size, 3)
+    out = ctypes.c_uint64(0)
+    fn = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
+    if fn(ctypes.byref(out), ctypes.c_void_p(ptr), ctypes.c_uint(0)):
+        raise RuntimeError("cuMemHostGetDevicePointer failed")
+    return int(out.value)
 
 
 def _serve_main(path: str) -> None:
@@ -175,6 +199,9 @@ def _serve_main(path: str) -> None:
         p[P_DONE] = rt.eventCreateWithFlags(2)  # disable timing
         p[P_STREAM] = stream.ptr
         keep += [stream, pinned]
+        if "word" in setup:
+            keep.append(shared_memory.SharedMemory(setup["word"]))
+            p[P_WORD] = device_word(keep[-1])
     else:
         slab = np.empty(chunks * chunk, np.uint8)
         buf = np.zeros(setup["pitch"] * 2 * L, np.uint8)
@@ -208,8 +235,8 @@ def median_ms(fn: Callable[[], object], iters: int, warm: int = 3) -> float:
 class Caller:
     """This process's side: the engine's buffer, stream and event, the frame, the server."""
 
-    def __init__(self, cuda: bool, chunks: int) -> None:
-        self.cuda, self.chunks = cuda, chunks
+    def __init__(self, cuda: bool, chunks: int, values: bool = False) -> None:
+        self.cuda, self.chunks, self.value, self.word = cuda, chunks, 0, None
         self.chunk = CHUNK * D * ISZ * 2 * L
         self.pitch = chunks * CHUNK * D * ISZ
         self.p = np.zeros(8, np.int64)
@@ -227,6 +254,10 @@ class Caller:
             self.p[P_STREAM] = self.stream.cuda_stream
             setup["buffer"] = bytes(rt.ipcGetMemHandle(int(self.p[P_BUF]))).hex()
             setup["event"] = bytes(rt.ipcGetEventHandle(int(self.p[P_ENGINE]))).hex()
+            if values:
+                self.word = shared_memory.SharedMemory(create=True, size=4096)
+                self.word.buf[:8] = bytes(8)
+                self.p[P_WORD], setup["word"] = device_word(self.word), self.word.name
         self.frame = np.zeros(2 + ROW_WORDS * chunks, np.int64)
         self.frame[0] = chunks
         self.frame[2::ROW_WORDS] = np.arange(chunks)  # chunk i from slot i ...
@@ -259,6 +290,9 @@ class Caller:
 
     def call(self, n: int, how: int = 0) -> None:
         fn = self.call_fn if self.mode == 0 else self.call_fn.py_func
+        if how & VALUES:
+            self.value += 1
+            how |= self.value << 8
         self.frame[0], self.frame[1] = n, how
         if fn(self.fd, self.frame, 16 + n * ROW_WORDS * 8, self.reply, self.p) != n:
             raise RuntimeError("the serving process failed a call")
@@ -283,6 +317,8 @@ class Caller:
         self.sock.close()
         os.unlink(os.path.join(self._dir, "s"))
         os.rmdir(self._dir)
+        if self.word is not None:
+            self.word.unlink()
 
 
 def limits(c: Caller, iters: int) -> tuple[float, float]:
@@ -330,13 +366,15 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--iters", type=int, default=40, help="calls a block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks of each mode, alternating")
+    ap.add_argument("--values", action="store_true",
+                    help="also order calls by a word in shared host memory (stream memory ops)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         _serve_main(args.serve)
         return
     cuda = args.backend == "cuda" if args.backend else _has_cuda()
-    c = Caller(cuda, args.chunks)
+    c = Caller(cuda, args.chunks, args.values)
     try:
         report(c, args)
     finally:
@@ -360,6 +398,10 @@ PROBES = (  # (what, chunks: 0 or all, how); compiled, back to back
     ("all chunks: the floor, the engine's event asked first on the host", -1, QUERY),
     ("all chunks: the floor without waiting for the engine's event", -1, NO_WAIT),
 )
+WORD_PROBES = (  # --values
+    ("empty: ordered by a word the engine's stream writes, not by its event", 0, VALUES),
+    ("all chunks: ordered by a word the engine's stream writes, not by its event", -1, VALUES),
+)
 
 
 def measure(c: Caller, args: argparse.Namespace) -> dict:
@@ -378,7 +420,7 @@ def measure(c: Caller, args: argparse.Namespace) -> dict:
                 times.setdefault(("empty", mode, idle), []).extend(timed_calls(c, 0, 20, idle))
         if c.cuda:
             c.use(0)
-            for what, n, how in PROBES:
+            for what, n, how in PROBES + (WORD_PROBES if args.values else ()):
                 n = c.chunks if n < 0 else n
                 timed_calls(c, n, 3, how=how)
                 times.setdefault(what, []).extend(timed_calls(c, n, args.iters, how=how))
@@ -402,13 +444,13 @@ def report(c: Caller, args: argparse.Namespace) -> None:
     print(f"| limit: {kind} of the same bytes | {limit:.3f} | 1.000 | |")
     print(f"| the strided copies alone, this process | {alone:.3f} | {limit / alone:.3f} | 0 |")
     rows = [(f"the floor call, {names[m]}", med[("full", m)]) for m in (0, 1)]
-    for what, n, _ in PROBES:
+    for what, n, _ in PROBES + WORD_PROBES:
         rows += [(what, med[what])] if n < 0 and what in med else []
     for what, ms in rows:
         print(f"| {what} | {ms:.3f} | {limit / ms:.3f} | {(ms - alone) * 1e3:.0f} |")
     print(f"# 0.92 of the limit leaves a call {(limit / 0.92 - alone) * 1e3:.0f} us besides its "
           "strided copies")
-    for what, n, _ in PROBES:
+    for what, n, _ in PROBES + WORD_PROBES:
         if not n and what in med:
             print(f"# {what}: {med[what] * 1e3:.0f} us")
 
