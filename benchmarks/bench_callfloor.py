@@ -39,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -317,8 +318,9 @@ class Caller:
         self.sock.close()
         os.unlink(os.path.join(self._dir, "s"))
         os.rmdir(self._dir)
-        if self.word is not None:
-            self.word.unlink()
+        if self.word is not None:  # the server's resource tracker may have unlinked it first
+            with contextlib.suppress(FileNotFoundError):
+                self.word.unlink()
 
 
 def limits(c: Caller, iters: int) -> tuple[float, float]:
