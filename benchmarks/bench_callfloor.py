@@ -50,11 +50,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-
 from multiprocessing import shared_memory
 
 import numba
 import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_dataplane import median_time  # noqa: E402
 
 L, D, CHUNK, ISZ = 24, 128, 256, 2  # the small layout: 48 rows of 64 KiB a chunk, bfloat16
 ROW_WORDS = 6  # a chunk's row in the frame: 48 bytes (slot, token start, four spare words)
@@ -113,7 +118,7 @@ def make_loops(cuda: bool) -> tuple[Callable, Callable, Callable]:
         for i in range(n):
             src = p[P_SLAB] + words[2 + ROW_WORDS * i] * width * height
             dst = p[P_BUF] + words[3 + ROW_WORDS * i] * D * ISZ
-            if p[P_CUDA]:  # CUDA_MEMCPY2D: 16 words, host source, device destination
+            if cuda:  # CUDA_MEMCPY2D: 16 words, host source, device destination
                 desc[3], desc[11] = src, dst
                 copy2d(desc.ctypes.data, p[P_STREAM])
             else:
@@ -165,16 +170,12 @@ def descriptor(pitch: int) -> np.ndarray:
     return desc
 
 
-def device_word(shm: shared_memory.SharedMemory) -> int:
-    """The device address of the first word of ``shm``, registered mapped and portable."""
-    import cupy
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
-    cupy.cuda.runtime.hostRegister(ptr, shm.size, 3)
-    out = ctypes.c_uint64(0)
-    fn = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
-    if fn(ctypes.byref(out), ctypes.c_void_p(ptr), ctypes.c_uint(0)):
-        raise RuntimeError("cuMemHostGetDevicePointer failed")
-    return int(out.value)
+def device_word(shm: shared_memory.SharedMemory) -> tuple[int, object]:
+    """The device address of the first word of ``shm``, and the mapping that keeps it
+    registered (``dataplane.gather.HostMapping``: portable and mapped)."""
+    from kvblend.dataplane.gather import HostMapping
+    mapping = HostMapping(ctypes.addressof(ctypes.c_char.from_buffer(shm.buf)), shm.size)
+    return mapping.device_ptr, mapping
 
 
 def _serve_main(path: str) -> None:
@@ -202,7 +203,8 @@ def _serve_main(path: str) -> None:
         keep += [stream, pinned]
         if "word" in setup:
             keep.append(shared_memory.SharedMemory(setup["word"]))
-            p[P_WORD] = device_word(keep[-1])
+            p[P_WORD], mapping = device_word(keep[-1])
+            keep.append(mapping)
     else:
         slab = np.empty(chunks * chunk, np.uint8)
         buf = np.zeros(setup["pitch"] * 2 * L, np.uint8)
@@ -225,12 +227,7 @@ def _serve_main(path: str) -> None:
 def median_ms(fn: Callable[[], object], iters: int, warm: int = 3) -> float:
     for _ in range(warm):
         fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_time(fn, iters) * 1e3
 
 
 class Caller:
@@ -258,7 +255,8 @@ class Caller:
             if values:
                 self.word = shared_memory.SharedMemory(create=True, size=4096)
                 self.word.buf[:8] = bytes(8)
-                self.p[P_WORD], setup["word"] = device_word(self.word), self.word.name
+                self.p[P_WORD], self._mapping = device_word(self.word)
+                setup["word"] = self.word.name
         self.frame = np.zeros(2 + ROW_WORDS * chunks, np.int64)
         self.frame[0] = chunks
         self.frame[2::ROW_WORDS] = np.arange(chunks)  # chunk i from slot i ...
@@ -300,12 +298,11 @@ class Caller:
 
     def check(self) -> None:
         """Every chunk's first and last row arrived from its slot (fill value i % 251 + 1)."""
-        host = np.empty(2 * L * self.pitch, np.uint8)
-        if self.cuda:
-            import cupy
-            cupy.cuda.runtime.memcpy(host.ctypes.data, int(self.p[P_BUF]), host.nbytes, 2)
-        else:
+        if not self.cuda:
             return  # the CPU server writes a buffer of its own
+        import cupy
+        host = np.empty(2 * L * self.pitch, np.uint8)
+        cupy.cuda.runtime.memcpy(host.ctypes.data, int(self.p[P_BUF]), host.nbytes, 2)
         rows = host.reshape(2 * L, self.chunks, CHUNK * D * ISZ)
         want = (np.arange(self.chunks) % 251 + 1).astype(np.uint8)
         for r in (0, 2 * L - 1):
