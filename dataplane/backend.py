@@ -35,7 +35,7 @@ import numpy as np
 
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.registration import BufferSpec
+from kvblend.dataplane.registration import BufferSpec, CudaIpcBuffer
 from kvblend.shm.kvbufs import Identity
 from kvblend.shm.layout import KVLayout
 
@@ -72,9 +72,29 @@ class InstanceBuffer(abc.ABC):
             OutOfRange: a chunk's tokens pass the buffer or name a block outside it.
         """
 
+    orders_by_word = False  # registered with an order word (``dataplane.streamword``)
+    released = False  # ``release()`` let its waits end: its copies may precede the engine's work
+
+    def release(self) -> None:
+        """Let every wait for the engine end (an instance whose lease ran out: its engine is
+        presumed gone and may never write its order word); from any thread. From then on no
+        call begins, and a store commits nothing its copies queued."""
+
+    def check_order(self, order: int | None) -> None:
+        """Refuse a call's ``order`` count for a buffer without an order word; called before any
+        side effect of the call.
+
+        Raises:
+            BadRequest: ``order`` given, and no order word was registered.
+        """
+        if order is not None and not self.orders_by_word:
+            raise BadRequest("the call names an order count, but the instance was registered "
+                             "without an order_word")
+
     @abc.abstractmethod
-    def begin(self, engine_event: bytes | None) -> None:
-        """Order what follows after the engine's interprocess event (CUDA); no-op on CPU."""
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
+        """Order what follows after the engine's interprocess event and its order word reaching
+        ``order`` (CUDA); no-op on CPU."""
 
     @abc.abstractmethod
     def copy(self, direction: "Direction", token_starts: list[int], chunk_size: int,
@@ -155,12 +175,15 @@ class CopyEngine(abc.ABC):
     backend: Backend
 
     @abc.abstractmethod
-    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
-        """Open a registered buffer that ``owner_uid`` (the registering peer) must own.
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
+             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
+        """Open a registered buffer that ``owner_uid`` (the registering peer) must own, and its
+        order word (``dataplane.streamword``) if one was registered.
 
         Raises:
             BadRequest: the spec is of another backend, names memory that is not the client's
-                (docs/security.md), or does not fit the layout.
+                (docs/security.md), or does not fit the layout; an order word this backend
+                cannot use or that is not a whole int32 on the buffer's GPU.
             BackendError: the buffer cannot be mapped.
         """
 

@@ -59,8 +59,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 
+from kvblend.dataplane import streamword
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client_buffers import TORCH_DTYPES, Buffers
 from kvblend.dataplane.client_instances import Instances, Registered
@@ -193,9 +195,22 @@ class BlendClient:
 
     def _register(self, registration: Registration, request_id: str | None, kv: torch.Tensor,
                   num_layers: int) -> int:
-        """Register; the instance (``kv``: its buffer or first layer) is held from then on."""
-        iid, token, lease = self._control.register(registration, request_id)
-        self._instances.track(iid, kv, token, lease, num_layers)
+        """Register with an order word on a CUDA buffer (``dataplane.streamword``, where the
+        driver has one); the instance (``kv``: its buffer or first layer) is held from then on."""
+        word = 0
+        if kv.is_cuda and streamword.available():
+            with torch.cuda.device(kv.device):
+                torch.cuda.synchronize()  # the device's context current on this thread
+                word, handle = streamword.allocate()
+            uuid = str(torch.cuda.get_device_properties(kv.device).uuid)
+            registration = msgspec.structs.replace(registration, order_word=CudaIpcBuffer(
+                handle=handle, offset=0, device_uuid=uuid))
+        try:
+            iid, token, lease = self._control.register(registration, request_id)
+        except BaseException:
+            streamword.free(word)
+            raise
+        self._instances.track(iid, kv, token, lease, num_layers, word)
         return iid
 
     def _registered(self, instance_id: int) -> Registered | None:
@@ -216,6 +231,7 @@ class BlendClient:
         reg = self._instances.forget(instance_id)
         if reg is not None:  # the segment holding the registered memory, if ours
             self._buffers.release(reg.kv)
+            streamword.free(reg.word)  # the data plane closed its mapping of it
 
     def list_instances(self) -> list[InstanceInfo]:
         reply: InstanceList = self._channel.call(ListInstances(), self._timeout)
@@ -269,8 +285,9 @@ class BlendClient:
                           offset=offset, block_table=block_table_bytes(block_table),
                           layer_groups=layer_groups, layer_events=events.layer_handles,
                           layer_wait_s=layer_wait_s, first_position=first_position, kind=kind,
-                          cache_salt=cache_salt, event=events.engine, done_event=events.done,
-                          token=self._token(instance_id), request_id=request_id)
+                          cache_salt=cache_salt, event=events.engine, order=events.order,
+                          done_event=events.done, token=self._token(instance_id),
+                          request_id=request_id)
         pending = self._channel.submit(msg)
         t = events.transfer(pending, reg)
         if layer_groups:
@@ -300,7 +317,7 @@ class BlendClient:
                              block_table=block_table_bytes(block_table),
                              layer_groups=layer_groups, layer_events=events.layer_handles,
                              first_position=first_position, rotate=rotate,
-                             cache_salt=cache_salt, event=events.engine,
+                             cache_salt=cache_salt, event=events.engine, order=events.order,
                              done_event=events.done, token=self._token(instance_id),
                              request_id=request_id)
         return events.transfer(self._channel.submit(msg), reg)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvblend.dataplane import streamword
 from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.errors import DataPlaneError
 from kvblend.dataplane.messages import RenewLease
@@ -38,12 +39,39 @@ class IpcEvent:
 @dataclass
 class Registered:
     """An instance of this client: its buffer (the first layer of a paged cache), token, layer
-    count and free interprocess events."""
+    count, free interprocess events and order word (``dataplane.streamword``: its device
+    address, its last count, the stream that writes it)."""
 
     kv: torch.Tensor
     token: str
     num_layers: int
     events: list[IpcEvent] = field(default_factory=list)  # free interprocess events
+    word: int = 0  # its device address; 0: none
+    count: int = 0
+    word_stream: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def order(self, stream: Any) -> int | None:
+        """The next count of the order word, its write queued now on ``stream`` (a
+        ``torch.cuda.Stream``: after the engine's work queued there). None without a word, or on
+        another stream than the one that wrote it first: only one stream's writes keep the
+        counts in order. A driver that refuses the write leaves the instance to events."""
+        if not self.word:
+            return None
+        with self.lock:
+            if self.word_stream is None:
+                self.word_stream = stream.cuda_stream
+            elif stream.cuda_stream != self.word_stream:
+                return None
+            count = (self.count + 1) & streamword.MASK
+            try:
+                streamword.write(stream.cuda_stream, self.word, count)
+            except RuntimeError as exc:
+                log.warning("ordering calls by interprocess events from now on: %s", exc)
+                self.word = 0
+                return None
+            self.count = count
+        return count
 
     def take(self) -> IpcEvent:
         """A free event of the pool, or a new one on the buffer's device."""
@@ -73,10 +101,11 @@ class Instances:
         self._stop = threading.Event()
 
     def track(self, iid: int, kv: torch.Tensor, token: str, lease: float,
-              num_layers: int) -> None:
-        """Hold a new registration; the first one starts the lease thread."""
+              num_layers: int, word: int = 0) -> None:
+        """Hold a new registration (``word``: its order word, if any); the first one starts the
+        lease thread."""
         with self._lock:
-            self._held[iid] = Registered(kv, token, num_layers)
+            self._held[iid] = Registered(kv, token, num_layers, word=word)
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, args=(lease / 3,),
                                                  name="kvblend-lease", daemon=True)

@@ -183,6 +183,7 @@ class CallEvents:
 
     Attributes:
         engine: the handle of the event the data plane waits for before its first copy.
+        order: the count of the instance's order word it waits for instead (written now).
         done: the handle of the event it records after the call's last copy.
         held: the events of the instance's pool that the call holds (its layer events first,
             its done event last).
@@ -192,6 +193,7 @@ class CallEvents:
     """
 
     engine: bytes | None = None
+    order: int | None = None
     done: bytes | None = None
     held: list[IpcEvent] = field(default_factory=list)
     pool: list[IpcEvent] | None = None
@@ -211,31 +213,37 @@ class CallEvents:
 
 
 def call_events(reg: Registered | None, event: Any, layer_groups: int) -> CallEvents:
-    """The events of a store or retrieve on ``reg``'s buffer: ``event`` (the engine's, or one of
-    the pool recorded now on the current stream), a done event and, with ``layer_groups``, the
-    group bounds and, on a CUDA buffer, one event per group.
+    """The events of a store or retrieve on ``reg``'s buffer: ``event`` (the engine's, or else
+    the next count of the instance's order word written now on the current stream, or else one
+    of the pool recorded there), a done event and, with ``layer_groups``, the group bounds and,
+    on a CUDA buffer, one event per group.
 
     Raises:
         BadRequest: a CUDA event given for a CPU buffer (or an instance not of this client).
     """
-    engine, done, used, pool = _events(reg, event)
+    engine, order, done, used, pool = _events(reg, event)
     bounds, layer_events = _layer_groups(reg, layer_groups)
-    return CallEvents(engine, done, layer_events + used, pool, bounds, layer_events)
+    return CallEvents(engine, order, done, layer_events + used, pool, bounds, layer_events)
 
 
-def _events(reg: Registered | None, event: Any
-            ) -> tuple[bytes | None, bytes | None, list[IpcEvent], list[IpcEvent] | None]:
-    """(engine event handle, done event handle, events this call holds, their pool)."""
+def _events(reg: Registered | None, event: Any) -> tuple[
+        bytes | None, int | None, bytes | None, list[IpcEvent], list[IpcEvent] | None]:
+    """(engine event handle, order count, done event handle, events this call holds, their
+    pool)."""
     if reg is None or not reg.kv.is_cuda:
         if event is not None:
             raise BadRequest("a CUDA event was given for a CPU buffer (or unknown instance)")
-        return None, None, [], None
+        return None, None, None, [], None
     done = reg.take()
-    if event is None:
-        mine = reg.take()
-        mine.event.record(torch.cuda.current_stream(reg.kv.device))
-        return mine.handle, done.handle, [mine, done], reg.events
-    return bytes(event.ipc_handle()), done.handle, [done], reg.events
+    if event is not None:
+        return bytes(event.ipc_handle()), None, done.handle, [done], reg.events
+    stream = torch.cuda.current_stream(reg.kv.device)
+    order = reg.order(stream)
+    if order is not None:
+        return None, order, done.handle, [done], reg.events
+    mine = reg.take()
+    mine.event.record(stream)
+    return mine.handle, None, done.handle, [mine, done], reg.events
 
 
 def _layer_groups(reg: Registered | None, layer_groups: int

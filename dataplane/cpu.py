@@ -28,7 +28,8 @@ from kvblend.dataplane import paged
 from kvblend.dataplane.backend import CopyEngine, Direction, InstanceBuffer
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
-from kvblend.dataplane.registration import BufferSpec, KVPlacement, PagedBuffer, ShmBuffer
+from kvblend.dataplane.registration import (BufferSpec, CudaIpcBuffer, KVPlacement, PagedBuffer,
+                                            ShmBuffer)
 from kvblend.shm.kvbufs import Identity, service_identities
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.names import Names
@@ -56,7 +57,7 @@ class CpuBuffer(InstanceBuffer):
         return self._slab[slab_offset:slab_offset + n].reshape(
             2, self.layout.num_layers, chunk_size, self._row)
 
-    def begin(self, engine_event: bytes | None) -> None:
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
         if engine_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
 
@@ -127,7 +128,7 @@ class CpuPagedBuffer(paged.BlockTableCalls, InstanceBuffer):
                           offset + p.offset * isz,
                           strides=(p.block * isz, p.token * isz, p.head * isz, p.dim * isz))
 
-    def begin(self, engine_event: bytes | None) -> None:
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
         if engine_event is not None:
             raise BadRequest("a CPU buffer takes no CUDA event")
 
@@ -187,7 +188,10 @@ class CpuEngine(CopyEngine):
         self._names = Names(store.name)
         self._own = service_identities(store.name)  # the service's objects, as they were at start
 
-    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
+             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
+        if order_word is not None:
+            raise BadRequest("the CPU data plane takes no order_word (it orders CUDA buffers)")
         if isinstance(spec, PagedBuffer):
             paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
                         layout.dtype.itemsize)

@@ -20,6 +20,10 @@ An event recorded just before the call is mostly not complete yet and is waited 
 on an H100 a freshly recorded interprocess event was seen complete by this process about 0.27 ms
 after its record, even on an idle stream, which no ordering by that event avoids
 (``benchmarks/bench_callfloor.py``; docs/benchmarks.md, "A call's floor").
+An instance registered with an order word (``dataplane.streamword``) skips that: its calls name
+a count of the word instead, and the stream waits for the word with ``cuStreamWaitValue32``.
+Closing the buffer first writes the highest count any call named into the word from a stream of
+its own, so that an engine that died (or never wrote it) cannot hold the stream forever.
 
 The engine that registers the slab and opens the buffers is ``dataplane.cuda_engine``'s. cupy and
 torch are imported lazily by ``dataplane.engines.make_engine``: CPU machines have no cupy.
@@ -28,14 +32,16 @@ torch are imported lazily by ``dataplane.engines.make_engine``: CPU machines hav
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any
 
 import cupy
 import numpy as np
 import torch
 
+from kvblend.dataplane import streamword
 from kvblend.dataplane.backend import Direction, InstanceBuffer
-from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.shm.layout import KVLayout
 
 D2H = cupy.cuda.runtime.memcpyDeviceToHost
@@ -61,6 +67,15 @@ class CudaBuffer(InstanceBuffer):
         self._events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         self._marks: list[Any] = []  # completed group events, re-recorded by later calls
         self._turner: Any = None  # dataplane.cuda_rotary.KTurner, made by the first turn
+        self._word: tuple[int, int] | None = None  # the order word's (IPC base, address)
+        self._named: int | None = None  # the highest count a call named
+        self._word_lock = threading.Lock()
+
+    def order_by(self, base: int, address: int) -> None:
+        """Take the order word at ``address`` (in the IPC allocation opened at ``base``, closed
+        with the buffer)."""
+        self._word = (base, address)
+        self.orders_by_word = True
 
     def _event(self, handle: bytes) -> Any:
         ev = self._events.get(handle)
@@ -74,12 +89,25 @@ class CudaBuffer(InstanceBuffer):
                 self._events.popitem(last=False)
         return ev
 
-    def begin(self, engine_event: bytes | None) -> None:
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
+        if self.released:
+            raise BackendError("the instance's lease ran out: it is being dropped")
         cupy.cuda.runtime.setDevice(self.device)
         if engine_event is not None:
             ev = self._event(engine_event)
             if not ev.query():  # completed already: nothing to order after (the NOTE)
                 self.stream.wait_event(ev)
+        if order is not None:
+            assert self._word is not None, "checked by check_order"
+            with self._word_lock:  # no wait is queued after release() wrote the word
+                if self.released:
+                    raise BackendError("the instance's lease ran out: it is being dropped")
+                if self._named is None or streamword.later(order, self._named):
+                    self._named = order
+                try:
+                    streamword.wait(self.stream.cuda_stream, self._word[1], order)
+                except RuntimeError as exc:
+                    raise BadRequest(f"cannot wait for the order word: {exc}") from exc
 
     def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
              slab_offsets: list[int], layers: tuple[int, int] | None = None) -> None:
@@ -139,11 +167,33 @@ class CudaBuffer(InstanceBuffer):
 
     def close(self) -> None:
         if self._base:
+            self._release_word()
             self.stream.synchronize()
             self._events.clear()
             cupy.cuda.runtime.setDevice(self.device)
             cupy.cuda.runtime.ipcCloseMemHandle(self._base)
             self._base = 0
+            self._close_word()
+
+    def release(self) -> None:
+        with self._word_lock:
+            self.released = True
+            self._release_word()
+
+    def _release_word(self) -> None:
+        """Let every wait for the order word end: write the highest count named into it from a
+        stream of our own (an engine that wrote it already wrote as much or more)."""
+        if self._word is not None and self._named is not None:
+            cupy.cuda.runtime.setDevice(self.device)
+            side = torch.cuda.Stream(self.device)
+            streamword.write(side.cuda_stream, self._word[1], self._named)
+            side.synchronize()
+
+    def _close_word(self) -> None:
+        """Close the order word's IPC allocation (after the stream drained)."""
+        if self._word is not None:
+            cupy.cuda.runtime.ipcCloseMemHandle(self._word[0])
+            self._word = None
 
 
 __all__ = ["CudaBuffer", "normalize_uuid", "D2H", "H2D"]

@@ -16,7 +16,7 @@ import threading
 import cupy
 import torch
 
-from kvblend.dataplane import paged
+from kvblend.dataplane import paged, streamword
 from kvblend.dataplane.backend import CopyEngine, InstanceBuffer
 from kvblend.dataplane.cuda import CudaBuffer, normalize_uuid
 from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
@@ -53,18 +53,39 @@ class CudaEngine(CopyEngine):
                                            HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
             self._pieces.append(ptr)
 
-    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int) -> InstanceBuffer:
+    def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
+             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
+        if order_word is not None and not streamword.available():
+            raise BadRequest("this data plane's driver has no stream memory operations: "
+                             "register without an order_word")
         if isinstance(spec, PagedBuffer):
-            return self._open_paged(spec, layout)
-        if not isinstance(spec, CudaIpcBuffer):
+            buf: CudaBuffer = self._open_paged(spec, layout)
+        elif not isinstance(spec, CudaIpcBuffer):
             raise BadRequest("the CUDA data plane takes CUDA IPC buffers (got an shm buffer)")
-        device = self._devices.get(normalize_uuid(spec.device_uuid))
-        if device is None:
-            raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
-        base = self._open_ipc(device, spec, layout.nbytes)
-        return CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+        else:
+            device = self._devices.get(normalize_uuid(spec.device_uuid))
+            if device is None:
+                raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
+            base = self._open_ipc(device, spec, layout.nbytes)
+            buf = CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
+        if order_word is not None:
+            try:
+                buf.order_by(*self._open_word(buf.device, order_word))
+            except BaseException:
+                buf.close()
+                raise
+        return buf
 
-    def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> InstanceBuffer:
+    def _open_word(self, device: int, spec: CudaIpcBuffer) -> tuple[int, int]:
+        """(base, address) of an order word: an int32 on ``device`` in an IPC allocation."""
+        if self._devices.get(normalize_uuid(spec.device_uuid)) != device:
+            raise BadRequest("the order_word must be on the buffer's GPU")
+        if spec.offset % 4:
+            raise BadRequest(f"the order_word's offset {spec.offset} is not a multiple of 4")
+        base = self._open_ipc(device, spec, 4)
+        return base, base + spec.offset
+
+    def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> CudaPagedBuffer:
         paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,
                     layout.dtype.itemsize)
         check_gatherable(spec)

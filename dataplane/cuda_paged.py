@@ -218,6 +218,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def close(self) -> None:
         if self._bases:
+            self._release_word()
             self.stream.synchronize()
             self._events.clear()
             cupy.cuda.runtime.setDevice(self.device)
@@ -225,6 +226,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
                 cupy.cuda.runtime.ipcCloseMemHandle(base)
             self._bases = []
             self._staging = None
+            self._close_word()
 
 
 class _DirectLayers(LayerCopies):

@@ -146,7 +146,7 @@ class Registry:
             if saved is None:
                 self._check_free(req.buffer, caller)
             self._check_namespace_layout(cc)
-            buffer = self._engine.open(req.buffer, layout, owner_uid)
+            buffer = self._engine.open(req.buffer, layout, owner_uid, req.order_word)
             try:
                 class_id = self._register_class(cc)
             except BaseException:

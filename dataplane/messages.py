@@ -54,6 +54,8 @@ InstanceToken = Annotated[str, msgspec.Meta(max_length=TOKEN_HEX)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_CALL_TOKENS)]
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=64)]
 EventHandle = IpcHandle | None
+# a count of the instance's order word (``dataplane.streamword``) that the copies wait for
+OrderCount = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)] | None
 # who an HTTP registration is for (``api.callers``): a key, never a secret
 Caller = Annotated[str, msgspec.Meta(min_length=1, max_length=80,
                                      pattern=r"^(token|uid|addr):[0-9A-Za-z._:%\[\]-]+$")] | None
@@ -153,6 +155,8 @@ class StoreChunks(_Msg):
     """Store every full chunk of ``token_ids`` from ``buffer[:, :, offset:offset+len, :]``.
 
     ``event``: the engine's interprocess CUDA event handle, waited on before the copy.
+    ``order``: a count of the instance's order word (``Registration.order_word``) that the copy
+    waits for too (``dataplane.streamword``); refused for an instance without one.
     ``done_event``: an interprocess CUDA event handle the data plane records after the copy.
     ``block_table``: a paged buffer's block ids (little-endian int32) for the call's logical
     positions ``[0, offset + len)``; required for a paged buffer, refused for another.
@@ -179,6 +183,7 @@ class StoreChunks(_Msg):
     kind: StoreKind = StoreKind.PRE_COMPUTED
     cache_salt: Label = ""
     event: EventHandle = None
+    order: OrderCount = None
     done_event: EventHandle = None
     token: InstanceToken = ""
     request_id: RequestId = None
@@ -192,7 +197,8 @@ class RetrieveChunks(_Msg):
     groups in order (at most ``MAX_LAYER_GROUP_MATCHES`` matches), and a ``LayersReady`` frame
     with the call's id announces each group before the final ``TransferDone``: on a CPU buffer
     once its copies completed, on a CUDA buffer once ``layer_events[g]`` (one interprocess event
-    per group) was recorded after them on the instance's stream.
+    per group) was recorded after them on the instance's stream. ``event`` and ``order`` order
+    the copies after the engine's work as a store's do.
 
     On an instance registered with a rotary config, K of each copied chunk is turned from the
     positions it was computed at (its store's ``first_position`` plus the chunk's place there) to
@@ -214,6 +220,7 @@ class RetrieveChunks(_Msg):
     rotate: bool = True
     cache_salt: Label = ""
     event: EventHandle = None
+    order: OrderCount = None
     done_event: EventHandle = None
     token: InstanceToken = ""
     request_id: RequestId = None

@@ -196,6 +196,11 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     rotary: Annotated[RotaryConfig | None, msgspec.Meta(
         description="The model's rotary config: retrieves then turn K to the prompt's "
                     "positions.")] = None
+    order_word: Annotated[CudaIpcBuffer | None, msgspec.Meta(
+        description="A 4-byte word on the buffer's GPU (CUDA buffers) that the engine's stream "
+                    "writes a rising count into; a store or retrieve naming a count (`order`) "
+                    "then has the data plane wait until the word reaches it, instead of for an "
+                    "interprocess event.")] = None
 
     def __post_init__(self) -> None:
         """Refuse a model name ``shm.hashing.check_label`` refuses (a ``ValueError``, which a

@@ -55,7 +55,7 @@ def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
     buf = inst.buffer
     try:
         call.promote()
-        buf.begin(msg.event)
+        buf.begin(msg.event, msg.order)
         call.copy(progress)  # logs the call's start once its first copies are queued
         call.started()
         marker = buf.end(msg.done_event)
@@ -97,6 +97,7 @@ class _RetrieveCall:
         self.turn = _Turn.of(inst, msg, self.cur, C)
         self.old = m[:, 0] if inst.request.rotary is not None and not msg.rotate else None
         buf.check(msg.offset + self.cur, C)
+        buf.check_order(msg.order)
         self.ns = namespace_of(inst, msg.cache_salt)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
                          tokens=len(self.tokens), chunks=n)

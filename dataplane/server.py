@@ -231,6 +231,9 @@ class DataPlane:
                     if self.registry.claim_drop(inst):
                         log.info("the lease of instance %d ran out: dropping it", inst.id)
                         self.shared.events.add(Counter.INSTANCES_EXPIRED)
+                        # its worker may wait for an engine that is gone: the drop queues
+                        # behind that wait
+                        inst.buffer.release()
                         inst.submit(_drop_job(self.registry), bounded=False)
                 if self._orphans.due(time.monotonic()):
                     swept = self._orphans.run(time.monotonic())

@@ -13,7 +13,7 @@ import numpy as np
 from kvblend.dataplane.backend import Direction
 from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, chunk_keys,
                                      drain, forget_evicted, log, namespace_of, tokens_of)
-from kvblend.dataplane.errors import BadRequest, LayersNotWritten, OutOfRange
+from kvblend.dataplane.errors import BackendError, BadRequest, LayersNotWritten, OutOfRange
 from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
                                         LayersReady, StoreChunks, StoreKind, TransferDone)
 from kvblend.shm.errors import ShmError
@@ -86,6 +86,7 @@ class _StoreCall:
         self.C, self.n = C, len(tokens) // C
         self.starts = msg.offset + C * np.arange(self.n, dtype=np.int64)
         buf.check(self.starts, C)
+        buf.check_order(msg.order)
         _check_layerwise_store(msg, buf, self.n, gate)
         self.chunk_bytes = inst.layout.chunk_bytes(C)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
@@ -105,7 +106,7 @@ class _StoreCall:
         completion marker after each group (a layer-wise store: every chunk at once, then its
         groups of layers as the gate announces them)."""
         msg, buf, n = self.msg, self.inst.buffer, self.n
-        buf.begin(msg.event)
+        buf.begin(msg.event, msg.order)
         todo = [(0, n)] if msg.layer_groups else batches(n, self.chunk_bytes,
                                                          self.sh.tuning.first_bytes)
         for lo, hi in todo:
@@ -153,6 +154,9 @@ class _StoreCall:
         """Make each group visible once its copies completed, never before."""
         for a, b, marker in self.groups:
             self.inst.buffer.wait(marker)
+            if self.inst.buffer.released:
+                raise BackendError("the instance's lease ran out before its engine ordered the "
+                                   "copies: nothing stored")
             try:
                 if (self.slots[a:b] >= 0).any():
                     self.sh.store.commit_slots(self.slots[a:b], self.keys[a:b])

@@ -17,7 +17,7 @@ from kvblend.dataplane.errors import (BadRequest, LayoutMismatch, OutOfRange, Ti
                                       UnknownInstance)
 from kvblend.dataplane.messages import (ChunkFailure, Ping, Pong, RegisterInstance, RetrieveChunks,
                                         StoreChunks)
-from kvblend.dataplane.registration import Registration, ShmBuffer
+from kvblend.dataplane.registration import CudaIpcBuffer, Registration, ShmBuffer
 from kvblend.shm.events import EventLog
 from kvblend.shm.store import Store
 from tests.dataplane.conftest import CHUNK, DataPlaneProc
@@ -196,11 +196,19 @@ def test_bad_calls_get_typed_errors_and_the_process_keeps_serving(
                 model_name="y", world_size=1, worker_id=0, num_layers=L, num_tokens=T,
                 hidden_dim=D, dtype="float16",
                 buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'0' * 32}"))))
+        with pytest.raises(BadRequest, match="takes no order_word"):
+            ch.call(RegisterInstance(registration=Registration(
+                model_name="y", num_layers=L, num_tokens=T, hidden_dim=D, dtype="float16",
+                buffer=ShmBuffer(name=f"{dataplane.prefix}_kvbuf_{'0' * 32}"),
+                order_word=CudaIpcBuffer(handle=b"h" * 64, device_uuid="0"))))
+        with pytest.raises(BadRequest, match="without an order_word"):
+            client._channel.call(StoreChunks(instance_id=inst, token=client._token(inst),
+                                             token_ids=tokens.astype("<u4").tobytes(), order=1))
         pong = ch.call(Ping(), timeout=5)
         assert isinstance(pong, Pong) and pong.backend.value == "cpu" and pong.chunk_size == CHUNK
         assert client.store_pre_computed(inst, tokens).wait(timeout=10).ok
     with EventLog.open(dataplane.prefix) as events:
-        assert events.counters()["dataplane_errors"] == 9  # each refusal above, counted
+        assert events.counters()["dataplane_errors"] == 11  # each refusal above, counted
 
 
 def test_timeouts_follow_the_posix_ipc_rule(shm_prefix: str) -> None:

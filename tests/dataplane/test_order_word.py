@@ -1,0 +1,94 @@
+"""Calls ordered by the instance's order word (``dataplane.streamword``) on a real GPU: the data
+plane's copies wait for the word the engine's stream writes after its work, a registration's word
+is checked, and an instance whose engine never writes the word is still dropped once its lease
+runs out, with nothing stored."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvblend.dataplane import streamword
+from kvblend.dataplane.channel import Channel
+from kvblend.dataplane.client import BlendClient
+from kvblend.dataplane.errors import BadRequest
+from kvblend.dataplane.messages import RegisterInstance, StoreChunks
+from kvblend.dataplane.registration import CudaIpcBuffer, Registration
+from tests.dataplane.conftest import CHUNK, LEASE_S, DataPlaneProc, create_store, start_dataplane
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+L, T, D = 4, 1024, 128
+
+
+@pytest.fixture
+def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
+    create_store(shm_prefix)
+    dp = start_dataplane(shm_prefix, "cuda", 60.0)
+    yield dp
+    if dp.proc.poll() is None:
+        assert dp.stop() == 0
+
+
+def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.arange(4 * CHUNK) + 9
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+        inst = client.register_kv_cache(kv, model_name="gpu-word")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the engine's stream: the word is written there
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the engine writes
+            kv.view(torch.int16).fill_(1234)
+            # sent at once, no event: only the word keeps the copy from reading the zeros
+            assert client.store_pre_computed(inst, doc).wait(timeout=60).ok
+            res = client.lookup(doc, "gpu-word")
+            assert len(res.matches) == 4
+            torch.cuda._sleep(200_000_000)
+            kv.view(torch.int16).fill_(-1)  # the engine's last use of the region
+            assert client.retrieve(inst, doc, res.matches, offset=0).wait(timeout=60).ok
+        torch.cuda.synchronize()
+        assert client._registered(inst).count == 2  # both calls named a count of the word
+        region = kv.view(torch.int16)[:, :, :4 * CHUNK]
+        assert bool((region == 1234).all())  # retrieved after the fill, and stored after it
+        assert bool((kv.view(torch.int16)[:, :, 4 * CHUNK:] == -1).all())
+        client.unregister(inst)
+
+
+def test_a_word_not_on_a_whole_int32_is_refused(cuda_dataplane: DataPlaneProc) -> None:
+    kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+        spec = client._buffers.spec(kv)
+        word, handle = streamword.allocate()
+        try:
+            reg = Registration(model_name="gpu-word", num_layers=L, num_tokens=T, hidden_dim=D,
+                               dtype="bfloat16", buffer=spec, order_word=CudaIpcBuffer(
+                                   handle=handle, offset=2, device_uuid=spec.device_uuid))
+            with Channel(cuda_dataplane.address) as ch:
+                with pytest.raises(BadRequest, match="not a multiple of 4"):
+                    ch.call(RegisterInstance(registration=reg), timeout=30)
+        finally:
+            streamword.free(word)
+
+
+def test_a_word_never_written_is_released_when_the_lease_runs_out(
+        cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.arange(2 * CHUNK) + 5
+    kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+    client = BlendClient(dataplane_address=cuda_dataplane.address)
+    inst = client.register_kv_cache(kv, model_name="gpu-gone")
+    reg = client._registered(inst)
+    # a count the engine's stream will never write: the data plane's stream waits for it
+    msg = StoreChunks(instance_id=inst, token_ids=doc.astype("<u4").tobytes(),
+                      order=reg.count + 7, token=reg.token)
+    pending = client._channel.submit(msg)
+    client.close()  # no more renewals: the lease runs out
+    del pending
+    with BlendClient(dataplane_address=cuda_dataplane.address) as other:
+        deadline = time.monotonic() + LEASE_S + 60
+        while any(i.instance_id == inst for i in other.list_instances()):
+            assert time.monotonic() < deadline, "the instance was never dropped"
+            time.sleep(0.05)
+        assert other.lookup(doc, "gpu-gone").matches == []  # nothing of the store committed
