@@ -38,7 +38,7 @@ class Recorder(InstanceBuffer):
         self.pending: list[int] = []
         self.marks = 0
 
-    def begin(self, engine_event: bytes | None) -> None:
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
         self.log.append(("begin",))
 
     def copy(self, direction: Direction, token_starts: list[int], chunk_size: int,
