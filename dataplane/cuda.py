@@ -32,6 +32,7 @@ torch are imported lazily by ``dataplane.engines.make_engine``: CPU machines hav
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any
 
@@ -44,6 +45,7 @@ from kvblend.dataplane.backend import Direction, InstanceBuffer
 from kvblend.dataplane.errors import BackendError, BadRequest
 from kvblend.shm.layout import KVLayout
 
+log = logging.getLogger("kvblend.dataplane")
 D2H = cupy.cuda.runtime.memcpyDeviceToHost
 H2D = cupy.cuda.runtime.memcpyHostToDevice
 EVENT_CACHE = 64
@@ -186,7 +188,10 @@ class CudaBuffer(InstanceBuffer):
         if self._word is not None and self._named is not None:
             cupy.cuda.runtime.setDevice(self.device)
             side = torch.cuda.Stream(self.device)
-            streamword.write(side.cuda_stream, self._word[1], self._named)
+            try:
+                streamword.write(side.cuda_stream, self._word[1], self._named)
+            except RuntimeError as exc:  # the stream may then wait for the engine forever
+                log.error("could not release an instance's order word: %s", exc)
             side.synchronize()
 
     def _close_word(self) -> None:
