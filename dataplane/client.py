@@ -59,6 +59,7 @@ and ``dataplane.client_transfer`` ``Transfer`` and the events of one call.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -81,6 +82,8 @@ from kvblend.dataplane.messages import (CudaIpcBuffer, InstanceInfo, InstanceLis
                                         StoreKind, UnregisterInstance, WireDType)
 from kvblend.shm.hashing import Namespace, chunk_hashes
 from kvblend.shm.matches import LookupResult, Match
+
+log = logging.getLogger("kvblend.client")
 
 
 class BlendClient:
@@ -203,12 +206,16 @@ class BlendClient:
         driver has one); the instance (``kv``: its buffer or first layer) is held from then on."""
         word = 0
         if kv.is_cuda and streamword.available():
-            with torch.cuda.device(kv.device):
-                torch.cuda.synchronize()  # the device's context current on this thread
-                word, handle = streamword.allocate()
-            uuid = str(torch.cuda.get_device_properties(kv.device).uuid)
-            registration = msgspec.structs.replace(registration, order_word=CudaIpcBuffer(
-                handle=handle, offset=0, device_uuid=uuid))
+            try:
+                with torch.cuda.device(kv.device):
+                    torch.cuda.synchronize()  # the device's context current on this thread
+                    word, handle = streamword.allocate()
+            except RuntimeError as exc:
+                log.warning("no order word: calls are ordered by interprocess events (%s)", exc)
+            else:
+                uuid = str(torch.cuda.get_device_properties(kv.device).uuid)
+                registration = msgspec.structs.replace(registration, order_word=CudaIpcBuffer(
+                    handle=handle, offset=0, device_uuid=uuid))
         try:
             iid, token, lease = self._control.register(registration, request_id)
         except BaseException:
