@@ -28,11 +28,12 @@ instance's token slots by a block table of int32 block ids)::
 
 CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recorded after it wrote
 (store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream
-before its first copy. When ``event`` is None for a CUDA buffer, the client writes the next
-count of the instance's order word on the current stream (``dataplane.streamword``: a word of its
-own on the buffer's GPU, registered with the buffer, where the driver has stream memory
-operations; the data plane's stream waits for that count, about 0.25 ms sooner than for a fresh
-interprocess event). Only the stream that wrote the word first writes it (its counts stay in
+before its first copy. When ``event`` is None for a CUDA buffer of a client made with
+``order_words=True``, the client writes the next count of the instance's order word on the
+current stream (``dataplane.streamword``: a word of its own on the buffer's GPU, registered with
+the buffer, where the driver has stream memory operations; the data plane's stream waits for
+that count: on an H100 an empty call ordered so cost 24 us, one ordered by a fresh interprocess
+event 298 us, ``benchmarks/bench_callfloor.py --values``). Only the stream that wrote the word first writes it (its counts stay in
 order); a call from another stream, or where there is no word, records one of the instance's own
 interprocess events instead (a small pool per instance: an event is reused only once the call
 that carried it completed and was released, so the data plane keeps it opened).
@@ -96,14 +97,16 @@ class BlendClient:
             look up in the shared-memory store of the data plane's prefix.
         store_prefix: the service's shm prefix (default: asked from the data plane).
         timeout: seconds for HTTP requests and control calls.
+        order_words: register CUDA buffers with an order word and order their calls by it
+            (``dataplane.streamword``); off by default until its path has run on a GPU.
     """
 
     def __init__(self, url: str | None = None, api_token: str | None = None, *,
                  dataplane_address: str | None = None, store_prefix: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, order_words: bool = False) -> None:
         if url is None and dataplane_address is None:
             raise ValueError("give the service's url or a dataplane_address")
-        self._timeout = timeout
+        self._timeout, self._order_words = timeout, order_words
         http = HttpControl(url, api_token, timeout) if url is not None else None
         try:
             address = dataplane_address or http.dataplane_address()  # type: ignore[union-attr]
@@ -202,10 +205,10 @@ class BlendClient:
 
     def _register(self, registration: Registration, request_id: str | None, kv: torch.Tensor,
                   num_layers: int) -> int:
-        """Register with an order word on a CUDA buffer (``dataplane.streamword``, where the
-        driver has one); the instance (``kv``: its buffer or first layer) is held from then on."""
+        """Register, with an order word on a CUDA buffer when asked (``dataplane.streamword``,
+        where the driver has one); the instance (``kv``: its buffer or first layer) is held from then on."""
         word = 0
-        if kv.is_cuda and streamword.available():
+        if self._order_words and kv.is_cuda and streamword.available():
             try:
                 with torch.cuda.device(kv.device):
                     torch.cuda.synchronize()  # the device's context current on this thread

@@ -35,7 +35,7 @@ def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
 
 def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> None:
     doc = np.arange(4 * CHUNK) + 9
-    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+    with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as client:
         kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
         inst = client.register_kv_cache(kv, model_name="gpu-word")
         side = torch.cuda.Stream()
@@ -59,7 +59,7 @@ def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> 
 
 def test_a_word_not_on_a_whole_int32_is_refused(cuda_dataplane: DataPlaneProc) -> None:
     kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
-    with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+    with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as client:
         spec = client._buffers.spec(kv)
         word, handle = streamword.allocate()
         try:
@@ -77,7 +77,7 @@ def test_a_word_never_written_is_released_when_the_lease_runs_out(
         cuda_dataplane: DataPlaneProc) -> None:
     doc = np.arange(2 * CHUNK) + 5
     kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
-    client = BlendClient(dataplane_address=cuda_dataplane.address)
+    client = BlendClient(dataplane_address=cuda_dataplane.address, order_words=True)
     inst = client.register_kv_cache(kv, model_name="gpu-gone")
     reg = client._registered(inst)
     # a count the engine's stream will never write: the data plane's stream waits for it
@@ -86,7 +86,7 @@ def test_a_word_never_written_is_released_when_the_lease_runs_out(
     pending = client._channel.submit(msg)
     client.close()  # no more renewals: the lease runs out
     del pending
-    with BlendClient(dataplane_address=cuda_dataplane.address) as other:
+    with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as other:
         deadline = time.monotonic() + LEASE_S + 60
         while any(i.instance_id == inst for i in other.list_instances()):
             assert time.monotonic() < deadline, "the instance was never dropped"
