@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvblend.dataplane.transfer as tr
+from kvblend.dataplane.errors import BackendError
 from kvblend.dataplane.backend import Direction, InstanceBuffer
 from kvblend.dataplane.client_transfer import match_bytes
 from kvblend.dataplane.messages import (ChunkFailure, RetrieveChunks, StoreChunks,
@@ -32,8 +33,10 @@ class Recorder(InstanceBuffer):
     """Copies with numpy like the CPU engine, but logs every step; copies 'complete' only at
     ``wait`` (a copy's bytes land in the slab when its marker is waited for)."""
 
-    def __init__(self, layout: KVLayout, store: Store, fail_at: int | None = None) -> None:
+    def __init__(self, layout: KVLayout, store: Store, fail_at: int | None = None,
+                 release_at: int | None = None) -> None:
         self.layout, self.store, self.fail_at = layout, store, fail_at
+        self.release_at = release_at  # the marker whose wait the lease runs out in
         self.log: list[tuple[Any, ...]] = []
         self.pending: list[int] = []
         self.marks = 0
@@ -58,6 +61,11 @@ class Recorder(InstanceBuffer):
     def wait(self, marker: Any) -> None:
         self.log.append(("wait", marker[0]))
         self.done = set(getattr(self, "done", set())) | set(marker[1])
+        if marker[0] == self.release_at:
+            self.release()
+
+    def release(self) -> None:
+        self.released = True
 
     def close(self) -> None:
         pass
@@ -137,6 +145,22 @@ def test_commits_each_group_only_after_its_copies_completed(
     commits.clear()
     again = tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
     assert again.copied == 0 and again.failed == [] and commits == []
+
+
+def test_a_store_released_in_flight_commits_nothing_after(grouped: tr.Shared) -> None:
+    # the instance's lease runs out while its store waits for its second group: that group
+    # and every later one may have copied before the engine wrote them, and are not committed
+    shared = grouped
+    inst = make_inst(shared)
+    inst.buffer = Recorder(inst.layout, shared.store, release_at=2)
+    tokens = np.arange(N * CHUNK) + 11
+    with pytest.raises(BackendError, match="lease ran out"):
+        tr.run_store(shared, inst, store_msg(tokens))  # type: ignore[arg-type]
+    ns = Namespace("m", 1, "")
+    found = shared.store.contains([ChunkKey(ns.id, h) for h in chunk_hashes(ns, tokens, CHUNK)])
+    assert found.tolist() == [True, True] + [False] * (N - 2)  # the first group [0, 2) only
+    stats = shared.store.stats()
+    assert stats.num_reserved == 0 and stats.num_objects == 2
 
 
 def test_a_failed_copy_aborts_every_reservation(grouped: tr.Shared) -> None:
