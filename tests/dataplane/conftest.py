@@ -90,3 +90,13 @@ def dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
     yield dp
     if dp.proc.poll() is None:
         assert dp.stop() == 0
+
+
+@pytest.fixture
+def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
+    """A CUDA data plane on its defaults (GPU tests; some modules define their own)."""
+    create_store(shm_prefix)
+    dp = start_dataplane(shm_prefix, "cuda", 60.0)
+    yield dp
+    if dp.proc.poll() is None:
+        assert dp.stop() == 0

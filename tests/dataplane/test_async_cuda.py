@@ -6,26 +6,16 @@ makes the caller's stream wait for the copy."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
 from kvblend.dataplane.async_client import AsyncBlendClient
-from tests.dataplane.conftest import CHUNK, DataPlaneProc, create_store, start_dataplane
+from tests.dataplane.conftest import CHUNK, DataPlaneProc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, T, D = 4, 1024, 128
-
-
-@pytest.fixture
-def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
-    create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, "cuda", 60.0)
-    yield dp
-    if dp.proc.poll() is None:
-        assert dp.stop() == 0
 
 
 def test_calls_follow_the_callers_stream(cuda_dataplane: DataPlaneProc) -> None:

@@ -6,7 +6,6 @@ runs out, with nothing stored."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,19 +17,10 @@ from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.errors import BadRequest
 from kvblend.dataplane.messages import RegisterInstance, StoreChunks
 from kvblend.dataplane.registration import CudaIpcBuffer, Registration
-from tests.dataplane.conftest import CHUNK, LEASE_S, DataPlaneProc, create_store, start_dataplane
+from tests.dataplane.conftest import CHUNK, LEASE_S, DataPlaneProc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, T, D = 4, 1024, 128
-
-
-@pytest.fixture
-def cuda_dataplane(shm_prefix: str) -> Iterator[DataPlaneProc]:
-    create_store(shm_prefix)
-    dp = start_dataplane(shm_prefix, "cuda", 60.0)
-    yield dp
-    if dp.proc.poll() is None:
-        assert dp.stop() == 0
 
 
 def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> None:
