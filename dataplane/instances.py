@@ -144,7 +144,7 @@ class Registry:
                 _check_caller(caller, owner_uid)
             self._check_limits(client, caller)
             if saved is None:
-                self._check_free(req.buffer, caller)
+                self._check_free(req, caller)
             self._check_namespace_layout(cc)
             buffer = self._engine.open(req.buffer, layout, owner_uid, req.order_word)
             try:
@@ -239,19 +239,20 @@ class Registry:
             raise TooMany(f"this caller holds {mine} instances registered over HTTP, the "
                           "per-client limit (--max-instances-per-client)")
 
-    def _check_free(self, spec: BufferSpec, caller: str | None) -> None:
-        """Refuse an HTTP caller a buffer that a live instance of another caller (or an engine
-        on the socket) holds: it would read and write another engine's KV.
+    def _check_free(self, req: Registration, caller: str | None) -> None:
+        """Refuse an HTTP caller a buffer or order word that a live instance of another caller
+        (or an engine on the socket) holds: it would read and write another engine's KV, or
+        release its order word.
 
         Raises:
             BufferInUse: naming the instance that holds it.
         """
         if caller is None:
             return  # an engine on the socket: its uid's buffers are its own
-        names = buffer_names(spec)
+        names = memory_names(req)
         for inst in self.all():
             if inst.caller != caller and not inst.dropping and \
-                    names & buffer_names(inst.request.buffer):
+                    names & memory_names(inst.request):
                 raise BufferInUse(f"instance {inst.id}, registered by another caller, holds "
                                   "this buffer: a caller registers only buffers it holds")
 
@@ -371,6 +372,12 @@ def buffer_names(spec: BufferSpec) -> set[tuple[str, str | bytes]]:
     return {(BufferKind.CUDA_IPC.value, spec.handle)}
 
 
+def memory_names(req: Registration) -> set[tuple[str, str | bytes]]:
+    """``buffer_names`` of a registration's buffer and of its order word."""
+    names = buffer_names(req.buffer)
+    return names | buffer_names(req.order_word) if req.order_word is not None else names
+
+
 def _layout_of(req: Registration, chunk_size: int) -> tuple[KVLayout, ChunkClass]:
     try:
         if req.worker_id is not None and not 0 <= req.worker_id < req.world_size:
@@ -393,4 +400,4 @@ def _check_caller(caller: str | None, owner_uid: int) -> None:
                          f"{owner_uid}, the service's, register its buffers")
 
 
-__all__ = ["Limits", "Registry", "buffer_names"]
+__all__ = ["Limits", "Registry", "buffer_names", "memory_names"]

@@ -23,7 +23,8 @@ from kvblend.dataplane.channel import Channel
 from kvblend.dataplane.client import BlendClient
 from kvblend.dataplane.control import DirectControl
 from kvblend.dataplane.errors import TooMany
-from kvblend.dataplane.registration import Registration, ShmBuffer
+from kvblend.dataplane.instances import memory_names
+from kvblend.dataplane.registration import CudaIpcBuffer, Registration, ShmBuffer
 from kvblend.shm.names import Names
 from kvblend.shm.segment import Segment
 from tests.api.apps import ADMIN, bearer
@@ -147,6 +148,23 @@ def test_a_buffer_another_caller_holds_cannot_be_registered_over_http(live: Live
         got = client.post("/v1/instances", json=body(callers_buffer), headers=bearer(TOKEN))
         assert got.status_code == 201, got.text
         assert len(client.get("/v1/instances", headers=bearer(TOKEN)).json()["instances"]) == 3
+
+
+def test_an_order_word_names_its_allocation_as_a_buffer_does() -> None:
+    # a CUDA registration's order word is memory the data plane writes (when a lease runs out):
+    # naming another caller's buffer or word by it collides as naming that buffer would
+    def cuda(handle: bytes) -> CudaIpcBuffer:
+        return CudaIpcBuffer(handle=handle, device_uuid="0")
+
+    def reg(buffer: bytes, word: bytes | None = None) -> Registration:
+        return Registration(model_name="m", num_layers=L, num_tokens=T, hidden_dim=D,
+                            buffer=cuda(buffer), order_word=cuda(word) if word else None)
+
+    a, b, c = b"a" * 64, b"b" * 64, b"c" * 64
+    assert memory_names(reg(a, b)) == {("cuda_ipc", a), ("cuda_ipc", b)}
+    assert memory_names(reg(c, a)) & memory_names(reg(a))  # a word over another's buffer
+    assert memory_names(reg(c, b)) & memory_names(reg(a, b))  # over another's word
+    assert not memory_names(reg(c)) & memory_names(reg(a, b))
 
 
 def test_a_restarted_data_plane_still_knows_whose_instances_it_holds(live: Live) -> None:
