@@ -33,10 +33,11 @@ before its first copy. When ``event`` is None for a CUDA buffer of a client made
 current stream (``dataplane.streamword``: a word of its own on the buffer's GPU, registered with
 the buffer, where the driver has stream memory operations; the data plane's stream waits for
 that count: on an H100 an empty call ordered so cost 24 us, one ordered by a fresh interprocess
-event 298 us, ``benchmarks/bench_callfloor.py --values``). Only the stream that wrote the word first writes it (its counts stay in
-order); a call from another stream, or where there is no word, records one of the instance's own
-interprocess events instead (a small pool per instance: an event is reused only once the call
-that carried it completed and was released, so the data plane keeps it opened).
+event 298 us, ``benchmarks/bench_callfloor.py --values``). Only the stream that wrote the word
+first writes it (its counts stay in order); a call from another stream, or where there is no
+word, records one of the instance's own interprocess events instead (a small pool per instance:
+an event is reused only once the call that carried it completed and was released, so the data
+plane keeps it opened).
 
 Instances are capabilities (docs/security.md): registration answers a token that every later
 call on the instance carries, and a lease that the client renews from a background thread every
@@ -206,7 +207,8 @@ class BlendClient:
     def _register(self, registration: Registration, request_id: str | None, kv: torch.Tensor,
                   num_layers: int) -> int:
         """Register, with an order word on a CUDA buffer when asked (``dataplane.streamword``,
-        where the driver has one); the instance (``kv``: its buffer or first layer) is held from then on."""
+        where the driver has one); the instance (``kv``: its buffer or first layer) is held from
+        then on."""
         word = 0
         if self._order_words and kv.is_cuda and streamword.available():
             try:
