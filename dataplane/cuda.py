@@ -77,7 +77,10 @@ class CudaBuffer(InstanceBuffer):
         """Take the order word at ``address`` (in the IPC allocation opened at ``base``, closed
         with the buffer)."""
         self._word = (base, address)
-        self.orders_by_word = True
+
+    @property
+    def orders_by_word(self) -> bool:  # type: ignore[override]
+        return self._word is not None
 
     def _event(self, handle: bytes) -> Any:
         ev = self._events.get(handle)
