@@ -91,6 +91,12 @@ class InstanceBuffer(abc.ABC):
             raise BadRequest("the call names an order count, but the instance was registered "
                              "without an order_word")
 
+    def signal(self) -> int | None:
+        """Queue on the instance's stream, after the copies queued so far, the write of the next
+        count of its ready word (``Registration.ready_word``) and return the count; None without
+        a ready word (the caller orders the engine by an event, or waits itself)."""
+        return None
+
     @abc.abstractmethod
     def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
         """Order what follows after the engine's interprocess event and its order word reaching
@@ -176,14 +182,17 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
-             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
+             order_word: CudaIpcBuffer | None = None,
+             ready_word: bool = False) -> InstanceBuffer:
         """Open a registered buffer that ``owner_uid`` (the registering peer) must own, and its
-        order word (``dataplane.streamword``) if one was registered.
+        order word (``dataplane.streamword``) if one was registered, with the ready word after it
+        if ``ready_word``.
 
         Raises:
             BadRequest: the spec is of another backend, names memory that is not the client's
                 (docs/security.md), or does not fit the layout; an order word this backend
-                cannot use or that is not a whole int32 on the buffer's GPU.
+                cannot use or that is not a whole int32 (two with ``ready_word``) on the
+                buffer's GPU.
             BackendError: the buffer cannot be mapped.
         """
 

@@ -214,13 +214,13 @@ class BlendClient:
             try:
                 with torch.cuda.device(kv.device):
                     torch.cuda.synchronize()  # the device's context current on this thread
-                    word, handle = streamword.allocate()
+                    word, handle = streamword.allocate(2)  # the order word, the ready word
             except RuntimeError as exc:
                 log.warning("no order word: calls are ordered by interprocess events (%s)", exc)
             else:
                 uuid = str(torch.cuda.get_device_properties(kv.device).uuid)
                 registration = msgspec.structs.replace(registration, order_word=CudaIpcBuffer(
-                    handle=handle, offset=0, device_uuid=uuid))
+                    handle=handle, offset=0, device_uuid=uuid), ready_word=True)
         try:
             iid, token, lease = self._control.register(registration, request_id)
         except BaseException:
@@ -247,7 +247,7 @@ class BlendClient:
         reg = self._instances.forget(instance_id)
         if reg is not None:  # the segment holding the registered memory, if ours
             self._buffers.release(reg.kv)
-            streamword.free(reg.word)  # the data plane closed its mapping of it
+            streamword.free(reg.allocation)  # the data plane closed its mapping of it
 
     def list_instances(self) -> list[InstanceInfo]:
         reply: InstanceList = self._channel.call(ListInstances(), self._timeout)
@@ -296,7 +296,7 @@ class BlendClient:
                     layer_wait_s: float, first_position: int,
                     request_id: str | None) -> Transfer:
         reg = self._registered(instance_id)
-        events = call_events(reg, event, layer_groups)
+        events = call_events(reg, event, layer_groups, retrieve=False)
         msg = StoreChunks(instance_id=instance_id, token_ids=tokens(token_ids).tobytes(),
                           offset=offset, block_table=block_table_bytes(block_table),
                           layer_groups=layer_groups, layer_events=events.layer_handles,
@@ -327,7 +327,7 @@ class BlendClient:
         position it was stored at to ``first_position + cur_st`` (``first_position``: the model's
         position of the prompt's token 0), unless ``rotate`` is False."""
         reg = self._registered(instance_id)
-        events = call_events(reg, event, layer_groups)
+        events = call_events(reg, event, layer_groups, retrieve=True)
         msg = RetrieveChunks(instance_id=instance_id, token_ids=tokens(token_ids).tobytes(),
                              matches=match_bytes(matches), offset=offset,
                              block_table=block_table_bytes(block_table),

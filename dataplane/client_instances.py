@@ -39,8 +39,8 @@ class IpcEvent:
 @dataclass
 class Registered:
     """An instance of this client: its buffer (the first layer of a paged cache), token, layer
-    count, free interprocess events and order word (``dataplane.streamword``: its device
-    address, its last count, the stream that writes it)."""
+    count, free interprocess events, order word (``dataplane.streamword``: its device address,
+    its last count, the stream that writes it) and the data plane's ready word after it."""
 
     kv: torch.Tensor
     token: str
@@ -49,6 +49,8 @@ class Registered:
     word: int = 0  # its device address; 0: none
     count: int = 0
     word_stream: int | None = None
+    ready: int = 0  # the ready word's device address; 0: none
+    allocation: int = 0  # the words' allocation (``streamword.free``)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def order(self, stream: Any) -> int | None:
@@ -72,6 +74,22 @@ class Registered:
                 return None
             self.count = count
         return count
+
+    def wait_ready(self, count: int) -> None:
+        """Make the current stream of the buffer's device wait (without blocking this thread)
+        until the data plane's stream wrote ``count`` into the ready word."""
+        streamword.wait(torch.cuda.current_stream(self.kv.device).cuda_stream, self.ready, count)
+
+    def unblock(self, count: int) -> None:
+        """Write ``count`` into the ready word from a stream of our own, and wait for it: the
+        data plane that named it is gone, and the engine's streams waiting for it go on."""
+        with torch.cuda.device(self.kv.device):
+            side = torch.cuda.Stream(self.kv.device)
+            try:
+                streamword.write(side.cuda_stream, self.ready, count)
+            except RuntimeError as exc:
+                log.error("could not release the ready word of a lost data plane: %s", exc)
+            side.synchronize()
 
     def take(self) -> IpcEvent:
         """A free event of the pool, or a new one on the buffer's device."""
@@ -102,10 +120,11 @@ class Instances:
 
     def track(self, iid: int, kv: torch.Tensor, token: str, lease: float,
               num_layers: int, word: int = 0) -> None:
-        """Hold a new registration (``word``: its order word, if any); the first one starts the
-        lease thread."""
+        """Hold a new registration (``word``: its order word, if any, and the ready word after
+        it); the first one starts the lease thread."""
         with self._lock:
-            self._held[iid] = Registered(kv, token, num_layers, word=word)
+            self._held[iid] = Registered(kv, token, num_layers, word=word,
+                                         ready=word + 4 if word else 0, allocation=word)
             if self._renewer is None:
                 self._renewer = threading.Thread(target=self._renew, args=(lease / 3,),
                                                  name="kvblend-lease", daemon=True)

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvblend.dataplane import streamword
 from kvblend.dataplane.channel import Pending
 from kvblend.dataplane.client_instances import IpcEvent, Registered
-from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import MATCH_BYTES, ChunkFailure, TransferDone
+from kvblend.dataplane.errors import BadRequest, DataPlaneUnavailable
+from kvblend.dataplane.messages import MATCH_BYTES, ChunkFailure, LayersReady, TransferDone
 from kvblend.shm.hashing import DIGEST_BYTES, as_tokens
 
 
@@ -62,7 +63,7 @@ class Transfer:
                  pool: list[IpcEvent] | None = None,
                  layer_bounds: list[int] | None = None,
                  layer_events: list[IpcEvent] | None = None, device: Any = None,
-                 num_layers: int = 0) -> None:
+                 num_layers: int = 0, ready_of: Registered | None = None) -> None:
         self._pending = pending
         self.cuda_event = cuda_event
         self._events, self._pool = events, pool  # ours until the call completed
@@ -71,6 +72,8 @@ class Transfer:
         self._num_layers = num_layers
         self._announce: Any = None  # a layer-wise store's LayersWritten sender
         self._announced = 0  # groups announced
+        self._ready_of = ready_of  # a layer-wise retrieve's instance, by its ready word
+        self._waited: int | None = None  # the highest ready count a stream was made to wait for
 
     def layers_written(self, layers: int) -> None:
         """For a layer-wise store: layers ``[0, layers)`` of the buffer now hold the call's KV.
@@ -111,12 +114,13 @@ class Transfer:
         ready = self._pending.progress(max(1, self._num_layers), timeout)
         if ready is None:  # the call ended first: its result says how
             return self.wait(0).failed
-        # a layer-wise retrieve's last group event follows its last copy (the done event may
-        # not be recorded yet when that group is announced)
-        retrieve_groups = self._layer_events and self._announce is None
-        last = self._layer_events[-1].event if retrieve_groups else self.cuda_event
-        if last is not None:
-            torch.cuda.current_stream(self._device).wait_event(last)
+        # a layer-wise retrieve's last group event (or ready count) follows its last copy (the
+        # done event may not be recorded yet when that group is announced)
+        if not self._wait_ready(ready):
+            retrieve_groups = self._layer_events and self._announce is None
+            last = self._layer_events[-1].event if retrieve_groups else self.cuda_event
+            if last is not None:
+                torch.cuda.current_stream(self._device).wait_event(last)
         return list(ready.failed)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> list[int]:
@@ -137,10 +141,20 @@ class Transfer:
         ready = self._pending.progress(layer + 1, timeout)
         if ready is None:  # the call ended first: its result says how
             return self.wait(0).failed
-        if self._layer_events:
+        if not self._wait_ready(ready) and self._layer_events:
             group = next(g for g in range(len(self._bounds) - 1) if self._bounds[g + 1] > layer)
             torch.cuda.current_stream(self._device).wait_event(self._layer_events[group].event)
         return list(ready.failed)
+
+    def _wait_ready(self, ready: LayersReady) -> bool:
+        """Make the current stream wait for the ready count of a progress frame, if it names
+        one (a layer-wise retrieve on an instance with a ready word)."""
+        if ready.ready is None or self._ready_of is None:
+            return False
+        self._ready_of.wait_ready(ready.ready)
+        if self._waited is None or streamword.later(ready.ready, self._waited):
+            self._waited = ready.ready
+        return True
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block until the data plane completed the call.
@@ -150,7 +164,13 @@ class Transfer:
             RemoteError: the call was refused (UnknownInstance, OutOfRange, ...).
         """
         if self._result is None:
-            done: TransferDone = self._pending.result(timeout)
+            try:
+                done: TransferDone = self._pending.result(timeout)
+            except DataPlaneUnavailable:
+                if self._waited is not None and self._ready_of is not None:
+                    self._ready_of.unblock(self._waited)  # no data plane will write it now
+                    self._waited = None
+                raise
             self._result = TransferResult(not done.failed, done.num_chunks, list(done.failed),
                                           done.copied, done.nbytes, list(done.not_indexed),
                                           dict(zip(done.failed, done.reasons)))
@@ -206,23 +226,26 @@ class CallEvents:
 
     def transfer(self, pending: Pending, reg: Registered | None) -> Transfer:
         """The ``Transfer`` of the call just sent with these events."""
+        by_word = reg is not None and bool(reg.ready) and self.bounds is not None
         return Transfer(pending, self.held[-1].event if self.held else None, self.held,
                         self.pool, self.bounds, self.layers,
                         reg.kv.device if reg is not None else None,
-                        reg.num_layers if reg is not None else 0)
+                        reg.num_layers if reg is not None else 0, reg if by_word else None)
 
 
-def call_events(reg: Registered | None, event: Any, layer_groups: int) -> CallEvents:
+def call_events(reg: Registered | None, event: Any, layer_groups: int,
+                retrieve: bool) -> CallEvents:
     """The events of a store or retrieve on ``reg``'s buffer: ``event`` (the engine's, or else
     the next count of the instance's order word written now on the current stream, or else one
     of the pool recorded there), a done event and, with ``layer_groups``, the group bounds and,
-    on a CUDA buffer, one event per group.
+    on a CUDA buffer, one event per group (a retrieve's where the instance has no ready word:
+    otherwise the data plane names a count of it per group).
 
     Raises:
         BadRequest: a CUDA event given for a CPU buffer (or an instance not of this client).
     """
     engine, order, done, used, pool = _events(reg, event)
-    bounds, layer_events = _layer_groups(reg, layer_groups)
+    bounds, layer_events = _layer_groups(reg, layer_groups, retrieve)
     return CallEvents(engine, order, done, layer_events + used, pool, bounds, layer_events)
 
 
@@ -246,14 +269,15 @@ def _events(reg: Registered | None, event: Any) -> tuple[
     return mine.handle, None, done.handle, [mine, done], reg.events
 
 
-def _layer_groups(reg: Registered | None, layer_groups: int
+def _layer_groups(reg: Registered | None, layer_groups: int, retrieve: bool
                   ) -> tuple[list[int] | None, list[IpcEvent]]:
-    """A layer-wise call's group bounds and, on a CUDA buffer, one event per group."""
+    """A layer-wise call's group bounds and, on a CUDA buffer, one event per group (a store's;
+    a retrieve's where the instance has no ready word)."""
     if not layer_groups:
         return None, []
     num_layers = reg.num_layers if reg is not None else layer_groups
     bounds = [num_layers * g // layer_groups for g in range(layer_groups + 1)]
-    if reg is not None and reg.kv.is_cuda:
+    if reg is not None and reg.kv.is_cuda and not (retrieve and reg.ready):
         return bounds, [reg.take() for _ in range(layer_groups)]
     return bounds, []
 

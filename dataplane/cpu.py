@@ -189,8 +189,9 @@ class CpuEngine(CopyEngine):
         self._own = service_identities(store.name)  # the service's objects, as they were at start
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
-             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
-        if order_word is not None:
+             order_word: CudaIpcBuffer | None = None,
+             ready_word: bool = False) -> InstanceBuffer:
+        if order_word is not None or ready_word:
             raise BadRequest("the CPU data plane takes no order_word (it orders CUDA buffers)")
         if isinstance(spec, PagedBuffer):
             paged.check(spec, layout.num_layers, layout.num_tokens, layout.hidden_dim,

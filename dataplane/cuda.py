@@ -71,12 +71,33 @@ class CudaBuffer(InstanceBuffer):
         self._turner: Any = None  # dataplane.cuda_rotary.KTurner, made by the first turn
         self._word: tuple[int, int] | None = None  # the order word's (IPC base, address)
         self._named: int | None = None  # the highest count a call named
+        self._readies = False  # the word after the order word is the ready word
+        self._signalled = 0  # the ready word's last count
         self._word_lock = threading.Lock()
 
-    def order_by(self, base: int, address: int) -> None:
+    def order_by(self, base: int, address: int, ready: bool = False) -> None:
         """Take the order word at ``address`` (in the IPC allocation opened at ``base``, closed
-        with the buffer)."""
-        self._word = (base, address)
+        with the buffer) and, if ``ready``, the ready word after it, whose counts go on from
+        the one it holds (a data plane re-opening a saved instance: its predecessor's counts
+        that landed, which the engine's streams may have waited for)."""
+        self._word, self._readies = (base, address), ready
+        if ready:
+            held = np.zeros(1, np.uint32)
+            cupy.cuda.runtime.setDevice(self.device)
+            cupy.cuda.runtime.memcpy(held.ctypes.data, address + 4, 4, D2H)
+            self._signalled = int(held[0])
+
+    def signal(self) -> int | None:
+        if self._word is None or not self._readies:
+            return None
+        with self._word_lock:
+            count = (self._signalled + 1) & streamword.MASK
+            try:
+                streamword.write(self.stream.cuda_stream, self._word[1] + 4, count)
+            except RuntimeError as exc:
+                raise BackendError(f"cannot write the ready word: {exc}") from exc
+            self._signalled = count
+        return count
 
     @property
     def orders_by_word(self) -> bool:  # type: ignore[override]

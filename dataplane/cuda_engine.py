@@ -54,7 +54,8 @@ class CudaEngine(CopyEngine):
             self._pieces.append(ptr)
 
     def open(self, spec: BufferSpec, layout: KVLayout, owner_uid: int,
-             order_word: CudaIpcBuffer | None = None) -> InstanceBuffer:
+             order_word: CudaIpcBuffer | None = None,
+             ready_word: bool = False) -> InstanceBuffer:
         if order_word is not None and not streamword.available():
             raise BadRequest("this data plane's driver has no stream memory operations: "
                              "register without an order_word")
@@ -70,19 +71,20 @@ class CudaEngine(CopyEngine):
             buf = CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
         if order_word is not None:
             try:
-                buf.order_by(*self._open_word(buf.device, order_word))
+                buf.order_by(*self._open_word(buf.device, order_word, ready_word), ready_word)
             except BaseException:
                 buf.close()
                 raise
         return buf
 
-    def _open_word(self, device: int, spec: CudaIpcBuffer) -> tuple[int, int]:
-        """(base, address) of an order word: an int32 on ``device`` in an IPC allocation."""
+    def _open_word(self, device: int, spec: CudaIpcBuffer, ready: bool) -> tuple[int, int]:
+        """(base, address) of an order word: an int32 on ``device`` in an IPC allocation (the
+        ready word another one after it)."""
         if self._devices.get(normalize_uuid(spec.device_uuid)) != device:
             raise BadRequest("the order_word must be on the buffer's GPU")
         if spec.offset % 4:
             raise BadRequest(f"the order_word's offset {spec.offset} is not a multiple of 4")
-        base = self._open_ipc(device, spec, 4)
+        base = self._open_ipc(device, spec, 8 if ready else 4)
         return base, base + spec.offset
 
     def _open_paged(self, spec: PagedBuffer, layout: KVLayout) -> CudaPagedBuffer:

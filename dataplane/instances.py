@@ -14,6 +14,8 @@ State of one instance::
 
     registered --authorize (any call with its token)--> registered, lease renewed
     registered --UnregisterInstance / lease ran out--> dropping (its queued calls still run)
+    registered or dropping --lease ran out--> its buffer released (``InstanceBuffer.release``:
+                                              no wait for the engine holds its worker)
     dropping --its worker reaches the drop job--> gone: buffer closed, layout class released
                                                   when no instance uses it and it holds no page
 
@@ -146,7 +148,8 @@ class Registry:
             if saved is None:
                 self._check_free(req, caller)
             self._check_namespace_layout(cc)
-            buffer = self._engine.open(req.buffer, layout, owner_uid, req.order_word)
+            buffer = self._engine.open(req.buffer, layout, owner_uid, req.order_word,
+                                       req.ready_word)
             try:
                 class_id = self._register_class(cc)
             except BaseException:
@@ -305,9 +308,12 @@ class Registry:
             return True
 
     def expired(self) -> list[Instance]:
-        """Instances whose lease ran out and that nobody is dropping yet."""
+        """Instances whose lease ran out and that are not dropped yet, unless they are being
+        dropped with their buffer released (an unregistration queued behind a call that waits
+        for a gone engine is released once the lease runs out too)."""
         now = time.monotonic()
-        return [i for i in self.all() if i.expires < now and not i.dropping]
+        return [i for i in self.all()
+                if i.expires < now and not (i.dropping and i.buffer.released)]
 
     # -- the table --------------------------------------------------------------------------
 

@@ -339,11 +339,14 @@ class LayersReady(_Msg):
     event, or with every layer the call's ``done_event``). A layer-wise retrieve sends one per
     group; any other store or retrieve one with every layer, once all its copies are queued
     (before it commits or unpins). ``failed``: the chunk (store) or match (retrieve) indexes that
-    will not be copied, known before the first."""
+    will not be copied, known before the first. ``ready``: the count of the instance's ready
+    word (``Registration.ready_word``) that the data plane's stream writes after the group's
+    copies, where the group has no layer event."""
 
     instance_id: int
     layers: int
     failed: list[int] = []
+    ready: OrderCount = None
 
 
 Reply = (Pong | Registered | LeaseRenewed | Unregistered | InstanceList | TransferDone

@@ -201,11 +201,19 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     "writes a rising count into; a store or retrieve naming a count (`order`) "
                     "then has the data plane wait until the word reaches it, instead of for an "
                     "interprocess event.")] = None
+    ready_word: Annotated[bool, msgspec.Meta(
+        description="With `order_word`: the int32 right after it, in the same allocation, is "
+                    "the instance's ready word. After each group of a layer-wise retrieve "
+                    "that names no `layer_events`, the data plane's stream writes a rising "
+                    "count into it and the group's progress frame names the count; the "
+                    "engine's stream waits for it instead of for an interprocess event.")] = False
 
     def __post_init__(self) -> None:
-        """Refuse a model name ``shm.hashing.check_label`` refuses (a ``ValueError``, which a
-        decoder raises as ``msgspec.ValidationError``)."""
+        """Refuse a model name ``shm.hashing.check_label`` refuses, or a ready word without an
+        order word (a ``ValueError``, which a decoder raises as ``msgspec.ValidationError``)."""
         check_label("model_name", self.model_name, MODEL_NAME_BYTES)
+        if self.ready_word and self.order_word is None:
+            raise ValueError("a ready_word is the word after the order_word: register both")
 
 
 __all__ = ["Registration", "BufferSpec", "ShmBuffer", "CudaIpcBuffer", "PagedBuffer",

@@ -171,14 +171,15 @@ class _RetrieveCall:
                     copies.copy(bounds[g], bounds[g + 1])
                     if turn is not None:
                         buf.turn_k(starts, C, batch, turn.cfg, bounds[g], bounds[g + 1])
+                ready = None
                 if msg.layer_events:
                     buf.record(msg.layer_events[g])  # the engine's stream waits on it
-                else:
+                elif (ready := buf.signal()) is None:
                     buf.wait(buf.mark())  # the group's copies completed (CPU: at once)
                 progress(LayersReady(instance_id=self.inst.id, layers=bounds[g + 1],
-                                     failed=failed))
+                                     failed=failed, ready=ready))
                 self.started()
-                if g == 0 and msg.layer_events and msg.layer_groups > 1:
+                if g == 0 and (msg.layer_events or ready is not None) and msg.layer_groups > 1:
                     # Layer 0 alone before the rest is queued: the engine waits on its event
                     # from another CUDA context, which the GPU serves at a context switch; behind
                     # 31 queued kernels that came 3.2-3.8 ms after the call, alone 1.5-1.9 ms.

@@ -228,12 +228,12 @@ class DataPlane:
                     log.info("reclaimed %d reservations and %d pins (dead processes, pin leases "
                              "run out)", freed, dropped)
                 for inst in self.registry.expired():
+                    # its worker may wait for an engine that is gone (an order word never
+                    # written): the drop, or an unregistration sent before, queues behind it
+                    inst.buffer.release()
                     if self.registry.claim_drop(inst):
                         log.info("the lease of instance %d ran out: dropping it", inst.id)
                         self.shared.events.add(Counter.INSTANCES_EXPIRED)
-                        # its worker may wait for an engine that is gone: the drop queues
-                        # behind that wait
-                        inst.buffer.release()
                         inst.submit(_drop_job(self.registry), bounded=False)
                 if self._orphans.due(time.monotonic()):
                     swept = self._orphans.run(time.monotonic())

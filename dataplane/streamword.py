@@ -80,18 +80,19 @@ def wait(stream: int, address: int, value: int) -> None:
     _call(1, stream, address, value & MASK, WAIT_GEQ)
 
 
-def allocate() -> tuple[int, bytes]:
-    """A word of its own on the current device (the calling thread's context), set to 0 and
-    complete: (its device address, its 64-byte IPC handle). ``free`` gives it back.
+def allocate(words: int = 1) -> tuple[int, bytes]:
+    """``words`` adjacent words in an allocation of their own on the current device (the
+    calling thread's context), set to 0 and complete: (the first's device address, the
+    allocation's 64-byte IPC handle). ``free`` gives it back.
 
     Raises:
         RuntimeError: the driver refused a step.
     """
     address = ctypes.c_uint64(0)
-    _call(2, ctypes.byref(address), 4)
+    _call(2, ctypes.byref(address), 4 * words)
     handle = ctypes.create_string_buffer(64)
     try:
-        _call(3, address.value, 0, 1)
+        _call(3, address.value, 0, words)
         _call(4)  # the zero is in place before any other process can read it
         _call(5, handle, address.value)
     except BaseException:

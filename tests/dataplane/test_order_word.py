@@ -1,5 +1,6 @@
 """Calls ordered by the instance's order word (``dataplane.streamword``) on a real GPU: the data
-plane's copies wait for the word the engine's stream writes after its work, a registration's word
+plane's copies wait for the word the engine's stream writes after its work, the engine's reads of a
+layer-wise retrieve wait for the ready word the data plane's stream writes, a registration's word
 is checked, and an instance whose engine never writes the word is still dropped once its lease
 runs out, with nothing stored."""
 
@@ -44,6 +45,33 @@ def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> 
         region = kv.view(torch.int16)[:, :, :4 * CHUNK]
         assert bool((region == 1234).all())  # retrieved after the fill, and stored after it
         assert bool((kv.view(torch.int16)[:, :, 4 * CHUNK:] == -1).all())
+        client.unregister(inst)
+
+
+def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
+        cuda_dataplane: DataPlaneProc) -> None:
+    doc = np.arange(4 * CHUNK) + 11
+    with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as client:
+        kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+        inst = client.register_kv_cache(kv, model_name="gpu-ready")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the engine's stream, which writes the order word
+            kv.view(torch.int16).fill_(1234)
+            assert client.store_pre_computed(inst, doc).wait(timeout=60).ok
+            res = client.lookup(doc, "gpu-ready")
+            kv.view(torch.int16).fill_(7)
+            torch.cuda._sleep(200_000_000)  # the retrieve's copies wait for 0.1 s of GPU time
+            after = torch.cuda.Event(interprocess=True)  # an event: its wait never holds the host
+            after.record(side)
+            t = client.retrieve(inst, doc, res.matches, offset=0, layer_groups=1, event=after)
+        # on the default stream: only the ready word keeps this read from seeing the 7s
+        assert t.wait_layer(L - 1, timeout=60) == []
+        got = kv.view(torch.int16)[:, :, :4 * CHUNK].clone()
+        assert not side.query()  # announced while the copies still wait for the engine
+        assert t.wait(timeout=60).ok
+        torch.cuda.synchronize()
+        assert t._layer_events == [] and t._waited is not None  # no layer event, a ready count
+        assert bool((got == 1234).all())
         client.unregister(inst)
 
 
