@@ -37,7 +37,10 @@ event 298 us, ``benchmarks/bench_callfloor.py --values``). Only the stream that 
 first writes it (its counts stay in order); a call from another stream, or where there is no
 word, records one of the instance's own interprocess events instead (a small pool per instance:
 an event is reused only once the call that carried it completed and was released, so the data
-plane keeps it opened).
+plane keeps it opened). The word after the order word is the instance's ready word: a
+layer-wise retrieve's groups are announced with a count of it that the data plane's stream writes
+after their copies, and ``Transfer.wait_layer`` has the current stream wait for that count instead
+of for one interprocess event per group.
 
 Instances are capabilities (docs/security.md): registration answers a token that every later
 call on the instance carries, and a lease that the client renews from a background thread every

@@ -23,7 +23,9 @@ after its record, even on an idle stream, which no ordering by that event avoids
 An instance registered with an order word (``dataplane.streamword``) skips that: its calls name
 a count of the word instead, and the stream waits for the word with ``cuStreamWaitValue32``.
 Closing the buffer first writes the highest count any call named into the word from a stream of
-its own, so that an engine that died (or never wrote it) cannot hold the stream forever.
+its own, so that an engine that died (or never wrote it) cannot hold the stream forever. With a
+ready word (the word after it), ``signal`` writes the instance's next count of it on the stream
+after a layer-wise retrieve's group, for the engine's stream to wait for.
 
 The engine that registers the slab and opens the buffers is ``dataplane.cuda_engine``'s. cupy and
 torch are imported lazily by ``dataplane.engines.make_engine``: CPU machines have no cupy.

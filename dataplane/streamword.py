@@ -14,6 +14,11 @@ after its work; a call names the count (``order``) and the data plane's stream w
 ``(int32)(word - order) >= 0`` (``CU_STREAM_WAIT_VALUE_GEQ``: the count may wrap). Writing it
 has the driver's default memory barrier: the stream's earlier writes are visible first.
 
+The other way round, the int32 after the order word (one allocation of two words) is the
+instance's ready word (``Registration.ready_word``): the data plane's stream writes a rising count
+into it after each group of a layer-wise retrieve, and the engine's stream waits for the count
+that the group's progress frame names, instead of for an interprocess event.
+
 Only the driver (``libcuda.so.1``) through ctypes: the engine's client loads this module too
 and stays light (no cupy, no numba).
 """
