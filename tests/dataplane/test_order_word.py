@@ -55,19 +55,27 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
         kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
         inst = client.register_kv_cache(kv, model_name="gpu-ready")
         side = torch.cuda.Stream()
+        gate = torch.zeros(1, dtype=torch.int32).pin_memory()  # opened by this thread
         with torch.cuda.stream(side):  # the engine's stream, which writes the order word
             kv.view(torch.int16).fill_(1234)
             assert client.store_pre_computed(inst, doc).wait(timeout=60).ok
             res = client.lookup(doc, "gpu-ready")
             kv.view(torch.int16).fill_(7)
-            torch.cuda._sleep(200_000_000)  # the retrieve's copies wait for 0.1 s of GPU time
-            after = torch.cuda.Event(interprocess=True)  # an event: its wait never holds the host
+            streamword.wait(side.cuda_stream, gate.data_ptr(), 1)  # until the gate opens
+            after = torch.cuda.Event(interprocess=True)  # the retrieve's copies wait for it
             after.record(side)
+        try:
             t = client.retrieve(inst, doc, res.matches, offset=0, layer_groups=1, event=after)
-        # on the default stream: only the ready word keeps this read from seeing the 7s
-        assert t.wait_layer(L - 1, timeout=60) == []
-        got = kv.view(torch.int16)[:, :, :4 * CHUNK].clone()
-        assert not side.query()  # announced while the copies still wait for the engine
+            assert t.wait_layer(L - 1, timeout=60) == []  # announced, its copies held
+            got = kv.view(torch.int16)[:, :, :4 * CHUNK].clone()  # on the default stream
+            read = torch.cuda.Event()
+            read.record()
+            deadline = time.monotonic() + 1.0  # a read not held by the ready word ends by then
+            while not read.query() and time.monotonic() < deadline:
+                pass
+            assert not read.query()  # the read waits for the ready word
+        finally:
+            gate.fill_(1)
         assert t.wait(timeout=60).ok
         torch.cuda.synchronize()
         assert t._layer_events == [] and t._waited is not None  # no layer event, a ready count
