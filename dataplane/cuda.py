@@ -73,7 +73,7 @@ class CudaBuffer(InstanceBuffer):
         self._turner: Any = None  # dataplane.cuda_rotary.KTurner, made by the first turn
         self._word: tuple[int, int] | None = None  # the order word's (IPC base, address)
         self._named: int | None = None  # the highest count a call named
-        self._readies = False  # the word after the order word is the ready word
+        self._ready: int | None = None  # the ready word's address (after the order word)
         self._signalled = 0  # the ready word's last count
         self._word_lock = threading.Lock()
 
@@ -82,20 +82,21 @@ class CudaBuffer(InstanceBuffer):
         with the buffer) and, if ``ready``, the ready word after it, whose counts go on from
         the one it holds (a data plane re-opening a saved instance: its predecessor's counts
         that landed, which the engine's streams may have waited for)."""
-        self._word, self._readies = (base, address), ready
+        self._word = (base, address)
         if ready:
+            self._ready = address + 4
             held = np.zeros(1, np.uint32)
             cupy.cuda.runtime.setDevice(self.device)
-            cupy.cuda.runtime.memcpy(held.ctypes.data, address + 4, 4, D2H)
+            cupy.cuda.runtime.memcpy(held.ctypes.data, self._ready, 4, D2H)
             self._signalled = int(held[0])
 
     def signal(self) -> int | None:
-        if self._word is None or not self._readies:
+        if self._ready is None:
             return None
         with self._word_lock:
             count = (self._signalled + 1) & streamword.MASK
             try:
-                streamword.write(self.stream.cuda_stream, self._word[1] + 4, count)
+                streamword.write(self.stream.cuda_stream, self._ready, count)
             except RuntimeError as exc:
                 raise BackendError(f"cannot write the ready word: {exc}") from exc
             self._signalled = count
@@ -224,7 +225,7 @@ class CudaBuffer(InstanceBuffer):
         """Close the order word's IPC allocation (after the stream drained)."""
         if self._word is not None:
             cupy.cuda.runtime.ipcCloseMemHandle(self._word[0])
-            self._word = None
+            self._word = self._ready = None
 
 
 __all__ = ["CudaBuffer", "normalize_uuid", "D2H", "H2D"]
