@@ -10,7 +10,8 @@ another process's allocation opened by IPC:
 - a spawned child opens the allocation, holds a stream of its own behind a gate (a wait for a
   word of its own pinned host memory, which a timer thread opens after ``--gate-ms``), and times
   how long queueing a write of the ready word and a wait for the order word (already at 5) hold
-  its thread; then the same for a word of its own allocation.
+  its thread, then a wait for a count that another stream writes ``--gate-ms`` later; then the
+  same for a word of its own allocation.
 
 A call that returns in microseconds was queued; one that returns after about ``--gate-ms`` held
 the thread until the stream reached it (the gate opened). Needs a CUDA GPU; prints one line a
@@ -61,6 +62,15 @@ def _child(handle: bytes, gate_ms: float, out: "mp.Queue[str]") -> None:
         stream.synchronize()
         out.put(f"{name:15s} write queued in {write_ms:8.3f} ms, wait queued in {wait_ms:8.3f} "
                 f"ms (the stream was held {gate_ms:.0f} ms)")
+        # a wait for a count not written yet: another stream writes it after gate_ms
+        writer = torch.cuda.Stream()
+        opener = threading.Timer(gate_ms / 1e3, streamword.write, (writer.cuda_stream, base, 6))
+        opener.start()
+        unwritten_ms = _timed(streamword.wait, stream.cuda_stream, base, 6)
+        opener.join()
+        stream.synchronize()
+        out.put(f"{name:15s} wait for a count written {gate_ms:.0f} ms later queued in "
+                f"{unwritten_ms:8.3f} ms")
     streamword.free(own)
     cupy.cuda.runtime.ipcCloseMemHandle(shared)
     out.put("")

@@ -48,8 +48,13 @@ def test_store_and_retrieve_wait_for_the_word(cuda_dataplane: DataPlaneProc) -> 
         client.unregister(inst)
 
 
+@pytest.mark.parametrize("held_by", ["event", "word"])
 def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
-        cuda_dataplane: DataPlaneProc) -> None:
+        cuda_dataplane: DataPlaneProc, held_by: str) -> None:
+    """The retrieve's copies are held behind a gate this thread opens, by an event recorded
+    after it or by the order word written after it; the engine's read after ``wait_layer`` waits
+    for the ready word. A data plane that held its thread until the copies ran would announce
+    nothing before the gate opens: a timeout."""
     doc = np.arange(4 * CHUNK) + 11
     with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as client:
         kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
@@ -62,11 +67,13 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
             res = client.lookup(doc, "gpu-ready")
             kv.view(torch.int16).fill_(7)
             streamword.wait(side.cuda_stream, gate.data_ptr(), 1)  # until the gate opens
-            after = torch.cuda.Event(interprocess=True)  # the retrieve's copies wait for it
+            after = torch.cuda.Event(interprocess=True)
             after.record(side)
         try:
-            t = client.retrieve(inst, doc, res.matches, offset=0, layer_groups=1, event=after)
-            assert t.wait_layer(L - 1, timeout=60) == []  # announced, its copies held
+            with torch.cuda.stream(side if held_by == "word" else torch.cuda.default_stream()):
+                t = client.retrieve(inst, doc, res.matches, offset=0, layer_groups=1,
+                                    event=after if held_by == "event" else None)
+            assert t.wait_layer(L - 1, timeout=20) == []  # announced, its copies held
             got = kv.view(torch.int16)[:, :, :4 * CHUNK].clone()  # on the default stream
             read = torch.cuda.Event()
             read.record()
