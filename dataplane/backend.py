@@ -77,8 +77,9 @@ class InstanceBuffer(abc.ABC):
 
     def release(self) -> None:
         """Let every wait for the engine end (an instance whose lease ran out: its engine is
-        presumed gone and may never write its order word); from any thread. From then on no
-        call begins, and a store commits nothing its copies queued."""
+        presumed gone and may never write its order word); from any thread. On a CUDA buffer no
+        call begins from then on, and a store commits nothing its copies queued; a CPU buffer
+        has no wait for the engine, so this does nothing there."""
 
     def check_order(self, order: int | None) -> None:
         """Refuse a call's ``order`` count for a buffer without an order word; called before any
