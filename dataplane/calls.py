@@ -16,7 +16,8 @@ import numba
 import numpy as np
 
 from kvblend.dataplane.errors import BadRequest, OutOfRange
-from kvblend.dataplane.messages import MATCH_BYTES, MATCH_WORDS, TransferDone
+from kvblend.dataplane.messages import (MATCH_BYTES, MATCH_WORDS, MAX_LAYER_GROUP_MATCHES,
+                                        TransferDone)
 from kvblend.shm.events import EventLog
 from kvblend.shm.fingerprint import FingerprintIndex
 from kvblend.shm.hashing import Namespace
@@ -121,6 +122,29 @@ def _first_bad_match(m: np.ndarray, C: int, n_tokens: int, room: int) -> tuple[i
         if m[j, 3] > room:
             return j, _PAST_BUFFER
     return -1, 0
+
+
+def check_layer_groups(call: str, msg: Any, n: int, buf: "InstanceBuffer") -> bool:
+    """Whether ``msg`` (a store or retrieve of ``n`` chunks, ``call`` naming which) is
+    layer-wise; its groups and layer events checked, before any side effect.
+
+    Raises:
+        BadRequest: layer events without groups, more groups than layers, more chunks than
+            ``MAX_LAYER_GROUP_MATCHES``, or layer events not one per group of a CUDA buffer.
+    """
+    if not msg.layer_groups:
+        if msg.layer_events:
+            raise BadRequest(f"layer_events were given for a {call} that is not layer-wise")
+        return False
+    if msg.layer_groups > buf.layout.num_layers:
+        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
+    if n > MAX_LAYER_GROUP_MATCHES:
+        raise BadRequest(f"a layer-wise {call} takes at most {MAX_LAYER_GROUP_MATCHES} chunks, "
+                         f"got {n}: split it")
+    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
+                             not buf.records_events):
+        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
+    return True
 
 
 def namespace_of(inst: "Instance", cache_salt: str) -> Namespace:

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (Call, Shared, StartOnce, batches, drain, match_rows,
-                                     namespace_of, tokens_of)
+from kvblend.dataplane.calls import (Call, Shared, StartOnce, batches, check_layer_groups, drain,
+                                     match_rows, namespace_of, tokens_of)
 from kvblend.dataplane.errors import BadRequest
-from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
-                                        LayersReady, PrefetchChunks, RetrieveChunks,
-                                        TransferDone)
+from kvblend.dataplane.messages import (MAX_POSITION, ChunkFailure, LayersReady, PrefetchChunks,
+                                        RetrieveChunks, TransferDone)
 from kvblend.shm.errors import CapacityError
 from kvblend.shm.keys import hash_keys, keys_of
 from kvblend.shm.slots import NOT_PINNED, OTHER_LAYOUT, OTHER_TOKENS, VERIFIED
@@ -29,21 +28,6 @@ if TYPE_CHECKING:
 
 
 PIN_BATCH = 512  # matches pinned at once by one retrieve; it holds at most two batches
-
-
-def _check_layerwise(msg: RetrieveChunks, n: int, buf: "InstanceBuffer") -> None:
-    if not msg.layer_groups:
-        if msg.layer_events:
-            raise BadRequest("layer_events were given for a retrieve that is not layer-wise")
-        return
-    if msg.layer_groups > buf.layout.num_layers:
-        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
-    if n > MAX_LAYER_GROUP_MATCHES:
-        raise BadRequest(f"a layer-wise retrieve takes at most {MAX_LAYER_GROUP_MATCHES} matches, "
-                         f"got {n}: split it")
-    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
-                             not buf.records_events):
-        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
 
 
 def retrieve_call(sh: Shared, inst: "Instance", msg: RetrieveChunks,
@@ -91,7 +75,7 @@ class _RetrieveCall:
         buf, C = inst.buffer, sh.chunk_size
         m = match_rows(msg.matches, len(self.tokens), C, msg.offset, buf.bind(msg.block_table))
         n = len(m)
-        _check_layerwise(msg, n, buf)
+        check_layer_groups("retrieve", msg, n, buf)
         self.C, self.n = C, n
         self.cur = m[:, 2]
         self.turn = _Turn.of(inst, msg, self.cur, C)

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvblend.dataplane.backend import Direction
-from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, chunk_keys,
-                                     drain, forget_evicted, log, namespace_of, tokens_of)
+from kvblend.dataplane.calls import (Call, Gate, Shared, StartOnce, batches, check_layer_groups,
+                                     chunk_keys, drain, forget_evicted, log, namespace_of,
+                                     tokens_of)
 from kvblend.dataplane.errors import BackendError, BadRequest, LayersNotWritten, OutOfRange
-from kvblend.dataplane.messages import (MAX_LAYER_GROUP_MATCHES, MAX_POSITION, ChunkFailure,
-                                        LayersReady, StoreChunks, StoreKind, TransferDone)
+from kvblend.dataplane.messages import (MAX_POSITION, ChunkFailure, LayersReady, StoreChunks,
+                                        StoreKind, TransferDone)
 from kvblend.shm.errors import ShmError
 from kvblend.shm.fingerprint import RegisterResult, Registration
 from kvblend.shm.hashing import chunk_hashes
@@ -212,20 +213,8 @@ class _StoreCall:
 
 def _check_layerwise_store(msg: StoreChunks, buf: "InstanceBuffer", n: int,
                            gate: Gate | None) -> None:
-    if not msg.layer_groups:
-        if msg.layer_events:
-            raise BadRequest("layer_events were given for a store that is not layer-wise")
-        return
-    if gate is None:
+    if check_layer_groups("store", msg, n, buf) and gate is None:
         raise BadRequest("a layer-wise store needs the channel (its layers are announced there)")
-    if msg.layer_groups > buf.layout.num_layers:
-        raise BadRequest(f"{msg.layer_groups} layer groups for {buf.layout.num_layers} layers")
-    if n > MAX_LAYER_GROUP_MATCHES:
-        raise BadRequest(f"a layer-wise store takes at most {MAX_LAYER_GROUP_MATCHES} chunks, "
-                         f"got {n}: split it")
-    if msg.layer_events and (len(msg.layer_events) != msg.layer_groups or
-                             not buf.records_events):
-        raise BadRequest("layer_events: one per layer group, and only for a CUDA buffer")
 
 
 def _store_layer_groups(buf: "InstanceBuffer", msg: StoreChunks, gate: Gate, at: list[int],
