@@ -196,9 +196,11 @@ class RetrieveChunks(_Msg):
     ``layer_groups`` > 0 asks for a layer-wise retrieve: the layers are copied in that many
     groups in order (at most ``MAX_LAYER_GROUP_MATCHES`` matches), and a ``LayersReady`` frame
     with the call's id announces each group before the final ``TransferDone``: on a CPU buffer
-    once its copies completed, on a CUDA buffer once ``layer_events[g]`` (one interprocess event
-    per group) was recorded after them on the instance's stream. ``event`` and ``order`` order
-    the copies after the engine's work as a store's do.
+    once its copies completed; on a CUDA buffer once ``layer_events[g]`` (one interprocess event
+    per group) was recorded after them on the instance's stream, or, without layer events, once
+    that stream was made to write the frame's count of the instance's ready word after them
+    (``LayersReady.ready``), or else once they completed. ``event`` and ``order`` order the
+    copies after the engine's work as a store's do.
 
     On an instance registered with a rotary config, K of each copied chunk is turned from the
     positions it was computed at (its store's ``first_position`` plus the chunk's place there) to
