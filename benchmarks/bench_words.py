@@ -36,6 +36,17 @@ def _timed(fn: object, *args: object) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _write_on(stream: object, address: int, value: int) -> None:
+    """Write ``value`` at ``address`` on ``stream`` from this thread (a timer's): the stream's
+    device made current here first, as every thread that calls the driver needs."""
+    import torch
+
+    from kvblend.dataplane import streamword
+
+    torch.cuda.set_device(stream.device)  # type: ignore[attr-defined]
+    streamword.write(stream.cuda_stream, address, value)  # type: ignore[attr-defined]
+
+
 def _child(handle: bytes, gate_ms: float, out: "mp.Queue[str]") -> None:
     import cupy
     import torch
@@ -64,7 +75,7 @@ def _child(handle: bytes, gate_ms: float, out: "mp.Queue[str]") -> None:
                 f"ms (the stream was held {gate_ms:.0f} ms)")
         # a wait for a count not written yet: another stream writes it after gate_ms
         writer = torch.cuda.Stream()
-        opener = threading.Timer(gate_ms / 1e3, streamword.write, (writer.cuda_stream, base, 6))
+        opener = threading.Timer(gate_ms / 1e3, _write_on, (writer, base, 6))
         opener.start()
         unwritten_ms = _timed(streamword.wait, stream.cuda_stream, base, 6)
         opener.join()

@@ -88,7 +88,9 @@ class _StoreCall:
         self.starts = msg.offset + C * np.arange(self.n, dtype=np.int64)
         buf.check(self.starts, C)
         buf.check_order(msg.order)
-        _check_layerwise_store(msg, buf, self.n, gate)
+        if check_layer_groups("store", msg, self.n, buf) and gate is None:
+            raise BadRequest("a layer-wise store needs the channel (its layers are announced "
+                             "there)")
         self.chunk_bytes = inst.layout.chunk_bytes(C)
         self.base = dict(request_id=msg.request_id, instance_id=inst.id,
                          store_kind=msg.kind.value, tokens=len(tokens), chunks=self.n)
@@ -113,7 +115,7 @@ class _StoreCall:
         for lo, hi in todo:
             ours = self._reserve(lo, hi)
             if msg.layer_groups:
-                assert self.gate is not None, "checked by _check_layerwise_store"
+                assert self.gate is not None, "checked in __init__"
                 self.started()  # before waiting for the engine's first layers
                 _store_layer_groups(buf, msg, self.gate, self.starts[ours].tolist(),
                                     self.sh.store.kv_offsets(self.slots[ours]).tolist(), self.C,
@@ -209,12 +211,6 @@ class _StoreCall:
         sh.events.add_model(inst.request.model_name, {Counter.STORE_CHUNKS: copied,
                                                       Counter.STORE_BYTES: nbytes}, claim=True)
         return reply
-
-
-def _check_layerwise_store(msg: StoreChunks, buf: "InstanceBuffer", n: int,
-                           gate: Gate | None) -> None:
-    if check_layer_groups("store", msg, n, buf) and gate is None:
-        raise BadRequest("a layer-wise store needs the channel (its layers are announced there)")
 
 
 def _store_layer_groups(buf: "InstanceBuffer", msg: StoreChunks, gate: Gate, at: list[int],
