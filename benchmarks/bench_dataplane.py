@@ -27,7 +27,7 @@ Usage::
     python benchmarks/bench_dataplane.py --backend cpu --layouts small
     python benchmarks/bench_dataplane.py --backend cpu --layouts tiny   # the per-call work alone
     python benchmarks/bench_dataplane.py --layouts small --fixed-cost   # a call's fixed cost
-    python benchmarks/bench_dataplane.py --layouts small --fixed-cost --order-words
+    python benchmarks/bench_dataplane.py --layouts small --fixed-cost --order-events
 """
 
 from __future__ import annotations
@@ -338,9 +338,9 @@ def main() -> None:
     p.add_argument("--rotary", action="store_true",
                    help="also retrieve into a buffer that turns K (Llama-3.1 rotary, "
                         "head dim 128) and print its time against the same retrieve unturned")
-    p.add_argument("--order-words", action="store_true",
-                   help="order the calls by an order word (dataplane.streamword), not by "
-                        "interprocess events")
+    p.add_argument("--order-events", action="store_true",
+                   help="order the calls by interprocess events, not by the order word "
+                        "(dataplane.streamword, the client's default)")
     args = p.parse_args()
     prefix = f"kvbench_{os.getpid()}"
     t0 = time.perf_counter()
@@ -358,7 +358,7 @@ def main() -> None:
     events = EventLog.open(prefix)
     try:
         with BlendClient(dataplane_address=default_address(prefix),
-                         order_words=args.order_words) as client:
+                         order_words=not args.order_events) as client:
             hot = ping_round_trips(client, 5000)
             idle = ping_round_trips(client, 300, IDLE_GAP_MS)
             print(f"#   {idle / hot:.1f}x after idleness: threads that slept wake slowly (a "

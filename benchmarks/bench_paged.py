@@ -69,9 +69,9 @@ def main() -> None:
     p.add_argument("--storage-gib", type=float, default=6.0)
     p.add_argument("--layout", choices=("flash_attn", "cpu_kt"), default="flash_attn",
                    help="cpu_kt (vLLM's CPU cache, K transposed): the CPU backend only")
-    p.add_argument("--order-words", action="store_true",
-                   help="order the calls by an order word (dataplane.streamword), not by "
-                        "interprocess events")
+    p.add_argument("--order-events", action="store_true",
+                   help="order the calls by interprocess events, not by the order word "
+                        "(dataplane.streamword, the client's default)")
     args = p.parse_args()
     if args.layout == "cpu_kt" and args.backend != "cpu":
         p.error("--layout cpu_kt needs --backend cpu (the CUDA data plane refuses it)")
@@ -90,7 +90,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     try:
         with BlendClient(dataplane_address=default_address(prefix),
-                         order_words=args.order_words) as client:
+                         order_words=not args.order_events) as client:
             src, dst = (layers_of(client, args.backend, L, B, H, Dh, args.layout)
                         for _ in range(2))
             reg = [client.register_paged_kv_cache(x, args.layout, S, H, Dh, model_name="bench")

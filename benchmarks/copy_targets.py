@@ -15,7 +15,7 @@ Usage::
     python benchmarks/copy_targets.py                 # on a GPU: three runs of each, about 5 min
     python benchmarks/copy_targets.py --runs 5 --log /tmp/copy_targets.log
     python benchmarks/copy_targets.py --backend cpu   # a smoke run (no GPU: the default there)
-    python benchmarks/copy_targets.py --order-words   # calls ordered by order words
+    python benchmarks/copy_targets.py --order-events  # calls ordered by interprocess events
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ def main() -> None:
                    help="auto: cuda where a GPU is visible, else cpu")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--log", default=None, help="append every benchmark's own output here")
-    p.add_argument("--order-words", action="store_true",
-                   help="the transfer benchmarks order their calls by order words "
-                        "(dataplane.streamword), not by interprocess events")
+    p.add_argument("--order-events", action="store_true",
+                   help="the transfer benchmarks order their calls by interprocess events, not "
+                        "by order words (dataplane.streamword, the client's default)")
     args = p.parse_args()
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -176,8 +176,8 @@ def main() -> None:
     for i in range(args.runs):
         got: dict[str, float] = {}
         for argv in COMMANDS[args.backend]:
-            if args.order_words and argv[0] in ("bench_dataplane.py", "bench_paged.py"):
-                argv = (*argv, "--order-words")
+            if args.order_events and argv[0] in ("bench_dataplane.py", "bench_paged.py"):
+                argv = (*argv, "--order-events")
             t0 = time.perf_counter()
             lines = run_one(argv, args.log)
             device = device or next((ln[len("# device: "):] for ln in lines

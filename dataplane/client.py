@@ -28,8 +28,8 @@ instance's token slots by a block table of int32 block ids)::
 
 CUDA ordering: ``event`` is the engine's interprocess ``torch.cuda.Event`` recorded after it wrote
 (store) or last read (retrieve) the buffer; the data plane waits for it on the instance's stream
-before its first copy. When ``event`` is None for a CUDA buffer of a client made with
-``order_words=True``, the client writes the next count of the instance's order word on the
+before its first copy. When ``event`` is None for a CUDA buffer (and the client was not made with
+``order_words=False``), the client writes the next count of the instance's order word on the
 current stream (``dataplane.streamword``: a word of its own on the buffer's GPU, registered with
 the buffer, where the driver has stream memory operations; the data plane's stream waits for
 that count: on an H100 an empty call ordered so cost 24 us, one ordered by a fresh interprocess
@@ -102,12 +102,12 @@ class BlendClient:
         store_prefix: the service's shm prefix (default: asked from the data plane).
         timeout: seconds for HTTP requests and control calls.
         order_words: register CUDA buffers with an order word and order their calls by it
-            (``dataplane.streamword``); off by default until its path has run on a GPU.
+            (``dataplane.streamword``, where the driver has it); False: by interprocess events.
     """
 
     def __init__(self, url: str | None = None, api_token: str | None = None, *,
                  dataplane_address: str | None = None, store_prefix: str | None = None,
-                 timeout: float = 30.0, order_words: bool = False) -> None:
+                 timeout: float = 30.0, order_words: bool = True) -> None:
         if url is None and dataplane_address is None:
             raise ValueError("give the service's url or a dataplane_address")
         self._timeout, self._order_words = timeout, order_words

@@ -66,6 +66,8 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
             assert client.store_pre_computed(inst, doc).wait(timeout=60).ok
             res = client.lookup(doc, "gpu-ready")
             kv.view(torch.int16).fill_(7)
+            # the read's kernel loaded now: loading one lazily waits for the held streams
+            kv.view(torch.int16)[:, :, :4 * CHUNK].clone()
             streamword.wait(side.cuda_stream, gate.data_ptr(), 1)  # until the gate opens
             after = torch.cuda.Event(interprocess=True)
             after.record(side)
