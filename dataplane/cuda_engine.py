@@ -22,7 +22,8 @@ from kvblend.dataplane.cuda import CudaBuffer, normalize_uuid
 from kvblend.dataplane.cuda_paged import CudaPagedBuffer, check_gatherable
 from kvblend.dataplane.backends import Backend
 from kvblend.dataplane.errors import BackendError, BadRequest
-from kvblend.dataplane.gather import can_use_host_pointer
+from kvblend.dataplane.cuda_rotary import turner_kernels
+from kvblend.dataplane.gather import can_use_host_pointer, copier_kernel
 from kvblend.dataplane.registration import BufferSpec, CudaIpcBuffer, PagedBuffer
 from kvblend.shm.layout import KVLayout
 from kvblend.shm.store import Store
@@ -31,6 +32,14 @@ PIECE = 64 << 30
 HOST_REGISTER_PORTABLE = 1
 HOST_REGISTER_MAPPED = 2  # kernels may read the slab (a paged layer-wise retrieve does)
 IPC_LAZY_PEER_ACCESS = 1
+
+
+def load_kernels(device: int) -> None:
+    """Load every kernel the data plane runs on ``device``, if not yet: called before each
+    instance is opened there, so the first one loads them before any instance's stream exists
+    (a kernel's load waits for the device's streams: ``gather.load_kernel``)."""
+    copier_kernel(device)
+    turner_kernels(device)
 
 
 class CudaEngine(CopyEngine):
@@ -67,6 +76,7 @@ class CudaEngine(CopyEngine):
             device = self._devices.get(normalize_uuid(spec.device_uuid))
             if device is None:
                 raise BadRequest(f"no GPU with UUID {spec.device_uuid} on this host")
+            load_kernels(device)
             base = self._open_ipc(device, spec, layout.nbytes)
             buf = CudaBuffer(device, base, spec.offset, layout, self._slab_ptr)
         if order_word is not None:
@@ -97,6 +107,7 @@ class CudaEngine(CopyEngine):
         device = devices.pop() if len(devices) == 1 else None
         if device is None:
             raise BadRequest("a paged cache's buffers must all be on one GPU of this host")
+        load_kernels(device)
         bases: list[int] = []
         try:
             for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
@@ -146,4 +157,4 @@ def allocation_size(base: int) -> int:
     return int(size.value) - (base - int(start.value))
 
 
-__all__ = ["CudaEngine", "allocation_size"]
+__all__ = ["CudaEngine", "allocation_size", "load_kernels"]

@@ -34,7 +34,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from kvblend.dataplane.gather import UploadRing, external_stream, stream_handle
+from kvblend.dataplane.gather import UploadRing, external_stream, load_kernel, stream_handle
 
 THREADS = 256
 BLOCKS_PER_SM = 8
@@ -113,6 +113,13 @@ extern "C" __global__ void turn_bf16(const long long* t, long long n, int nl, in
 _KERNELS = {"FLOAT32": "turn_f32", "FLOAT16": "turn_f16", "BFLOAT16": "turn_bf16"}
 
 
+def turner_kernels(device: int) -> dict[str, Any]:
+    """The turn kernel of each dtype on ``device``, loaded (``gather.load_kernel``)."""
+    idle = (np.int64(0), *(np.int32(0),) * 5)
+    return {dtype: load_kernel(device, _SOURCE, ("-std=c++17",), name, idle)
+            for dtype, name in _KERNELS.items()}
+
+
 class KTurner:
     """Turns K rows in place on one device, one kernel launch per call.
 
@@ -123,9 +130,8 @@ class KTurner:
 
     def __init__(self, device: int, dtype: str) -> None:
         self.device = device
+        self._kernel = turner_kernels(device)[dtype]
         with cupy.cuda.Device(device):
-            module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",))
-            self._kernel = module.get_function(_KERNELS[dtype])
             sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self._max_blocks = int(sms) * BLOCKS_PER_SM
         self._ring = UploadRing(device)
@@ -158,4 +164,4 @@ class KTurner:
             slot.launched(ext)
 
 
-__all__ = ["KTurner"]
+__all__ = ["KTurner", "turner_kernels"]

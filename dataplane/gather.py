@@ -48,6 +48,7 @@ released, its buffers serve a later ``upload`` only after that event completed.
 from __future__ import annotations
 
 import ctypes
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -225,6 +226,40 @@ class Table:
     count: int
 
 
+_LOADED: dict[tuple[int, str], Any] = {}  # (device, kernel name): the kernel (``load_kernel``)
+_LOAD_LOCK = threading.Lock()
+
+
+def load_kernel(device: int, source: str, options: tuple[str, ...], name: str,
+                idle: tuple[Any, ...]) -> Any:
+    """The kernel ``name`` of ``source`` on ``device``: compiled, loaded and launched once a
+    process (its first argument a table it does not read, ``idle`` the rest: arguments under
+    which it does nothing), then the same object for every caller.
+
+    CUDA loads a kernel's code at its first launch (lazy loading, the default since 12.2), and
+    that load waits for every stream of the device: one held by an engine (a count of its order
+    word not written yet, an event behind long GPU work) would hold another instance's first
+    copy with it. So the data plane loads its kernels when a device's first instance is opened
+    (``CudaEngine.open``), before any instance's stream exists there.
+    """
+    with _LOAD_LOCK:
+        kernel = _LOADED.get((device, name))
+        if kernel is None:
+            with cupy.cuda.Device(device):
+                kernel = cupy.RawModule(code=source, options=options).get_function(name)
+                stream = cupy.cuda.Stream(non_blocking=True)
+                kernel((1,), (THREADS,), (cupy.empty(3, np.int64), *idle), stream=stream)
+                stream.synchronize()
+            _LOADED[(device, name)] = kernel
+        return kernel
+
+
+def copier_kernel(device: int) -> Any:
+    """``copy_segments`` on ``device``, loaded (``load_kernel``)."""
+    return load_kernel(device, _SOURCE, ("-std=c++17", f"-DUNROLL={UNROLL}"), "copy_segments",
+                       (np.int64(0), np.int64(0), np.int64(0)))
+
+
 class SegmentCopier:
     """Copies ``(dst_ptr, src_ptr, nbytes)`` segments with one kernel launch per call.
 
@@ -236,9 +271,8 @@ class SegmentCopier:
 
     def __init__(self, device: int = 0) -> None:
         self.device = device
+        self._kernel = copier_kernel(device)
         with cupy.cuda.Device(device):
-            module = cupy.RawModule(code=_SOURCE, options=("-std=c++17", f"-DUNROLL={UNROLL}"))
-            self._kernel = module.get_function("copy_segments")
             sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self._max_blocks = int(sms) * BLOCKS_PER_SM
         self._ring = UploadRing(device)
@@ -381,5 +415,6 @@ def can_use_host_pointer(device: int = 0) -> bool:
     return bool(cupy.cuda.runtime.deviceGetAttribute(ATTR_CAN_USE_HOST_POINTER, device))
 
 
-__all__ = ["SegmentCopier", "Table", "UploadRing", "HostMapping", "split_segments", "host_device_pointer",
-           "can_use_host_pointer", "stream_handle"]
+__all__ = ["SegmentCopier", "Table", "UploadRing", "HostMapping", "split_segments",
+           "host_device_pointer", "can_use_host_pointer", "copier_kernel", "load_kernel",
+           "stream_handle"]

@@ -92,6 +92,36 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
         client.unregister(inst)
 
 
+def test_a_held_stream_holds_no_other_instances_first_kernel(
+        cuda_dataplane: DataPlaneProc) -> None:
+    """CUDA loads a kernel at its first launch, and that load waits for every stream of the
+    device. The data plane loads its kernels when a device's first instance is opened, so an
+    instance whose stream waits for a count its engine never writes holds no other instance's
+    first paged copy (the copy kernel's first launch): that store completes while the held one
+    still waits."""
+    doc, paged_doc = np.arange(2 * CHUNK) + 17, np.arange(2 * CHUNK) + 23
+    kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
+    layers = [torch.ones((2, 8, CHUNK, 2, 64), dtype=torch.bfloat16, device="cuda")
+              for _ in range(L)]
+    holder = BlendClient(dataplane_address=cuda_dataplane.address, order_words=True)
+    try:
+        inst = holder.register_kv_cache(kv, model_name="gpu-holds")
+        reg = holder._registered(inst)
+        # a count the engine's stream never writes: the data plane's stream waits for it
+        held = holder._channel.submit(StoreChunks(
+            instance_id=inst, token_ids=doc.astype("<u4").tobytes(), order=reg.count + 7,
+            token=reg.token))
+        with BlendClient(dataplane_address=cuda_dataplane.address) as client:
+            other = client.register_paged_kv_cache(layers, "flash_attn", CHUNK, 2, 64,
+                                                   model_name="gpu-free")
+            assert client.store_pre_computed(other, paged_doc,
+                                             block_table=[3, 5]).wait(timeout=60).ok
+            assert client.lookup(paged_doc, "gpu-free").matches
+        assert not held.done()  # the held store still waits for its count
+    finally:
+        holder.close()  # its lease runs out; the data plane writes the count and drops it
+
+
 def test_a_word_not_on_a_whole_int32_is_refused(cuda_dataplane: DataPlaneProc) -> None:
     kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
     with BlendClient(dataplane_address=cuda_dataplane.address, order_words=True) as client:
