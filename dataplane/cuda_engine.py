@@ -37,9 +37,17 @@ IPC_LAZY_PEER_ACCESS = 1
 def load_kernels(device: int) -> None:
     """Load every kernel the data plane runs on ``device``, if not yet: called before each
     instance is opened there, so the first one loads them before any instance's stream exists
-    (a kernel's load waits for the device's streams: ``gather.load_kernel``)."""
-    copier_kernel(device)
-    turner_kernels(device)
+    (a kernel's load waits for the device's streams: ``gather.load_kernel``).
+
+    Raises:
+        BackendError: a kernel could not be compiled or loaded.
+    """
+    try:
+        copier_kernel(device)
+        turner_kernels(device)
+    except Exception as exc:  # cupy's compile or driver errors, whatever their type
+        raise BackendError(f"the data plane's kernels could not be loaded on GPU {device}: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 class CudaEngine(CopyEngine):
