@@ -239,8 +239,9 @@ def load_kernel(device: int, source: str, options: tuple[str, ...], name: str,
     CUDA may load a kernel's code at its first launch (lazy loading, the default since 12.2),
     and that load can wait for every stream of the device (docs/benchmarks.md, "What held the
     announcement"): one held by an engine (a count of its order word not written yet, an event
-    behind long GPU work) would hold another instance's first copy with it. So the data plane loads its kernels when a device's first instance is opened
-    (``CudaEngine.open``), before any instance's stream exists there.
+    behind long GPU work) would hold another instance's first copy with it. So the data plane
+    loads its kernels when a device's first instance is opened (``CudaEngine.open``), before any
+    instance's stream exists there.
     """
     with _LOAD_LOCK:
         kernel = _LOADED.get((device, name))

@@ -66,7 +66,7 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
             assert client.store_pre_computed(inst, doc).wait(timeout=60).ok
             res = client.lookup(doc, "gpu-ready")
             kv.view(torch.int16).fill_(7)
-            # the read's kernel loaded now: loading one lazily waits for the held streams
+            # the read's kernel loaded now: loading one lazily can wait for the held streams
             kv.view(torch.int16)[:, :, :4 * CHUNK].clone()
             streamword.wait(side.cuda_stream, gate.data_ptr(), 1)  # until the gate opens
             after = torch.cuda.Event(interprocess=True)
@@ -94,8 +94,8 @@ def test_a_layer_wise_retrieve_is_read_after_the_ready_word(
 
 def test_a_held_stream_holds_no_other_instances_first_kernel(
         cuda_dataplane: DataPlaneProc) -> None:
-    """CUDA loads a kernel at its first launch, and that load waits for every stream of the
-    device. The data plane loads its kernels when a device's first instance is opened, so an
+    """CUDA may load a kernel at its first launch, and that load can wait for every stream of
+    the device. The data plane loads its kernels when a device's first instance is opened, so an
     instance whose stream waits for a count its engine never writes holds no other instance's
     first paged copy (the copy kernel's first launch): that store completes while the held one
     still waits."""
