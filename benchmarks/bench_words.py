@@ -11,10 +11,7 @@ another process's allocation opened by IPC:
   word of its own pinned host memory, which a timer thread opens after ``--gate-ms``), and times
   how long queueing a write of the ready word and a wait for the order word (already at 5) hold
   its thread, then a wait for a count that another stream writes ``--gate-ms`` later; then the
-  same for a word of its own allocation;
-- then, with a stream held the same way, times a kernel's first launch on another stream and
-  its second (a driver that loads a kernel's code at its first launch and waits for the
-  device's streams then returns from the first after about ``--gate-ms``).
+  same for a word of its own allocation.
 
 A call that returns in microseconds was queued; one that returns after about ``--gate-ms`` held
 the thread until the stream reached it (the gate opened). Needs a CUDA GPU; prints one line a
@@ -87,39 +84,7 @@ def _child(handle: bytes, gate_ms: float, out: "mp.Queue[str]") -> None:
                 f"{unwritten_ms:8.3f} ms")
     streamword.free(own)
     cupy.cuda.runtime.ipcCloseMemHandle(shared)
-    out.put(_first_launch(gate, gate_ms))
     out.put("")
-
-
-def _first_launch(gate: object, gate_ms: float) -> str:
-    """Time a kernel's first launch and its second on one stream while another stream of the
-    device is held: a driver that loads the kernel's code at its first launch (lazy loading)
-    and waits for the device's streams then holds the first for about ``gate_ms``."""
-    import os
-
-    import cupy
-    import numpy as np
-    import torch
-
-    from kvblend.dataplane import streamword
-
-    gate.fill_(GATED)  # type: ignore[attr-defined]
-    held = torch.cuda.Stream()
-    streamword.wait(held.cuda_stream, gate.data_ptr(), OPEN)  # type: ignore[attr-defined]
-    kernel = cupy.RawKernel(r'extern "C" __global__ void idle(int n) {}', "idle")
-    kernel.compile()  # compiled and its module loaded: only the launch is timed
-    stream = cupy.cuda.Stream(non_blocking=True)
-    opener = threading.Timer(gate_ms / 1e3, gate.fill_, (OPEN,))  # type: ignore[attr-defined]
-    opener.start()
-    first_ms = _timed(lambda: kernel((1,), (1,), (np.int32(0),), stream=stream))
-    again_ms = _timed(lambda: kernel((1,), (1,), (np.int32(0),), stream=stream))
-    opener.join()
-    held.synchronize()
-    stream.synchronize()
-    return (f"a kernel's first launch on another stream returned in {first_ms:8.3f} ms, its "
-            f"second in {again_ms:8.3f} ms (CUDA_MODULE_LOADING="
-            f"{os.environ.get('CUDA_MODULE_LOADING', 'unset')}; the stream was held "
-            f"{gate_ms:.0f} ms)")
 
 
 def main() -> None:

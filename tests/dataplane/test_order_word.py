@@ -96,9 +96,9 @@ def test_a_held_stream_holds_no_other_instances_first_kernel(
         cuda_dataplane: DataPlaneProc) -> None:
     """CUDA may load a kernel at its first launch, and that load can wait for every stream of
     the device. The data plane loads its kernels when a device's first instance is opened, so an
-    instance whose stream waits for a count its engine never writes holds no other instance's
+    instance whose stream waits for a count its engine has not written holds no other instance's
     first paged copy (the copy kernel's first launch): that store completes while the held one
-    still waits."""
+    still waits, and the held one completes once the engine writes its count."""
     doc, paged_doc = np.arange(2 * CHUNK) + 17, np.arange(2 * CHUNK) + 23
     kv = torch.zeros((2, L, T, D), dtype=torch.bfloat16, device="cuda")
     layers = [torch.ones((2, 8, CHUNK, 2, 64), dtype=torch.bfloat16, device="cuda")
@@ -118,8 +118,12 @@ def test_a_held_stream_holds_no_other_instances_first_kernel(
                                              block_table=[3, 5]).wait(timeout=60).ok
             assert client.lookup(paged_doc, "gpu-free").matches
         assert not held.done()  # the held store still waits for its count
+        # the engine writes it: the held store completes (and the other instance's buffer,
+        # whose IPC close waits for the GPU's streams, is closed)
+        streamword.write(torch.cuda.current_stream().cuda_stream, reg.word, reg.count + 7)
+        held.result(timeout=60)  # raises unless the store completed
     finally:
-        holder.close()  # its lease runs out; the data plane writes the count and drops it
+        holder.close()
 
 
 def test_a_word_not_on_a_whole_int32_is_refused(cuda_dataplane: DataPlaneProc) -> None:
