@@ -145,12 +145,12 @@ def float32_products(lm: Any) -> Any:
     import torch
 
     def forward(self: Any, x: Any) -> Any:
-        bias = None if self.bias is None else self.bias.float()
-        return torch.nn.functional.linear(x.float(), self.weight32, bias).to(x.dtype)
+        return torch.nn.functional.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
 
     for m in lm.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.weight32 = m.weight.detach().float()  # tied weights: one widened copy each
+        if isinstance(m, torch.nn.Linear):  # widened once, not at every call
+            m.weight32 = m.weight.detach().float()
+            m.bias32 = None if m.bias is None else m.bias.detach().float()
             m.forward = forward.__get__(m)
     return lm
 
