@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make serve   install, then start the service on its defaults
-#   make test    install, then run the whole test suite
+#   make test    install, then run the test suite but its long acceptance runs (about 12 min)
+#   make test-heavy  install, then run those (tests marked `heavy`: soak, fuzzing, ...; about 7 min)
 # and, in a venv of its own (vLLM pins its own torch and transformers):
 #   make test-vllm   install vLLM for CPU, then run the vLLM connector's tests
 # and on a GPU host:
@@ -12,7 +13,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 # numba's kernel cache: the user's (~/.cache/kvblend/numba), shared by make serve, make test and a
 # direct kvblend serve, unless NUMBA_CACHE_DIR is set (kvblend.shm._jit)
 
-.PHONY: install serve test test-vllm bench clean redis-server
+.PHONY: install serve test test-heavy test-vllm bench clean redis-server
 
 # torch: the version of constraints.txt (every pip call here takes that file), the build the
 # machine needs. scripts/install_torch.py says which in one line: without an NVIDIA GPU the CPU
@@ -68,7 +69,11 @@ redis-server:
 test: install
 	@command -v redis-server >/dev/null 2>&1 || echo "make test: redis-server is not on PATH, so tests/remote will be skipped (make redis-server installs it)"
 	@$(PY) -c "import mooncake.engine" >/dev/null 2>&1 || echo "make test: the transfer engine (the peer extra, in test) does not load, so tests/remote/test_peer_read.py will be skipped (Debian: apt-get install libibverbs1)"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not heavy"
+
+# the long acceptance runs `make test` leaves out (pyproject.toml's `heavy` marker); CI runs both
+test-heavy: install
+	$(PY) -m pytest -q -m heavy
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm

@@ -15,7 +15,7 @@ import pytest
 
 from tests.faults import KINDS, FaultTrials
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SEED = 20261203
 PLAN = {"dataplane": 5, "api": 2, "supervisor": 2}

@@ -16,7 +16,7 @@ import pytest
 
 from tests.churn import Churn, Schedule, Sizes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SEED = 20261204
 SIZES = Sizes()

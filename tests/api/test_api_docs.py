@@ -12,7 +12,7 @@ import pytest
 from tests.harness import Service, Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.heavy,
               pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium "
                                  "(apt-get install chromium); .ci/run installs it")]
 

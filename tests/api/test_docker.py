@@ -307,6 +307,7 @@ def test_the_image_refuses_its_public_bind_without_a_token(shm_prefix: str, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_image_serves_from_its_warm_cache_and_stops_on_sigterm(
         shm_prefix: str, image_cache: Path, containers: list[Container]) -> None:
     warmed = cache_files(image_cache)
@@ -324,6 +325,7 @@ def test_the_image_serves_from_its_warm_cache_and_stops_on_sigterm(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_image_takes_its_token_from_a_secret_file(
         shm_prefix: str, image_cache: Path, tmp_path: Path, containers: list[Container]) -> None:
     """As deploy/compose.yaml runs it: KVBLEND_API_TOKEN_FILE names the secret, no token in the
@@ -339,6 +341,7 @@ def test_the_image_takes_its_token_from_a_secret_file(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kernels_are_compiled_before_the_service_is_ready(
         shm_prefix: str, image_cache: Path, tmp_path: Path, containers: list[Container]) -> None:
     """From an empty cache: once /readyz turns 200, everything the image's build step compiles

@@ -155,6 +155,7 @@ def test_a_cuda_offset_past_any_buffer_is_a_422(live_client: TestClient) -> None
 # -- the fuzz run --------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("tokens", [(None, None), (TOKEN, ADMIN)], ids=["open", "token"])
 def test_schema_fuzzing_finds_nothing(shm_prefix: str, tmp_path: Path,
                                       tokens: tuple[str | None, str | None]) -> None:

@@ -26,7 +26,7 @@ from tests import realmodel
 from tests.harness import remove_prefix
 from tests.dataplane.conftest import create_store, start_dataplane
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 PROMPTS, DOCS, DOC, TAIL = 6, 3, 256, 64  # 6 prompts of 3 documents of 256 tokens, 64 scored
 STORED_AT = 4096  # documents are stored from here: each moves by about 4k positions
