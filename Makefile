@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make serve   install, then start the service on its defaults
-#   make test    install, then run the test suite but its long acceptance runs (about 12 min)
+#   make test    install, then run the test suite but its long acceptance runs (about 14 min)
 #   make test-heavy  install, then run those (tests marked `heavy`: soak, fuzzing, ...; about 7 min)
 # and, in a venv of its own (vLLM pins its own torch and transformers):
 #   make test-vllm   install vLLM for CPU, then run the vLLM connector's tests
