@@ -236,12 +236,14 @@ def load_kernel(device: int, source: str, options: tuple[str, ...], name: str,
     process (its first argument a table it does not read, ``idle`` the rest: arguments under
     which it does nothing), then the same object for every caller.
 
-    CUDA may load a kernel's code at its first launch (lazy loading, the default since 12.2),
-    and that load can wait for every stream of the device (docs/benchmarks.md, "What held the
-    announcement"): one held by an engine (a count of its order word not written yet, an event
-    behind long GPU work) would hold another instance's first copy with it. So the data plane
-    loads its kernels when a device's first instance is opened (``CudaEngine.open``), before any
-    instance's stream exists there.
+    Loading a kernel's code waits for every stream of the device, as measured
+    (``benchmarks/bench_kernel_load.py``: cupy's compile and load of a kernel took as long as
+    another process's held stream, lazily or eagerly loaded; its first launch after that did
+    not wait), and with lazy loading (CUDA's default since 12.2) a kernel not loaded yet loads
+    at its first launch. A stream held by an engine (a count of its order word not written yet,
+    an event behind long GPU work) would hold another instance's first copy with it. So the data
+    plane loads its kernels when a device's first instance is opened (``CudaEngine.open``),
+    before any instance's stream exists there.
     """
     with _LOAD_LOCK:
         kernel = _LOADED.get((device, name))
