@@ -177,6 +177,10 @@ class Settings(BaseSettings):
         "copies"))
     dp_staging_mib: float = Field(**bounds(DP, "staging_mib"), description=(
         "GPU staging per paged CUDA instance in MiB (at least two chunks)"))
+    dp_layer_dma_mib: float = Field(**bounds(DP, "layer_dma_mib"), description=(
+        "a layer-wise retrieve into a paged CUDA cache moves windows of layers by batched DMA "
+        "where a window of one chunk's K is at least this many MiB (0: always); below it, a "
+        "kernel reads the slab over PCIe"))
     wipe: bool = Field(False, description="drop the cached chunks at start-up")
     log_level: LogLevel = Field("info", description=(
         "log level of every process of the service: critical, error, warning, info, debug or "
@@ -323,6 +327,7 @@ class Settings(BaseSettings):
                         max_instances_per_client=self.max_instances_per_client,
                         max_connections=self.max_connections, first_mib=self.dp_first_mib,
                         group_mib=self.dp_group_mib, staging_mib=self.dp_staging_mib,
+                        layer_dma_mib=self.dp_layer_dma_mib,
                         remote=remote)
 
     def dataplane_address(self) -> str:

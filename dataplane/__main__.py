@@ -75,7 +75,7 @@ def limits(settings: DataPlaneSettings) -> Limits:
 
 def tuning(settings: DataPlaneSettings) -> Tuning:
     return Tuning(int(settings.first_mib * MIB), int(settings.group_mib * MIB),
-                  int(settings.staging_mib * MIB))
+                  int(settings.staging_mib * MIB), int(settings.layer_dma_mib * MIB))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     orphans = sweep_orphans(store, fingerprints)
     if orphans.orphans:
         log.info("%s", orphans)
-    engine = make_engine(settings.backend, store, tuning(settings).staging_bytes)
+    engine = make_engine(settings.backend, store, tuning(settings))
     shared = Shared(store, fingerprints, events, fingerprints.chunk_size, tuning(settings),
                     *(remote.parts() if remote is not None else ()))
     plane = DataPlane(prefix, shared, engine, settings.reclaim_interval_s, limits(settings),

@@ -47,11 +47,14 @@ class Tuning:
         group_bytes: chunks per completion marker of a store; a group's commits overlap the
             copies of later groups.
         staging_bytes: GPU staging of a paged CUDA instance (``dataplane.cuda_paged``).
+        layer_dma_bytes: the smallest window of layers of one chunk's K that a layer-wise
+            paged retrieve moves by batched DMA (``dataplane.cuda_paged``).
     """
 
     first_bytes: int = 16 << 20
     group_bytes: int = 32 << 20
     staging_bytes: int = 128 << 20
+    layer_dma_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,14 @@ def load_kernels(device: int) -> None:
 class CudaEngine(CopyEngine):
     backend = Backend.CUDA
 
-    def __init__(self, store: Store, staging_bytes: int = 128 << 20) -> None:
+    def __init__(self, store: Store, staging_bytes: int = 128 << 20,
+                 layer_dma_bytes: int = 1 << 20) -> None:
         if not torch.cuda.is_available():
             raise BackendError("no CUDA device: start the data plane with --backend cpu")
         self._devices = {normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
                          for i in range(torch.cuda.device_count())}
         self._slab_ptr = int(store.slab.ctypes.data)
-        self._staging_bytes = staging_bytes
+        self._staging_bytes, self._layer_dma_bytes = staging_bytes, layer_dma_bytes
         self._size = int(store.size)
         self._pieces: list[int] = []
         self._lock = threading.Lock()
@@ -121,7 +122,8 @@ class CudaEngine(CopyEngine):
             for b, need in zip(spec.buffers, paged.buffer_extents(spec)):
                 bases.append(self._open_ipc(device, b, need))  # type: ignore[arg-type]
             return CudaPagedBuffer(device, bases, spec, layout, self._slab_ptr,
-                                   can_use_host_pointer(device), self._staging_bytes)
+                                   can_use_host_pointer(device), self._staging_bytes,
+                                   self._layer_dma_bytes)
         except BaseException:
             for base in bases:
                 cupy.cuda.runtime.ipcCloseMemHandle(base)

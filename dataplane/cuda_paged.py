@@ -22,12 +22,20 @@ refused at registration. The staged form was measured against a kernel writing s
 the host slab and per-block DMA (docs/benchmarks.md, ``dataplane.gather``): 93-97 % of a pinned
 copy against 86-89 % and 18-24 %.
 
-A group of layers of a layer-wise retrieve skips the staging: where the device may use the slab's
-host address (``cudaDevAttrCanUseHostPointerForRegisteredMem``), one scatter kernel reads the
-group's rows of every chunk straight from their slots over PCIe (the copier's direct form,
-86-89 % of a pinned copy standalone) instead of two DMAs a chunk and a kernel. The segment table
-is built and uploaded once per call, for one layer; every layer is that table shifted
-(``_DirectLayers``), so a group costs the CPU one kernel launch a layer.
+A layer-wise retrieve moves windows of layers through the staging halves (``_StagedLayers``):
+layer 0 alone, then as many layers a window as a half holds of every chunk, each window two
+pieces a chunk (its K rows, its V rows) in one batched DMA (``dataplane.dma``), and one scatter
+kernel a layer. It is chosen where a window of one chunk's K is at least ``layer_dma_bytes``
+(``--dp-layer-dma-mib``, 1 MiB) and the driver has the batched copy: measured on an H100 at 8k
+tokens of an 8B model's KV (windows of two layers, 1 MiB pieces), 0.93-0.94 of a pinned copy for
+the whole call against 0.87 for the direct kernel below, layer 0 as soon (docs/benchmarks.md);
+with smaller pieces (a 135M-shaped model's 960 KiB) layer 0 came later than by the kernel. Below
+the threshold, where the device may use the slab's host address
+(``cudaDevAttrCanUseHostPointerForRegisteredMem``), one scatter kernel a layer reads the rows of
+every chunk straight from their slots over PCIe (the copier's direct form, 86-89 % of a pinned
+copy standalone; ``_DirectLayers``). Either way the segment table is built and uploaded once per
+call, for one layer; every layer is that table shifted, so a layer costs the CPU one kernel
+launch.
 
 NOTE: the staging area is two halves used in turn, so a batch's gather (store) or DMAs (retrieve)
 on a side stream overlap the other half's DMAs or scatter on the instance's stream. Events order
@@ -48,7 +56,7 @@ import cupy
 import numpy as np
 import torch
 
-from kvblend.dataplane import paged
+from kvblend.dataplane import dma, paged
 from kvblend.dataplane.backend import Direction, LayerCopies
 from kvblend.dataplane.cuda import D2H, H2D, CudaBuffer
 from kvblend.dataplane.errors import BadRequest
@@ -75,10 +83,10 @@ def check_gatherable(spec: PagedBuffer) -> None:
 class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
     def __init__(self, device: int, bases: list[int], spec: PagedBuffer, layout: KVLayout,
                  slab_ptr: int, slab_mapped: bool = False,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, layer_dma_bytes: int = 1 << 20) -> None:
         super().__init__(device, 0, 0, layout, slab_ptr)
         self._slab_mapped = slab_mapped  # kernels on this device may read the slab's host address
-        self._staging_bytes = staging_bytes
+        self._staging_bytes, self._layer_dma_bytes = staging_bytes, layer_dma_bytes
         self._bases, self._spec = bases, spec
         isz = layout.dtype.itemsize
         self._layers = np.array([bases[ly.buffer] + spec.buffers[ly.buffer].offset + ly.offset
@@ -203,6 +211,16 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,
                      slab_offsets: list[int]) -> LayerCopies:
+        if direction is Direction.FROM_SLAB and token_starts and self.layout.num_layers > 1:
+            width = chunk_size * self._row
+            self._stage(chunk_size)
+            assert self._staging is not None
+            window = min(self.layout.num_layers - 1,
+                         _half(self._staging) // (2 * width * len(token_starts)))
+            dma_ok = window * width >= self._layer_dma_bytes and dma.copier() is not None
+            if window and (dma_ok or not self._slab_mapped):
+                return _StagedLayers(self, direction, token_starts, chunk_size, slab_offsets,
+                                     window)
         if not self._slab_mapped:
             return super().layer_copies(direction, token_starts, chunk_size, slab_offsets)
         return _DirectLayers(self, direction, token_starts, chunk_size, slab_offsets)
@@ -261,6 +279,110 @@ class _DirectLayers(LayerCopies):
             slot = (layer - self._layer) * row
             buf._copier.copy_table(self._table, buf.stream, *((slot, engine) if self.to_slab
                                                              else (engine, slot)))
+
+    def close(self) -> None:
+        if self._table is not None:
+            self.buf._copier.release(self._table)
+            self._table = None
+
+
+def _half(staging: Any) -> int:
+    """Bytes of each half of the staging area for a layer-wise retrieve (256-byte aligned)."""
+    return staging.nbytes // 2 // 256 * 256
+
+
+class _StagedLayers(LayerCopies):
+    """A layer-wise retrieve through the staging halves, a window of layers at a time: two DMAs
+    a chunk (the window's K rows, its V rows: adjacent in the slot) into one half on the side
+    stream while the instance's stream scatters the other half's layers, one kernel a layer
+    from one segment table shifted to each layer and half. Layer 0 is a window of its own, so
+    it is readable after one layer's DMA; from window 1 on, each window's DMAs are queued when
+    the window before it starts, so the copy engine does not wait for the CPU. The halves are
+    refilled only after their last scatter (events), as in the staged whole call.
+
+    Staging layout of a window ``[a, b)`` in a half: chunk ``j`` at ``j * 2W * width``, its K of
+    layer ``l`` at ``(l - a) * width``, its V at ``(W + l - a) * width`` (``width``: a layer's K
+    of one chunk; ``W``: the window's length, the last window may be shorter)."""
+
+    buf: CudaPagedBuffer
+
+    def __init__(self, buf: CudaPagedBuffer, direction: Direction, token_starts: list[int],
+                 chunk_size: int, slab_offsets: list[int], window: int) -> None:
+        super().__init__(buf, direction, token_starts, chunk_size, slab_offsets)
+        L, self.W = buf.layout.num_layers, window
+        self.width = chunk_size * buf._row
+        staging = buf._staging
+        assert staging is not None, "layer_copies sized the staging"
+        self.halves = [int(staging.data.ptr), int(staging.data.ptr) + _half(staging)]
+        self.starts = [0, *range(1, L, window)]  # layer 0 alone, then windows of W
+        self.ends = [*self.starts[1:], L]
+        self.slots = buf._slab + np.asarray(slab_offsets, np.int64)
+        self.held = [-1, -1]  # the window each half holds (queued)
+        self.ready: dict[int, Any] = {}  # window -> the event after its DMAs (until waited)
+        self.freed: list[Any] = [buf._after(buf.stream), None]  # after a half's last scatter
+        self._table: Table | None = None
+        self._at = (0, 0)  # the layer and staging address the table was built for
+
+    def _window(self, layer: int) -> int:
+        return 0 if layer == 0 else 1 + (layer - 1) // self.W
+
+    def _fill(self, k: int) -> None:
+        """Queue window ``k``'s DMAs into half ``k % 2`` on the side stream."""
+        buf, h = self.buf, k % 2
+        a, b = self.starts[k], self.ends[k]
+        side = buf._side
+        if self.freed[h] is not None:
+            side.wait_event(self.freed[h])
+            self.freed[h] = None
+        n, stride, L = (b - a) * self.width, 2 * self.W * self.width, buf.layout.num_layers
+        at = self.halves[h] + np.arange(len(self.slots), dtype=np.int64) * stride
+        dsts = np.stack([at, at + self.W * self.width], axis=1).ravel()
+        srcs = np.stack([self.slots + a * self.width, self.slots + (L + a) * self.width],
+                        axis=1).ravel()
+        batch = dma.copier()
+        if batch is not None:
+            batch.copy(dsts, srcs, np.full(len(dsts), n), side.cuda_stream)
+        else:
+            for d, s in zip(dsts.tolist(), srcs.tolist()):
+                cupy.cuda.runtime.memcpyAsync(d, s, n, H2D, side.cuda_stream)
+        self.held[h] = k
+        self.ready[k] = buf._after(side)
+
+    def _address(self, layer: int) -> int:
+        """Where the table's rows for ``layer`` start, in the layout ``table_segments`` reads
+        with ``W`` layers: chunk j at this + j * 2W * width, minus the layer's own offset."""
+        k = self._window(layer)
+        return self.halves[k % 2] + (layer - self.starts[k]) * self.width - layer * self.width
+
+    def copy(self, first: int, last: int) -> None:
+        buf = self.buf
+        for layer in range(first, last):
+            k = self._window(layer)
+            if self.held[k % 2] != k:
+                self._fill(k)
+            if 0 < k < len(self.starts) - 1 and self.held[(k + 1) % 2] != k + 1:
+                # behind this window's DMAs on the side stream; not while layer 0 is under way:
+                # DMAs queued behind it delay the engine's sight of it (the other context's wait)
+                self._fill(k + 1)
+            if k in self.ready:
+                buf.stream.wait_event(self.ready.pop(k))
+            at = self._address(layer)
+            if self._table is None:
+                stride = 2 * self.W * self.width
+                chunk_at = at + np.arange(len(self.slots), dtype=np.int64) * stride
+                self._table = buf._copier.upload(
+                    paged.table_segments(buf._table, np.asarray(self.token_starts, np.int64),
+                                         self.chunk_size, buf._layers, buf._kv_at, buf._block_b,
+                                         buf._token_b, self.W, layer, layer + 1, chunk_at,
+                                         False),
+                    buf.stream, pieces=buf._pieces)
+                self._at = (layer, at)
+            l0, at0 = self._at
+            buf._copier.copy_table(self._table, buf.stream,
+                                   int(buf._layers[layer] - buf._layers[l0]),
+                                   (at - at0) + (layer - l0) * self.width)
+            if layer + 1 == self.ends[k]:
+                self.freed[k % 2] = buf._after(buf.stream)
 
     def close(self) -> None:
         if self._table is not None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from kvblend.dataplane.backend import CopyEngine
 from kvblend.dataplane.backends import Backend, resolve
+from kvblend.dataplane.calls import Tuning
 from kvblend.shm.store import Store
 
 
-def make_engine(backend: Backend | str, store: Store, staging_bytes: int = 128 << 20
-                ) -> CopyEngine:
+def make_engine(backend: Backend | str, store: Store, tuning: Tuning = Tuning()) -> CopyEngine:
     """The copy engine for ``backend`` (``cpu``, ``cuda`` or ``auto``: CUDA when a GPU is
-    present). CUDA code is imported here, lazily: CPU-only machines have no cupy.
+    present; ``tuning``: its staging). CUDA code is imported here, lazily: CPU-only machines
+    have no cupy.
 
     Raises:
         ValueError: not a backend.
@@ -23,7 +24,7 @@ def make_engine(backend: Backend | str, store: Store, staging_bytes: int = 128 <
         raise ValueError(f"unknown backend {backend!r}: use cpu, cuda or auto") from None
     if chosen is Backend.CUDA:
         from kvblend.dataplane.cuda_engine import CudaEngine
-        return CudaEngine(store, staging_bytes)
+        return CudaEngine(store, tuning.staging_bytes, tuning.layer_dma_bytes)
     from kvblend.dataplane.cpu import CpuEngine
     return CpuEngine(store)
 

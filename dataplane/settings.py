@@ -140,6 +140,9 @@ class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             later groups' copies.
         staging_mib: GPU staging per paged CUDA instance (whole chunks, at least two), in two
             halves that a batch's gather and the other batch's DMAs use in turn.
+        layer_dma_mib: a layer-wise retrieve into a paged CUDA cache moves windows of layers
+            into the staging by batched DMA where a window of one chunk's K is at least this
+            many MiB (0: always); below it, one kernel a layer reads the slab over PCIe.
         remote: the remote tier, or None.
     """
 
@@ -156,6 +159,7 @@ class DataPlaneSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     first_mib: Annotated[float, Meta(gt=0, le=65536)] = 16.0
     group_mib: Annotated[float, Meta(gt=0, le=65536)] = 32.0
     staging_mib: Annotated[float, Meta(gt=0, le=65536)] = 128.0
+    layer_dma_mib: Annotated[float, Meta(ge=0, le=65536)] = 1.0
     remote: RemoteSettings | None = None
 
     @classmethod

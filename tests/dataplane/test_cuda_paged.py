@@ -17,11 +17,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 L, B, S, H, DH = 4, 32, 16, 2, 64
 
 
-@pytest.fixture(params=["default", "two-chunk-staging"])
+@pytest.fixture(params=["default", "two-chunk-staging", "layer-dma", "two-chunk-layer-dma"])
 def cuda_dataplane(shm_prefix: str, request: pytest.FixtureRequest) -> Iterator[DataPlaneProc]:
     tuning: dict[str, float] = {}
-    if request.param == "two-chunk-staging":  # batches of one chunk, the halves in turn
-        tuning = {"staging_mib": 2 * L * CHUNK * H * DH * 2 * 2 / (1 << 20)}
+    if request.param.startswith("two-chunk"):  # batches of one chunk, the halves in turn
+        tuning["staging_mib"] = 2 * L * CHUNK * H * DH * 2 * 2 / (1 << 20)
+    if request.param.endswith("layer-dma"):
+        # layer-wise retrieves by batched DMA into the staging (the test's chunks are far below
+        # the default window): layer 0, then layers 1-3 in one window; with two-chunk staging a
+        # window a layer, the halves in turn
+        tuning["layer_dma_mib"] = 0
     create_store(shm_prefix)
     dp = start_dataplane(shm_prefix, "cuda", 60.0, **tuning)
     yield dp
