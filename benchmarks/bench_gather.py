@@ -11,8 +11,8 @@ of ``--chunk`` tokens as ``[2, L, C, H*Dh]`` contiguous, slots in shuffled order
 - (b) ``kernel <-> slab``: ``SegmentCopier`` reads/writes the mapped slab directly over PCIe;
 - (c) ``kernel + staging``: ``SegmentCopier`` into a GPU staging area, one DMA per chunk
   (retrieve: one DMA per chunk into staging, then the kernel scatters);
-- (d) ``batched DMA``: the segments of (a) in one ``cuMemcpyBatchAsync`` (CUDA >= 12.8; the
-  driver's own entry point through ctypes, its CUDA 13 signature), when the driver has it.
+- (d) ``batched DMA``: the segments of (a) in one ``cuMemcpyBatchAsync`` (``dataplane.dma``:
+  the driver's CUDA 13 entry point), when the driver has it.
 
 Then, for comparison, the same 1 GiB as contiguous pieces of ``--piece-mib`` (3 MiB, the size of a
 small model's chunk): one DMA per piece against one kernel call over all pieces.
@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import statistics
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy  # noqa: E402
 
+from kvblend.dataplane.dma import BatchCopier, copier  # noqa: E402
 from kvblend.dataplane.gather import (HostMapping, SegmentCopier,  # noqa: E402
                                       can_use_host_pointer, host_device_pointer)
 
@@ -99,38 +99,11 @@ def probe_registration() -> str:
             f"Portable-only registration: {got}")
 
 
-class BatchCopy:
-    """``cuMemcpyBatchAsync`` of a segment table ``(dst, src, nbytes)``: one call for all of
-    them, sources read in stream order (the table's arrays are built once, outside the timing)."""
-
-    class _Attributes(ctypes.Structure):
-        # source access order, source and destination location hints (type, id: unused for
-        # memory that is not managed), flags
-        _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", ctypes.c_int * 2),
-                    ("dst_hint", ctypes.c_int * 2), ("flags", ctypes.c_uint)]
-
-    SRC_ORDER_STREAM = 1
-
-    def __init__(self) -> None:
-        driver = ctypes.CDLL("libcuda.so.1")
-        # CUDA 13 names the 8-argument form _v2 (12.8's took a failure index before the stream)
-        self._fn = getattr(driver, "cuMemcpyBatchAsync_v2")
-        self._fn.restype = ctypes.c_int
-        self._attrs = self._Attributes(self.SRC_ORDER_STREAM)
-        self._index = (ctypes.c_size_t * 1)(0)
-
-    def prepare(self, seg: np.ndarray, stream: int) -> Callable[[], None]:
-        dsts, srcs, sizes = (np.ascontiguousarray(seg[:, i]).astype(np.uint64) for i in range(3))
-        args = (dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
-                sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(len(seg)),
-                ctypes.byref(self._attrs), self._index, ctypes.c_size_t(1),
-                ctypes.c_void_p(stream))
-
-        def run() -> None:  # data_as keeps the arrays alive as long as args
-            err = self._fn(*args)
-            if err:
-                raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {err}")
-        return run
+def batched(batch: BatchCopier, seg: np.ndarray, stream: int) -> Callable[[], None]:
+    """``dataplane.dma``'s batched copy of a segment table ``(dst, src, nbytes)``, its arrays
+    built once, outside the timing."""
+    dsts, srcs, sizes = (np.ascontiguousarray(seg[:, i]).astype(np.uint64) for i in range(3))
+    return lambda: batch.copy(dsts, srcs, sizes, stream)
 
 
 def timed(fn: Callable[[], object], iters: int) -> float:
@@ -288,12 +261,12 @@ def main() -> None:
         ("(a) per-block DMA", per_segment(d_store, D2H), per_segment(d_retrieve, H2D)),
         ("(b) kernel <-> slab", kernel(k_store), kernel(k_retrieve)),
         ("(c) kernel + staging", staged_store, staged_retrieve)]
-    try:
-        batch = BatchCopy()
-        candidates.append(("(d) batched DMA", batch.prepare(d_store, sh),
-                           batch.prepare(d_retrieve, sh)))
-    except (OSError, AttributeError) as exc:
-        print(f"  (d) batched DMA: not measured, the driver lacks it ({exc})")
+    batch = copier()
+    if batch is not None:
+        candidates.append(("(d) batched DMA", batched(batch, d_store, sh),
+                           batched(batch, d_retrieve, sh)))
+    else:
+        print("  (d) batched DMA: not measured, the driver lacks cuMemcpyBatchAsync_v2")
     for name, store_fn, retrieve_fn in candidates:
         try:
             row(name, "store", store_fn, check_store)  # a store leaves a full slab to retrieve
@@ -321,8 +294,8 @@ def main() -> None:
     if any(name == "(d) batched DMA" for name, _, _ in candidates):
         for op, store in (("store", True), ("retrieve", False)):
             try:
-                row(f"batched DMA, {label}", op, batch.prepare(pieces(slab.ptr, store), sh), None,
-                    n * piece)
+                row(f"batched DMA, {label}", op, batched(batch, pieces(slab.ptr, store), sh),
+                    None, n * piece)
             except RuntimeError as exc:
                 print(f"  batched DMA, {label}: {exc}")
 
