@@ -90,6 +90,7 @@ def test_serve_flags_come_from_the_settings() -> None:
 @pytest.mark.parametrize("field,outside", [
     ("max_connections", 1), ("instance_lease_s", 0.5), ("max_instances", 4097),
     ("remote_streams", 257), ("remote_stream_len", 1000), ("dp_staging_mib", 0),
+    ("dp_layer_dma_mib", -1),
     ("dataplane_socket", "/" + "s" * 107), ("shm_prefix", "a/b"),
 ])
 def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside: object) -> None:
@@ -100,8 +101,8 @@ def test_the_data_planes_bounds_hold_where_it_is_configured(field: str, outside:
         Settings(**{field: outside})
     assert [e["loc"] for e in refused.value.errors()] == [(field,)]
     built = Settings(shm_prefix="p", remote="redis://cache:6379", remote_key="k" * 16,
-                     dp_staging_mib=0.5).dataplane_settings()
-    assert built.staging_mib == 0.5 and built.remote is not None
+                     dp_staging_mib=0.5, dp_layer_dma_mib=0).dataplane_settings()
+    assert built.staging_mib == 0.5 and built.layer_dma_mib == 0 and built.remote is not None
     assert str(built.remote.url) == "redis://cache:6379" and built.remote.key == "k" * 16
 
 
