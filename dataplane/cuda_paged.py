@@ -292,53 +292,39 @@ def _half(staging: Any) -> int:
 
 
 class _StagedLayers(LayerCopies):
-    """A layer-wise retrieve through the staging halves, a window of layers at a time: two DMAs
-    a chunk (the window's K rows, its V rows: adjacent in the slot) into one half on the side
-    stream while the instance's stream scatters the other half's layers, one kernel a layer
-    from one segment table shifted to each layer and half. Layer 0 is a window of its own, so
-    it is readable after one layer's DMA; from window 1 on, each window's DMAs are queued when
-    the window before it starts, so the copy engine does not wait for the CPU. The halves are
-    refilled only after their last scatter (events), as in the staged whole call.
-
-    Staging layout of a window ``[a, b)`` in a half: chunk ``j`` at ``j * 2W * width``, its K of
-    layer ``l`` at ``(l - a) * width``, its V at ``(W + l - a) * width`` (``width``: a layer's K
-    of one chunk; ``W``: the window's length, the last window may be shorter)."""
+    """A layer-wise retrieve through the staging halves, a window of layers at a time
+    (``paged.LayerWindows``): two DMAs a chunk (the window's K rows, its V rows) in one batched
+    call into one half on the side stream while the instance's stream scatters the other
+    half's layers, one kernel a layer from one segment table shifted to each layer and half.
+    Layer 0 is a window of its own, so it is readable after one layer's DMA; from window 1 on,
+    each window's DMAs are queued when the window before it starts, so the copy engine does not
+    wait for the CPU. A half is refilled only after its last scatter (events), as in the staged
+    whole call."""
 
     buf: CudaPagedBuffer
 
     def __init__(self, buf: CudaPagedBuffer, direction: Direction, token_starts: list[int],
                  chunk_size: int, slab_offsets: list[int], window: int) -> None:
         super().__init__(buf, direction, token_starts, chunk_size, slab_offsets)
-        L, self.W = buf.layout.num_layers, window
-        self.width = chunk_size * buf._row
         staging = buf._staging
         assert staging is not None, "layer_copies sized the staging"
-        self.halves = [int(staging.data.ptr), int(staging.data.ptr) + _half(staging)]
-        self.starts = [0, *range(1, L, window)]  # layer 0 alone, then windows of W
-        self.ends = [*self.starts[1:], L]
-        self.slots = buf._slab + np.asarray(slab_offsets, np.int64)
+        at = int(staging.data.ptr)
+        self.plan = paged.LayerWindows(buf.layout.num_layers, window, chunk_size * buf._row,
+                                       (at, at + _half(staging)),
+                                       buf._slab + np.asarray(slab_offsets, np.int64))
         self.held = [-1, -1]  # the window each half holds (queued)
         self.ready: dict[int, Any] = {}  # window -> the event after its DMAs (until waited)
         self.freed: list[Any] = [buf._after(buf.stream), None]  # after a half's last scatter
         self._table: Table | None = None
-        self._at = (0, 0)  # the layer and staging address the table was built for
-
-    def _window(self, layer: int) -> int:
-        return 0 if layer == 0 else 1 + (layer - 1) // self.W
+        self._first = 0  # the layer the table was built for
 
     def _fill(self, k: int) -> None:
         """Queue window ``k``'s DMAs into half ``k % 2`` on the side stream."""
-        buf, h = self.buf, k % 2
-        a, b = self.starts[k], self.ends[k]
-        side = buf._side
+        h, side = k % 2, self.buf._side
         if self.freed[h] is not None:
             side.wait_event(self.freed[h])
             self.freed[h] = None
-        n, stride, L = (b - a) * self.width, 2 * self.W * self.width, buf.layout.num_layers
-        at = self.halves[h] + np.arange(len(self.slots), dtype=np.int64) * stride
-        dsts = np.stack([at, at + self.W * self.width], axis=1).ravel()
-        srcs = np.stack([self.slots + a * self.width, self.slots + (L + a) * self.width],
-                        axis=1).ravel()
+        dsts, srcs, n = self.plan.pieces(k)
         batch = dma.copier()
         if batch is not None:
             batch.copy(dsts, srcs, np.full(len(dsts), n), side.cuda_stream)
@@ -346,42 +332,33 @@ class _StagedLayers(LayerCopies):
             for d, s in zip(dsts.tolist(), srcs.tolist()):
                 cupy.cuda.runtime.memcpyAsync(d, s, n, H2D, side.cuda_stream)
         self.held[h] = k
-        self.ready[k] = buf._after(side)
-
-    def _address(self, layer: int) -> int:
-        """Where the table's rows for ``layer`` start, in the layout ``table_segments`` reads
-        with ``W`` layers: chunk j at this + j * 2W * width, minus the layer's own offset."""
-        k = self._window(layer)
-        return self.halves[k % 2] + (layer - self.starts[k]) * self.width - layer * self.width
+        self.ready[k] = self.buf._after(side)
 
     def copy(self, first: int, last: int) -> None:
-        buf = self.buf
+        buf, plan = self.buf, self.plan
         for layer in range(first, last):
-            k = self._window(layer)
+            k = plan.of(layer)
             if self.held[k % 2] != k:
                 self._fill(k)
-            if 0 < k < len(self.starts) - 1 and self.held[(k + 1) % 2] != k + 1:
+            if 0 < k < len(plan.starts) - 1 and self.held[(k + 1) % 2] != k + 1:
                 # behind this window's DMAs on the side stream; not while layer 0 is under way:
                 # DMAs queued behind it delay the engine's sight of it (the other context's wait)
                 self._fill(k + 1)
             if k in self.ready:
                 buf.stream.wait_event(self.ready.pop(k))
-            at = self._address(layer)
             if self._table is None:
-                stride = 2 * self.W * self.width
-                chunk_at = at + np.arange(len(self.slots), dtype=np.int64) * stride
                 self._table = buf._copier.upload(
                     paged.table_segments(buf._table, np.asarray(self.token_starts, np.int64),
                                          self.chunk_size, buf._layers, buf._kv_at, buf._block_b,
-                                         buf._token_b, self.W, layer, layer + 1, chunk_at,
-                                         False),
+                                         buf._token_b, plan.window, layer, layer + 1,
+                                         plan.chunk_at(layer), False),
                     buf.stream, pieces=buf._pieces)
-                self._at = (layer, at)
-            l0, at0 = self._at
+                self._first = layer
+            l0 = self._first
             buf._copier.copy_table(self._table, buf.stream,
                                    int(buf._layers[layer] - buf._layers[l0]),
-                                   (at - at0) + (layer - l0) * self.width)
-            if layer + 1 == self.ends[k]:
+                                   plan.row(layer) - plan.row(l0))
+            if layer + 1 == plan.ends[k]:
                 self.freed[k % 2] = buf._after(buf.stream)
 
     def close(self) -> None:

@@ -225,6 +225,49 @@ def table_segments(table: BlockTable, starts: np.ndarray, count: int, layers: np
                 np.asarray(chunk_at, np.int64), bool(to_slab))
 
 
+class LayerWindows:
+    """The plan of a layer-wise retrieve through two staging halves (``dataplane.cuda_paged``):
+    layer 0 alone, then windows of ``window`` layers, window ``k`` in half ``k % 2``. In a half,
+    chunk ``j``'s K of layer ``l`` of the window ``[a, b)`` is at ``j * 2W * width + (l - a) *
+    width``, its V ``W * width`` further (``width``: one layer's K of one chunk, ``W``: the
+    window); the slots hold chunks as ``[2, L, C, token_bytes]``, so a window's K rows of a
+    chunk are one piece, and its V rows another."""
+
+    def __init__(self, num_layers: int, window: int, width: int, halves: tuple[int, int],
+                 slots: np.ndarray) -> None:
+        assert num_layers > 1 and window >= 1
+        self.num_layers, self.window, self.width, self.halves = num_layers, window, width, halves
+        self.slots = np.asarray(slots, np.int64)
+        self.stride = 2 * window * width  # a chunk's place in a half
+        self.starts = [0, *range(1, num_layers, window)]
+        self.ends = [*self.starts[1:], num_layers]
+
+    def of(self, layer: int) -> int:
+        """The window of ``layer``."""
+        return 0 if layer == 0 else 1 + (layer - 1) // self.window
+
+    def pieces(self, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Window ``k``'s copies from the slots: destinations, sources (a chunk's K rows, then
+        its V rows, chunk by chunk) and the bytes of each."""
+        a, b, w = self.starts[k], self.ends[k], self.width
+        at = self.halves[k % 2] + np.arange(len(self.slots), dtype=np.int64) * self.stride
+        dsts = np.stack([at, at + self.window * w], axis=1).ravel()
+        srcs = np.stack([self.slots + a * w, self.slots + (self.num_layers + a) * w],
+                        axis=1).ravel()
+        return dsts, srcs, (b - a) * w
+
+    def row(self, layer: int) -> int:
+        """Where chunk 0's K rows of ``layer`` are staged."""
+        k = self.of(layer)
+        return self.halves[k % 2] + (layer - self.starts[k]) * self.width
+
+    def chunk_at(self, layer: int) -> np.ndarray:
+        """``table_segments``' ``chunk_at`` for ``layer`` with ``window`` as its layer count:
+        where each chunk would start if the half held every layer before it."""
+        return (self.row(layer) - layer * self.width
+                + np.arange(len(self.slots), dtype=np.int64) * self.stride)
+
+
 class BlockTableCalls:
     """``bind`` and ``check`` of an ``InstanceBuffer`` over a paged cache (``_spec``)."""
 
@@ -243,4 +286,4 @@ class BlockTableCalls:
 
 
 __all__ = ["placements", "check", "buffer_extents", "table_segments", "BlockTable",
-           "BlockTableCalls", "Slots", "LAYOUTS"]
+           "BlockTableCalls", "LayerWindows", "Slots", "LAYOUTS"]

@@ -307,6 +307,55 @@ def spec_segments(at: paged.Slots, layers: np.ndarray, kv_at: np.ndarray,
                      np.broadcast_to(count * token_bytes, shape).ravel()], axis=1)
 
 
+@pytest.mark.parametrize("window", [1, 2, 3])  # of 5 layers: the last window shorter at 3
+def test_a_layer_wise_retrieves_windows_rebuild_every_layer(window: int) -> None:
+    """The CUDA data plane's layer-wise retrieve through two staging halves, applied here as
+    byte copies in one numpy "address space" in its order: each window's pieces from the slots
+    into its half (the next window's queued when one starts, as there), then each layer
+    scattered by the table of the first layer, shifted. Every layer of every chunk arrives."""
+    rng = np.random.default_rng(window)
+    nl, isz, C, n = 5, 2, CHUNK, 3
+    row, layer_bytes = H * DH * isz, 2 * B * S * H * DH * isz
+    chunk_bytes = 2 * nl * C * row
+    half = n * 2 * window * C * row
+    staging, slab = nl * layer_bytes, nl * layer_bytes + 2 * half
+    space = rng.integers(0, 256, slab + (n + 2) * chunk_bytes, dtype=np.uint8)
+    layers_at = np.arange(nl, dtype=np.int64) * layer_bytes
+    slots = slab + rng.permutation(n + 2)[:n].astype(np.int64) * chunk_bytes
+    plan = paged.LayerWindows(nl, window, C * row, (staging, staging + half), slots)
+    k, v = paged.placements("flash_attn", B, S, H, DH)
+    table = paged.BlockTable(np.array([7, 2, 9, 0, 5, 11, 3, 14, 1], "<i4").tobytes(), S, B)
+    starts = np.array([3, 3 + C, 3 + 2 * C])
+
+    def move(dst: int, src: int, nbytes: int) -> None:
+        space[dst:dst + nbytes] = space[src:src + nbytes]
+
+    rows, held = None, [-1, -1]
+    for layer in range(nl):
+        w = plan.of(layer)
+        for fill in (w, w + 1) if 0 < w < len(plan.starts) - 1 else (w,):
+            if held[fill % 2] != fill:
+                dsts, srcs, nbytes = plan.pieces(fill)
+                for d, s_ in zip(dsts.tolist(), srcs.tolist()):
+                    move(d, s_, nbytes)
+                held[fill % 2] = fill
+        if rows is None:
+            rows = paged.table_segments(
+                table, starts, C, layers_at, np.array([k.offset, v.offset]) * isz,
+                np.array([k.block, v.block]) * isz, row, plan.window, layer, layer + 1,
+                plan.chunk_at(layer), to_slab=False)
+        for dst, src, nbytes in rows.tolist():  # the table of layer 0, shifted to this layer
+            move(dst + int(layers_at[layer]), src + plan.row(layer) - plan.row(0), nbytes)
+    views = [torch.from_numpy(space[a:a + layer_bytes]).view(torch.int16).view(2, B, S, H, DH)
+             for a in layers_at]
+    for j, t0 in enumerate(starts.tolist()):
+        chunk = torch.from_numpy(space[slots[j]:slots[j] + chunk_bytes].copy()).view(
+            torch.int16).view(2, nl, C, H, DH)
+        block, slot = slots_of(table.ids.tolist(), t0, C)
+        for layer in range(nl):
+            assert torch.equal(logical(views[layer], "flash_attn", block, slot), chunk[:, layer])
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_segment_rows_are_the_specification(seed: int) -> None:
     rng = np.random.default_rng(seed)
