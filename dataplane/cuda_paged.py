@@ -211,14 +211,14 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,
                      slab_offsets: list[int]) -> LayerCopies:
-        if direction is Direction.FROM_SLAB and token_starts and self.layout.num_layers > 1:
-            width = chunk_size * self._row
+        if direction is Direction.FROM_SLAB and token_starts:
             self._stage(chunk_size)
             assert self._staging is not None
-            window = min(self.layout.num_layers - 1,
-                         _half(self._staging) // (2 * width * len(token_starts)))
-            dma_ok = window * width >= self._layer_dma_bytes and dma.copier() is not None
-            if window and (dma_ok or not self._slab_mapped):
+            window = paged.LayerWindows.choose(
+                self.layout.num_layers, chunk_size * self._row, len(token_starts),
+                _half(self._staging), self._layer_dma_bytes, dma.copier() is not None,
+                self._slab_mapped)
+            if window:
                 return _StagedLayers(self, direction, token_starts, chunk_size, slab_offsets,
                                      window)
         if not self._slab_mapped:
