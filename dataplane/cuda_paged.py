@@ -26,7 +26,8 @@ A layer-wise retrieve moves windows of layers through the staging halves (``_Sta
 layer 0 alone, then as many layers a window as a half holds of every chunk, each window two
 pieces a chunk (its K rows, its V rows) in one batched DMA (``dataplane.dma``), and one scatter
 kernel a layer. It is chosen where a window of one chunk's K is at least ``layer_dma_bytes``
-(``--dp-layer-dma-mib``, 1 MiB) and the driver has the batched copy: measured on an H100 at 8k
+(``--dp-layer-dma-mib``, 1 MiB) and the driver has the batched copy, or where no kernel may read
+the slab (``paged.LayerWindows.choose``): measured on an H100 at 8k
 tokens of an 8B model's KV (windows of two layers, 1 MiB pieces), 0.93-0.94 of a pinned copy for
 the whole call against 0.87 for the direct kernel below, layer 0 as soon (docs/benchmarks.md);
 with smaller pieces (a 135M-shaped model's 960 KiB) layer 0 came later than by the kernel. Below
