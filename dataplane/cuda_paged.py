@@ -115,11 +115,15 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         return int(self._staging.data.ptr), self._staging.nbytes // chunk
 
     def _segments(self, token_starts: list[int], chunk_size: int, first: int, last: int,
-                  chunk_at: np.ndarray, to_slab: bool) -> np.ndarray:
+                  chunk_at: np.ndarray, to_slab: bool, num_layers: int | None = None
+                  ) -> np.ndarray:
+        """``paged.table_segments`` of this cache; ``num_layers``: the layers each chunk at
+        ``chunk_at`` holds (all of them, or a window of the layer-wise staging)."""
         assert self._table is not None, "bind() comes first"
         return paged.table_segments(self._table, np.asarray(token_starts, np.int64), chunk_size,
                                     self._layers, self._kv_at, self._block_b, self._token_b,
-                                    self.layout.num_layers, first, last, chunk_at, to_slab)
+                                    num_layers or self.layout.num_layers, first, last, chunk_at,
+                                    to_slab)
 
     def _staged(self, staging: int, count: int, chunk_size: int) -> np.ndarray:
         return staging + np.arange(count, dtype=np.int64) * (
@@ -349,10 +353,8 @@ class _StagedLayers(LayerCopies):
                 buf.stream.wait_event(self.ready.pop(k))
             if self._table is None:
                 self._table = buf._copier.upload(
-                    paged.table_segments(buf._table, np.asarray(self.token_starts, np.int64),
-                                         self.chunk_size, buf._layers, buf._kv_at, buf._block_b,
-                                         buf._token_b, plan.window, layer, layer + 1,
-                                         plan.chunk_at(layer), False),
+                    buf._segments(self.token_starts, self.chunk_size, layer, layer + 1,
+                                  plan.chunk_at(layer), False, plan.window),
                     buf.stream, pieces=buf._pieces)
                 self._first = layer
             l0 = self._first
