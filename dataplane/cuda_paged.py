@@ -43,10 +43,11 @@ on a side stream overlap the other half's DMAs or scatter on the instance's stre
 them: the instance's stream waits for each batch's side-stream work before using the half, the
 side stream waits until the instance's stream is done with a half before refilling it, and the
 side stream starts each call after everything the instance's stream holds (the engine's event
-included). The call's markers stay on the instance's stream, after every copy of the call.
-Measured on the H200, this overlap did not raise the paged store's or retrieve's speed
-(docs/benchmarks.md); it is kept because it is correct and tested on the GPU, and the copies are
-no longer serialized when the remaining cost is found.
+included: ``begin``). The call's markers stay on the instance's stream, after every copy of the
+call. The halves alternate across all of a call's ``copy`` calls (the data plane makes one per
+pin batch of a retrieve and per 32 MiB group of a store: at an 8B model's 32 MiB chunks, one a
+chunk), so a call's first batch is the only one that waits for all of the instance's stream
+(docs/benchmarks.md, "Every row on the H200 again": why, and what is not measured yet).
 """
 
 from __future__ import annotations
@@ -104,6 +105,27 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         with torch.cuda.device(device):
             self._side = torch.cuda.Stream(device)  # fills or drains the other staging half
         self._table: paged.BlockTable | None = None
+        # the staging halves across a call's batches (begin() resets them): the event after
+        # the instance's stream last used each half, and the half the next batch takes
+        self._freed: list[Any] = [None, None]
+        self._next = 0
+
+    def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
+        super().begin(engine_event, order)
+        # the side stream fills or drains staging only after what the instance's stream holds
+        # now (the engine's order included); from then on each half waits only for its own
+        # last use, so a call's batches pipeline across its copy() calls
+        self._side.wait_event(self._after(self.stream))
+        self._freed, self._next = [None, None], 0
+
+    def _take_half(self, halves: list[int]) -> tuple[int, int]:
+        """The half the next batch fills or drains (index, address), once the side stream has
+        waited for its last use on the instance's stream."""
+        h, self._next = self._next, 1 - self._next
+        if self._freed[h] is not None:
+            self._side.wait_event(self._freed[h])
+            self._freed[h] = None
+        return h, halves[h]
 
     def _stage(self, chunk_size: int) -> tuple[int, int]:
         """The staging area's address and how many chunks it holds."""
@@ -159,12 +181,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         halves, per = self._halves(chunk_size)
         n, L = 2 * self.layout.num_layers * chunk_size * self._row, self.layout.num_layers
         stream, side = self.stream.cuda_stream, self._side
-        freed: list[Any] = [self._after(self.stream), None]  # the call starts after begin()
-        side.wait_event(freed[0])
-        for b, lo in enumerate(range(0, len(token_starts), per)):
-            base = halves[b % 2]
-            if freed[b % 2] is not None:
-                side.wait_event(freed[b % 2])
+        for lo in range(0, len(token_starts), per):
+            h, base = self._take_half(halves)
             starts, offs = token_starts[lo:lo + per], slab_offsets[lo:lo + per]
             self._copier.copy(self._segments(starts, chunk_size, 0, L,
                                              self._staged(base, len(starts), chunk_size), True),
@@ -172,7 +190,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             self.stream.wait_event(self._after(side))
             for j, off in enumerate(offs):
                 cupy.cuda.runtime.memcpyAsync(self._slab + off, base + j * n, n, D2H, stream)
-            freed[b % 2] = self._after(self.stream)
+            self._freed[h] = self._after(self.stream)
 
     @staticmethod
     def _after(stream: Any) -> Any:
@@ -196,12 +214,8 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         halves, per = self._halves(chunk_size)
         L, width = self.layout.num_layers, chunk_size * self._row  # a layer's K (or V) of a chunk
         n, side = 2 * L * width, self._side
-        freed: list[Any] = [self._after(self.stream), None]
-        side.wait_event(freed[0])
-        for b, lo in enumerate(range(0, len(token_starts), per)):
-            base = halves[b % 2]
-            if freed[b % 2] is not None:
-                side.wait_event(freed[b % 2])
+        for lo in range(0, len(token_starts), per):
+            h, base = self._take_half(halves)
             for j, off in enumerate(slab_offsets[lo:lo + per]):
                 for kv in (0, 1):  # the layers' rows are adjacent in the slot and in staging
                     at = (kv * L + first) * width
@@ -212,7 +226,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
             self._copier.copy(self._segments(batch, chunk_size, first, last,
                                              self._staged(base, len(batch), chunk_size), False),
                               self.stream, pieces=self._pieces)
-            freed[b % 2] = self._after(self.stream)
+            self._freed[h] = self._after(self.stream)
 
     def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,
                      slab_offsets: list[int]) -> LayerCopies:
