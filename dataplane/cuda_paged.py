@@ -333,7 +333,9 @@ class _StagedLayers(LayerCopies):
                                        buf._slab + np.asarray(slab_offsets, np.int64))
         self.held = [-1, -1]  # the window each half holds (queued)
         self.ready: dict[int, Any] = {}  # window -> the event after its DMAs (until waited)
-        self.freed: list[Any] = [buf._after(buf.stream), None]  # after a half's last scatter
+        # after a half's last scatter; the call's begin() ordered the side stream after the
+        # instance's stream already
+        self.freed: list[Any] = [None, None]
         self._table: Table | None = None
         self._first = 0  # the layer the table was built for
 
