@@ -223,16 +223,19 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
         n, side = 2 * L * width, self._side
         for lo in range(0, len(token_starts), per):
             h, base = self._take_half(halves)
+            batch = token_starts[lo:lo + per]
+            # the batch's table goes up ahead of its DMAs, on their stream
+            table = self._copier.upload_ahead(
+                self._segments(batch, chunk_size, first, last,
+                               self._staged(base, len(batch), chunk_size), False),
+                side, pieces=self._pieces)
             for j, off in enumerate(slab_offsets[lo:lo + per]):
                 for kv in (0, 1):  # the layers' rows are adjacent in the slot and in staging
                     at = (kv * L + first) * width
                     cupy.cuda.runtime.memcpyAsync(base + j * n + at, self._slab + off + at,
                                                   (last - first) * width, H2D, side.cuda_stream)
             self.stream.wait_event(self._after(side))
-            batch = token_starts[lo:lo + per]
-            self._copier.copy(self._segments(batch, chunk_size, first, last,
-                                             self._staged(base, len(batch), chunk_size), False),
-                              self.stream, pieces=self._pieces)
+            self._copier.copy_table(table, self.stream)
             self._freed[h] = self._after(self.stream)
 
     def layer_copies(self, direction: Direction, token_starts: list[int], chunk_size: int,

@@ -222,7 +222,7 @@ class UploadRing:
 class Table:
     """Segments uploaded once (``SegmentCopier.upload``): ``count`` pieces in ``slot``."""
 
-    slot: "_Slot"
+    slot: "_Slot | None"  # None: no segments
     count: int
 
 
@@ -296,13 +296,24 @@ class SegmentCopier:
         Raises:
             ValueError: the table is not ``(n, 3)`` or has a negative byte count.
         """
+        self.copy_table(self.upload_ahead(segments, stream, pieces), stream)
+
+    def upload_ahead(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> "Table":
+        """Upload ``segments`` on ``stream`` for one ``copy_table``, on ``stream`` or on a stream
+        made to wait for this point of it, before the next ``RING`` uploads. A retrieve staged
+        through a side stream uploads there, ahead of the DMAs it queues next: an upload on the
+        copy's own stream would queue on the copy engine behind the DMAs of the batch after.
+        Not ``release``d: the ring reuses it once its kernel completed. ``pieces``: as ``copy``'s.
+
+        Raises:
+            ValueError: the table is not ``(n, 3)`` or has a negative byte count.
+        """
         seg = segments if pieces else split_segments(segments)
         if not len(seg):
-            return
+            return Table(None, 0)
         with cupy.cuda.Device(self.device):
-            ext = self._stream(stream_handle(stream))
-            slot = self._ring.upload(seg.ravel(), ext)
-            self._launch(slot, len(seg), 0, 0, ext)
+            return Table(self._ring.upload(seg.ravel(), self._stream(stream_handle(stream))),
+                         len(seg))
 
     def upload(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> "Table":
         """Upload ``segments`` once, for any number of ``copy_table`` calls on ``stream`` (the
@@ -329,8 +340,10 @@ class SegmentCopier:
     def copy_table(self, table: "Table", stream: Any, dst_shift: int = 0,
                    src_shift: int = 0) -> None:
         """Enqueue the copy of ``table``'s segments, every destination moved by ``dst_shift``
-        bytes and every source by ``src_shift``, on ``stream`` (the one it was uploaded on)."""
+        bytes and every source by ``src_shift``, on ``stream`` (the one it was uploaded on, or
+        one made to wait for it after the upload)."""
         if table.count:
+            assert table.slot is not None
             with cupy.cuda.Device(self.device):
                 self._launch(table.slot, table.count, dst_shift, src_shift,
                              self._stream(stream_handle(stream)))

@@ -192,6 +192,31 @@ def test_a_table_uploaded_once_is_copied_shifted_and_reused_only_when_idle(gathe
         assert torch.equal(got[r], want[:, torch.from_numpy(perm)]), f"round {r}"
 
 
+def test_tables_uploaded_ahead_on_one_stream_are_copied_on_another(gather: Any) -> None:
+    """A staged retrieve's order: each table goes up on a side stream kept busy, the copy
+    stream waits for an event after it and copies; more rounds than ring slots, each lands,
+    and a table of no segments copies nothing."""
+    import torch
+    n, size = 3 * gather.RING, 4096
+    src = random_bytes(n * size, 17)
+    dst = torch.zeros(n * size, dtype=torch.uint8, device="cuda")
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    side, stream = torch.cuda.Stream(), torch.cuda.Stream()
+    copier = gather.SegmentCopier(0)
+    for i in range(n):
+        with torch.cuda.stream(side):
+            big.add_(1)  # the upload queues behind work of the side stream
+        table = copier.upload_ahead(
+            np.array([[dst.data_ptr() + i * size, src.data_ptr() + i * size, size]]), side)
+        stream.wait_stream(side)
+        copier.copy_table(table, stream)
+    empty = copier.upload_ahead(np.zeros((0, 3), np.int64), side)
+    assert empty.count == 0
+    copier.copy_table(empty, stream)
+    stream.synchronize()
+    assert torch.equal(dst, src)
+
+
 def test_split_keeps_alignment_and_covers_every_byte(gather: Any) -> None:
     seg = np.array([[1003, 5003, 200_001], [0, 0, 0], [64, 128, 65_536]], dtype=np.int64)
     out = gather.split_segments(seg, piece=65_536)
