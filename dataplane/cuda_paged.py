@@ -44,11 +44,12 @@ them: the instance's stream waits for each batch's side-stream work before using
 side stream waits until the instance's stream is done with a half before refilling it, and the
 side stream starts each call after everything the instance's stream holds (the engine's event
 included: ``begin``). The call's markers stay on the instance's stream, after every copy of the
-call. A store's halves alternate across all of its ``copy`` calls (the data plane makes one per
-32 MiB group: at an 8B model's 32 MiB chunks, one a chunk), so its first batch is the only one
-that waits for all of the instance's stream: 4-5 points on the paged store. A retrieve's
-``copy`` calls (one per pin batch) each start after all of the instance's stream, as measured
-faster until readable (docs/benchmarks.md, "The paged store pipelined across its copies").
+call. The halves alternate across all of a call's ``copy`` calls (the data plane makes one per
+32 MiB group of a store, at an 8B model's 32 MiB chunks one a chunk, and one per pin batch of a
+retrieve), so a call's first batch is the only one that waits for all of the instance's stream.
+A retrieve uploads each batch's segment table on the side stream ahead of the batch's DMAs: on
+the instance's stream the upload queued on the copy engine behind the next batch's DMAs, and the
+scatter with it (docs/benchmarks.md, "The paged store pipelined across its copies").
 """
 
 from __future__ import annotations
@@ -113,12 +114,9 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def begin(self, engine_event: bytes | None, order: int | None = None) -> None:
         super().begin(engine_event, order)
-        self._side_after_stream()
-
-    def _side_after_stream(self) -> None:
-        """The side stream fills or drains staging only after what the instance's stream holds
-        now (the engine's order included); from then on each half waits only for its own last
-        use (``_take_half``)."""
+        # the side stream fills or drains staging only after what the instance's stream holds
+        # now (the engine's order included); from then on each half waits only for its own
+        # last use (_take_half), so a call's batches pipeline across its copy() calls
         self._side.wait_event(self._after(self.stream))
         self._freed, self._next = [None, None], 0
 
@@ -214,10 +212,7 @@ class CudaPagedBuffer(paged.BlockTableCalls, CudaBuffer):
 
     def _retrieve_staged(self, slab_offsets: list[int], chunk_size: int, token_starts: list[int],
                          first: int, last: int) -> None:
-        # DMAs into one half on the side stream while the main stream scatters the other half;
-        # unlike a store's, a retrieve's batches do not pipeline across its copy() calls: so
-        # they came ready 1.5-2 points later (docs/benchmarks.md, "The paged store pipelined")
-        self._side_after_stream()
+        # DMAs into one half on the side stream while the main stream scatters the other half
         halves, per = self._halves(chunk_size)
         L, width = self.layout.num_layers, chunk_size * self._row  # a layer's K (or V) of a chunk
         n, side = 2 * L * width, self._side

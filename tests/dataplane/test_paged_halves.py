@@ -1,9 +1,8 @@
 """The staging halves of a paged CUDA buffer, ordered across a call's copies (GPU).
 
 The data plane hands a paged store to the buffer one ``copy`` a chunk at an 8B model's 32 MiB
-chunks, and a retrieve one ``copy`` a pin batch; a store's two staging halves alternate across
-them, a half refilled only after the instance's stream last used it
-(``CudaPagedBuffer._take_half``), and each of a retrieve's starts after all of that stream.
+chunks, and a retrieve one ``copy`` a pin batch; the two staging halves alternate across them, a
+half refilled only after the instance's stream last used it (``CudaPagedBuffer._take_half``).
 Here the instance's stream is held behind a gate this thread opens, so a half that an earlier
 chunk's held DMA (store) or scatter (retrieve) still has to read is refilled too early only if
 that order is missing: the side stream is given up to half a second to run ahead before the gate
