@@ -49,7 +49,7 @@ call. The halves alternate across all of a call's ``copy`` calls (the data plane
 retrieve), so a call's first batch is the only one that waits for all of the instance's stream.
 A retrieve uploads each batch's segment table on the side stream ahead of the batch's DMAs: on
 the instance's stream the upload queued on the copy engine behind the next batch's DMAs, and the
-scatter with it (docs/benchmarks.md, "The paged store pipelined across its copies").
+scatter with it (docs/benchmarks.md, "The paged copies pipelined, the table uploaded ahead").
 """
 
 from __future__ import annotations
