@@ -220,7 +220,8 @@ class UploadRing:
 
 @dataclass(frozen=True)
 class Table:
-    """Segments uploaded once (``SegmentCopier.upload``): ``count`` pieces in ``slot``."""
+    """Segments uploaded (``SegmentCopier.upload``, ``upload_ahead``): ``count`` pieces in
+    ``slot``."""
 
     slot: "_Slot | None"  # None: no segments
     count: int
@@ -301,8 +302,9 @@ class SegmentCopier:
     def upload_ahead(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> "Table":
         """Upload ``segments`` on ``stream`` for one ``copy_table``, on ``stream`` or on a stream
         made to wait for this point of it, before the next ``RING`` uploads. A retrieve staged
-        through a side stream uploads there, ahead of the DMAs it queues next: an upload on the
-        copy's own stream would queue on the copy engine behind the DMAs of the batch after.
+        through a side stream uploads there, ahead of the DMAs it queues next: on the copy's own
+        stream, after its wait for those DMAs, the upload met the next batch's DMAs on the copy
+        engine (docs/benchmarks.md).
         Not ``release``d: the ring reuses it once its kernel completed. ``pieces``: as ``copy``'s.
 
         Raises:
