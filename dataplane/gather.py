@@ -297,7 +297,13 @@ class SegmentCopier:
         Raises:
             ValueError: the table is not ``(n, 3)`` or has a negative byte count.
         """
-        self.copy_table(self.upload_ahead(segments, stream, pieces), stream)
+        seg = segments if pieces else split_segments(segments)
+        if not len(seg):
+            return
+        with cupy.cuda.Device(self.device):
+            ext = self._stream(stream_handle(stream))
+            slot = self._ring.upload(seg.ravel(), ext)
+            self._launch(slot, len(seg), 0, 0, ext)
 
     def upload_ahead(self, segments: np.ndarray, stream: Any, pieces: bool = False) -> "Table":
         """Upload ``segments`` on ``stream`` for one ``copy_table``, on ``stream`` or on a stream
